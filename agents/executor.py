@@ -1,0 +1,314 @@
+"""Runs one node's program (a list of :class:`testbed.plan.Op`) over sockets.
+
+Threads:
+
+* one sender per outgoing connection ``(peer, channel)``: takes ready send ops from a
+  FIFO queue and writes each as one DATA frame straight from the buffer (``sendmsg``,
+  no copy); in stop-and-wait mode it then waits for the receiver's ACK;
+* one receiver per incoming connection: reads a header, matches ``xfer`` against the
+  recv ops expected on that ``(peer, channel)``, and ``recv_into``s the payload into
+  that op's preallocated buffer (allocated once, reused every iteration);
+* the caller's thread runs :meth:`Executor.run`: it tracks deps, hands ready sends to
+  the senders and applies arrived receives (add or copy) once their deps are met.  All
+  applies happen in that thread, i.e. serialised, as the plan semantics require.
+
+Every thread reports to the main loop through one event queue; the main loop fails
+(``ExecError``/``ProtocolError``) on a peer error, an abort, or ``timeout_s`` without
+progress, naming the peers and transfers it still waits for.  Progress is local: any
+bytes sent or received by this node, or any op completing.  A node that legitimately
+waits longer than ``timeout_s`` for upstream work (long unpipelined chains over slow
+links) needs a larger ``timeout_s``.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import socket
+import threading
+import time
+from collections import defaultdict, deque
+
+import numpy as np
+
+from testbed.plan import RECV, SEND, Op
+
+from .wire import (ACK, DATA, FLAG_ACK_REQ, TYPE_NAMES, Closed, Header, ProtocolError,
+                   close_quietly, phase_code, recv_header, recv_into_exact, send_frame)
+
+log = logging.getLogger("agents.executor")
+
+SEND_COLUMNS = ["xfer", "send_start_ns", "send_end_ns"]
+RECV_COLUMNS = ["xfer", "send_ts_ns", "recv_start_ns", "recv_end_ns", "apply_ns"]
+
+
+class ExecError(Exception):
+    """The program could not complete: timeout, a peer connection closed, an abort."""
+
+
+def _summary(ids_by_peer: dict[str, list[int]]) -> str:
+    parts = []
+    for peer, ids in sorted(ids_by_peer.items()):
+        more = f" (+{len(ids) - 5} more)" if len(ids) > 5 else ""
+        parts.append(f"{peer}: xfers {sorted(ids)[:5]}{more}")
+    return "; ".join(parts)
+
+
+class Executor:
+    """State of one node: buffers, connections and the program's dependency graph."""
+
+    def __init__(self, name: str, program: list[Op], *, length: int, scratch: dict[str, int] | None = None,
+                 dtype="float32", stop_and_wait: bool = False, timeout_s: float = 60.0):
+        self.name = name
+        self.prog = list(program)
+        self.dtype = np.dtype(dtype)
+        self.stop_and_wait = stop_and_wait
+        self.timeout_s = timeout_s
+        self.bufs = {"x": np.zeros(length, self.dtype)}
+        self.bufs.update({b: np.zeros(n, self.dtype) for b, n in (scratch or {}).items()})
+        pos = {op.id: i for i, op in enumerate(self.prog)}
+        self._ndeps = [len(set(op.deps)) for op in self.prog]
+        self._users: list[list[int]] = [[] for _ in self.prog]
+        for i, op in enumerate(self.prog):
+            for d in sorted(set(op.deps)):
+                self._users[pos[d]].append(i)
+        self._views = [self.bufs[op.buf][op.offset:op.offset + op.length] for op in self.prog]
+        self._rbuf: dict[int, np.ndarray] = {}
+        self._expect: dict[tuple[str, int], dict[int, int]] = defaultdict(dict)  # (src, ch) -> xfer -> op
+        self._out_keys: set[tuple[str, int]] = set()
+        for i, op in enumerate(self.prog):
+            if op.kind == RECV:
+                self._rbuf[i] = np.zeros(op.length, self.dtype)
+                self._rbuf[i].fill(0)  # touch the pages now, not during the first transfer
+                self._expect[(op.peer, op.channel)][op.xfer] = i
+            elif op.kind == SEND:
+                self._out_keys.add((op.peer, op.channel))
+        self._got = [-1] * len(self.prog)  # iteration whose data last arrived, per recv op
+        self._senders: dict[tuple[str, int], tuple[socket.socket, queue.SimpleQueue]] = {}
+        self._receivers: dict[tuple[str, int], socket.socket] = {}
+        self._events: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._closing = False
+        self._progress = time.monotonic()  # last time any thread moved bytes or posted an event
+        self.iteration = 0  # the iteration whose data receivers accept
+
+    # -- connections -----------------------------------------------------------
+    def outgoing(self) -> list[tuple[str, int]]:
+        """(peer, channel) pairs this node must open connections to."""
+        return sorted(self._out_keys)
+
+    def incoming(self) -> list[tuple[str, int]]:
+        """(peer, channel) pairs this node expects connections from."""
+        return sorted(self._expect)
+
+    def attach_outgoing(self, peer: str, channel: int, sock: socket.socket) -> None:
+        key = (peer, channel)
+        with self._lock:
+            if key not in self._out_keys or key in self._senders:
+                raise ProtocolError(f"no (further) data connection to {peer} channel {channel} expected")
+            q: queue.SimpleQueue = queue.SimpleQueue()
+            self._senders[key] = (sock, q)
+        threading.Thread(target=self._send_loop, args=(key, sock, q), daemon=True,
+                         name=f"send-{peer}-{channel}").start()
+
+    def attach_incoming(self, peer: str, channel: int, sock: socket.socket) -> None:
+        """Accept an authenticated connection from ``peer``; ProtocolError if unexpected."""
+        key = (peer, channel)
+        with self._lock:
+            if self._closing:
+                raise ProtocolError("shutting down")
+            if key not in self._expect:
+                raise ProtocolError(f"no data expected from {peer} on channel {channel}")
+            if key in self._receivers:
+                raise ProtocolError(f"duplicate data connection from {peer} channel {channel}")
+            self._receivers[key] = sock
+        threading.Thread(target=self._recv_loop, args=(key, sock), daemon=True,
+                         name=f"recv-{peer}-{channel}").start()
+
+    # -- threads -------------------------------------------------------------
+    def _tick(self) -> None:
+        self._progress = time.monotonic()
+
+    def _fail(self, exc: Exception) -> None:
+        if not self._closing:
+            self._events.put(("error", exc))
+
+    def _send_loop(self, key: tuple[str, int], sock: socket.socket, q: queue.SimpleQueue) -> None:
+        peer, ch = key
+        hbuf = bytearray(64)
+        flags = FLAG_ACK_REQ if self.stop_and_wait else 0
+        try:
+            while (item := q.get()) is not None:
+                i, it = item
+                op, view = self.prog[i], self._views[i]
+                start = time.time_ns()
+                send_frame(sock, Header(DATA, phase_code(op.phase), flags, it, op.xfer, op.flow, op.chunk,
+                                        view.nbytes, start), view, self._tick)
+                if self.stop_and_wait:
+                    a = recv_header(sock, hbuf, 0)
+                    if a.type != ACK or a.xfer != op.xfer or a.op_id != it:
+                        raise ProtocolError(f"expected ACK of transfer {op.xfer}, got {TYPE_NAMES[a.type]} "
+                                            f"of transfer {a.xfer}")
+                self._events.put(("sent", i, start, time.time_ns()))
+        except Closed:
+            self._fail(ExecError(f"data connection to {peer} (channel {ch}) closed by peer"))
+        except ProtocolError as e:
+            log.error("protocol error on data connection to %s (channel %d): %s", peer, ch, e)
+            self._fail(ProtocolError(f"data connection to {peer} (channel {ch}): {e}"))
+        except OSError as e:
+            self._fail(ExecError(f"data connection to {peer} (channel {ch}) failed: {e}"))
+        finally:
+            close_quietly(sock)
+
+    def _recv_loop(self, key: tuple[str, int], sock: socket.socket) -> None:
+        peer, ch = key
+        expect = self._expect[key]
+        limit = max(self._rbuf[i].nbytes for i in expect.values())
+        hbuf = bytearray(64)
+        try:
+            while True:
+                h = recv_header(sock, hbuf, limit)
+                first = time.time_ns()
+                if h.type != DATA:
+                    raise ProtocolError(f"unexpected {TYPE_NAMES[h.type]} frame")
+                i = expect.get(h.xfer)
+                if i is None:
+                    raise ProtocolError(f"unknown transfer {h.xfer}")
+                buf = self._rbuf[i]
+                if h.payload_len != buf.nbytes:
+                    raise ProtocolError(f"transfer {h.xfer} has {h.payload_len} bytes, expected {buf.nbytes}")
+                if h.op_id != self.iteration or self._got[i] == h.op_id:
+                    raise ProtocolError(f"transfer {h.xfer} of iteration {h.op_id} not expected now "
+                                        f"(iteration {self.iteration})")
+                recv_into_exact(sock, memoryview(buf).cast("B"), f"transfer {h.xfer}", self._tick)
+                last = time.time_ns()
+                self._got[i] = h.op_id
+                if h.flags & FLAG_ACK_REQ:
+                    send_frame(sock, Header(ACK, op_id=h.op_id, xfer=h.xfer, send_ts_ns=last))
+                self._events.put(("recv", i, h.send_ts_ns, first, last))
+        except Closed:
+            if not self._closing:
+                log.info("data connection from %s (channel %d) closed", peer, ch)
+            self._fail(ExecError(f"data connection from {peer} (channel {ch}) closed by peer"))
+        except ProtocolError as e:
+            log.error("protocol error from %s (channel %d): %s; closing the connection", peer, ch, e)
+            self._fail(ProtocolError(f"from {peer} (channel {ch}): {e}"))
+        except OSError as e:
+            if not self._closing:
+                log.error("data connection from %s (channel %d) failed: %s", peer, ch, e)
+            self._fail(ExecError(f"data connection from {peer} (channel {ch}) failed: {e}"))
+        finally:
+            close_quietly(sock)
+
+    # -- main loop -----------------------------------------------------------------
+    def prepare(self, x: np.ndarray | None) -> None:
+        """Reset buffers for the next iteration: ``x`` becomes the input (zeros if None)."""
+        if x is None:
+            self.bufs["x"].fill(0)
+        else:
+            np.copyto(self.bufs["x"], x, casting="same_kind")
+        for name, b in self.bufs.items():
+            if name != "x":
+                b.fill(0)
+
+    def abort(self, reason: str) -> None:
+        """Make a running (or the next) :meth:`run` fail with ``reason``."""
+        self._events.put(("error", ExecError(reason)))
+
+    def run(self, iteration: int) -> dict:
+        """Execute the program once; return timings.  Raises ExecError/ProtocolError."""
+        if iteration != self.iteration:
+            raise ExecError(f"iteration {iteration} run out of order (expected {self.iteration})")
+        missing = self._out_keys - self._senders.keys()
+        if missing:
+            raise ExecError(f"no data connection to {sorted(missing)}")
+        prog, views, rbuf, users = self.prog, self._views, self._rbuf, self._users
+        waiting = list(self._ndeps)
+        ready = deque(i for i, n in enumerate(waiting) if n == 0)
+        arrived: dict[int, tuple[int, int, int]] = {}
+        blocked: set[int] = set()  # ready recv ops whose data has not arrived
+        queued: set[int] = set()  # sends handed to a sender, not yet completed
+        sends, recvs = [], []
+        done = 0
+        comm_start = time.time_ns()
+        self._tick()
+        poll = min(1.0, self.timeout_s)
+
+        def complete(i: int) -> None:
+            nonlocal done
+            done += 1
+            for u in users[i]:
+                waiting[u] -= 1
+                if waiting[u] == 0:
+                    ready.append(u)
+
+        def apply(i: int, send_ts: int, first: int, last: int) -> None:
+            op = prog[i]
+            if op.reduce:
+                np.add(views[i], rbuf[i], out=views[i])
+            else:
+                np.copyto(views[i], rbuf[i])
+            recvs.append([op.xfer, send_ts, first, last, time.time_ns()])
+            complete(i)
+
+        while True:
+            while ready:
+                i = ready.popleft()
+                op = prog[i]
+                if op.kind == SEND:
+                    queued.add(i)
+                    self._senders[(op.peer, op.channel)][1].put((i, iteration))
+                elif i in arrived:
+                    apply(i, *arrived.pop(i))
+                else:
+                    blocked.add(i)
+            if done == len(prog):
+                break
+            try:
+                ev = self._events.get(timeout=poll)
+            except queue.Empty:
+                if time.monotonic() - self._progress > self.timeout_s:
+                    raise ExecError(self._stall_message(queued, done)) from None
+                continue
+            self._tick()
+            if ev[0] == "sent":
+                _, i, start, end = ev
+                queued.discard(i)
+                sends.append([prog[i].xfer, start, end])
+                complete(i)
+            elif ev[0] == "recv":
+                _, i, *times = ev
+                if i in blocked:
+                    blocked.discard(i)
+                    apply(i, *times)
+                else:
+                    arrived[i] = tuple(times)
+            else:
+                raise ev[1]
+        self.iteration = iteration + 1
+        return {"comm_start_ns": comm_start, "comm_done_ns": time.time_ns(), "sends": sends, "recvs": recvs}
+
+    def _stall_message(self, queued: set[int], done: int) -> str:
+        awaited: dict[str, list[int]] = defaultdict(list)
+        for i, op in enumerate(self.prog):
+            if op.kind == RECV and self._got[i] != self.iteration:
+                awaited[op.peer].append(op.xfer)
+        unsent: dict[str, list[int]] = defaultdict(list)
+        for i in queued:
+            unsent[self.prog[i].peer].append(self.prog[i].xfer)
+        msg = f"no progress for {self.timeout_s:g} s ({done}/{len(self.prog)} ops done)"
+        if awaited:
+            msg += f"; awaiting data from {_summary(awaited)}"
+        if unsent:
+            msg += f"; sends not completed to {_summary(unsent)}"
+        return msg
+
+    def close(self) -> None:
+        """Stop all threads and close all connections."""
+        with self._lock:
+            self._closing = True
+            socks = [s for s, _ in self._senders.values()] + list(self._receivers.values())
+            for _, q in self._senders.values():
+                q.put(None)
+        for s in socks:
+            close_quietly(s)

@@ -1,0 +1,317 @@
+"""Wire format and authentication shared by agents and the coordinator.
+
+Every message is a frame: a fixed 64-byte header followed by ``payload_len`` bytes.
+The header is ``struct`` format ``HEADER_FMT`` (network byte order, no padding):
+
+====  ======  =============  ====================================================
+off   size    field          meaning
+====  ======  =============  ====================================================
+0     4       magic          ``b"TBW1"``
+4     1       version        ``VERSION`` (1)
+5     1       type           HELLO, AUTH, CTRL (JSON payload), DATA, ACK, ERROR (JSON)
+6     1       phase          plan phase label as a small code (``PHASES``), 0 if none
+7     1       flags          ``FLAG_ACK_REQ``: the receiver must answer with an ACK
+8     4       op_id          iteration number
+12    4       xfer           transfer id from the plan
+16    4       flow           flow label from the plan
+20    4       chunk          chunk label from the plan
+24    8       payload_len    bytes following the header
+32    8       send_ts_ns     sender's ``time.time_ns()`` when the send started
+40    1       route_len      used entries of ``route`` (0: direct)
+41    16      route          8 x u16 node indices of a source route, zero-filled
+57    7       (reserved)     zero
+====  ======  =============  ====================================================
+
+Receivers never allocate from an untrusted length: :func:`decode_header` rejects
+``payload_len`` above a caller-given maximum, DATA payloads are read with
+``recv_into`` straight into a preallocated buffer of the expected size, and CTRL
+payloads are capped (``CTRL_MAX`` after authentication, ``AUTH_MAX`` before).
+
+Authentication (every connection, :func:`server_handshake` / :func:`client_handshake`),
+over a per-run shared secret, mutual:
+
+1. server -> client  HELLO  nonce_s (16 random bytes)
+2. client -> server  AUTH   mac_c (32) + nonce_c (16) + identity (JSON object)
+                            mac_c = HMAC-SHA256(secret, "client" + nonce_s + nonce_c + identity)
+3. server checks mac_c (``hmac.compare_digest``) and the identity, then
+   server -> client  AUTH   mac_s = HMAC-SHA256(secret, "server" + nonce_s + nonce_c + identity)
+   or ERROR with a reason and closes.
+4. client checks mac_s.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import os
+import socket
+import struct
+import time
+from typing import Callable, NamedTuple
+
+MAGIC = b"TBW1"
+VERSION = 1
+HEADER_FMT = "!4sBBBBIIIIQQB8H7x"
+HEADER = struct.Struct(HEADER_FMT)
+HEADER_SIZE = HEADER.size  # 64
+ROUTE_MAX = 8
+
+HELLO, AUTH, CTRL, DATA, ACK, ERROR = 1, 2, 3, 4, 5, 6
+TYPE_NAMES = {HELLO: "HELLO", AUTH: "AUTH", CTRL: "CTRL", DATA: "DATA", ACK: "ACK", ERROR: "ERROR"}
+FLAG_ACK_REQ = 0x01
+
+PHASES = ("", "reduce", "bcast", "reduce-scatter", "all-gather", "scatter", "gather", "relay")
+PHASE_OTHER = 255
+
+NONCE_LEN = 16
+MAC_LEN = 32
+AUTH_MAX = 4096  # payload cap before authentication
+CTRL_MAX = 64 << 20  # payload cap for CTRL/ERROR frames
+HANDSHAKE_TIMEOUT_S = 10.0
+SEND_SLICE = 4 << 20  # bytes per sendmsg when reporting progress
+
+assert HEADER_SIZE == 64
+
+
+class ProtocolError(Exception):
+    """A peer sent something malformed or unexpected, or failed authentication."""
+
+
+class Closed(ConnectionError):
+    """The peer closed the connection cleanly at a frame boundary."""
+
+
+class Header(NamedTuple):
+    type: int
+    phase: int = 0
+    flags: int = 0
+    op_id: int = 0
+    xfer: int = 0
+    flow: int = 0
+    chunk: int = 0
+    payload_len: int = 0
+    send_ts_ns: int = 0
+    route: tuple[int, ...] = ()
+
+
+def phase_code(phase: str) -> int:
+    return PHASES.index(phase) if phase in PHASES else PHASE_OTHER
+
+
+def encode_header(h: Header) -> bytes:
+    route = tuple(h.route)
+    if len(route) > ROUTE_MAX:
+        raise ValueError(f"source route longer than {ROUTE_MAX} hops")
+    return HEADER.pack(MAGIC, VERSION, h.type, h.phase, h.flags, h.op_id, h.xfer, h.flow,
+                       h.chunk, h.payload_len, h.send_ts_ns, len(route),
+                       *(route + (0,) * (ROUTE_MAX - len(route))))
+
+
+def decode_header(buf, max_payload: int) -> Header:
+    """Parse and validate a 64-byte header; raise ProtocolError if it is not acceptable."""
+    if len(buf) != HEADER_SIZE:
+        raise ProtocolError(f"header is {len(buf)} bytes, expected {HEADER_SIZE}")
+    (magic, version, typ, phase, flags, op_id, xfer, flow, chunk, plen, ts, rlen,
+     *route) = HEADER.unpack(buf)
+    if magic != MAGIC:
+        raise ProtocolError(f"bad magic {bytes(magic)!r}")
+    if version != VERSION:
+        raise ProtocolError(f"unsupported version {version} (expected {VERSION})")
+    if typ not in TYPE_NAMES:
+        raise ProtocolError(f"unknown frame type {typ}")
+    if plen > max_payload:
+        raise ProtocolError(f"{TYPE_NAMES[typ]} payload of {plen} bytes exceeds the limit of {max_payload}")
+    if rlen > ROUTE_MAX:
+        raise ProtocolError(f"route length {rlen} exceeds {ROUTE_MAX}")
+    return Header(typ, phase, flags, op_id, xfer, flow, chunk, plen, ts, tuple(route[:rlen]))
+
+
+# -- socket I/O ----------------------------------------------------------------
+def recv_into_exact(sock: socket.socket, mv: memoryview, what: str = "payload",
+                    progress: Callable[[], None] | None = None) -> None:
+    """Fill ``mv`` (a byte memoryview) from ``sock``; raise ProtocolError on early EOF.
+    ``progress()`` is called after every successful ``recv_into``."""
+    n, pos = mv.nbytes, 0
+    while pos < n:
+        got = sock.recv_into(mv[pos:], n - pos)
+        if not got:
+            raise ProtocolError(f"connection closed in the middle of a {what} ({pos} of {n} bytes)")
+        pos += got
+        if progress:
+            progress()
+
+
+def recv_header(sock: socket.socket, buf: bytearray, max_payload: int) -> Header:
+    """Read one header into ``buf`` (64 bytes, reused).  Raises Closed on a clean EOF."""
+    mv = memoryview(buf)
+    got = sock.recv_into(mv, HEADER_SIZE)
+    if not got:
+        raise Closed("connection closed by peer")
+    if got < HEADER_SIZE:
+        recv_into_exact(sock, mv[got:], "header")
+    return decode_header(buf, max_payload)
+
+
+def send_frame(sock: socket.socket, header: Header, payload=None,
+               progress: Callable[[], None] | None = None) -> None:
+    """Send header + payload with ``sendmsg`` (no copy of the payload), looping on partial sends.
+
+    ``payload`` is anything exposing a C-contiguous buffer (bytes, a numpy slice).  With
+    ``progress``, the payload goes in slices of at most ``SEND_SLICE`` bytes and
+    ``progress()`` is called after each ``sendmsg`` (a long send still shows progress)."""
+    hdr = encode_header(header)
+    if payload is None:
+        sock.sendall(hdr)
+        return
+    body = memoryview(payload).cast("B")
+    hlen, total, off = len(hdr), len(hdr) + body.nbytes, 0
+    step = SEND_SLICE if progress else total
+    while off < total:
+        start = max(0, off - hlen)
+        parts = [body[start:start + step]]
+        if off < hlen:
+            parts.insert(0, memoryview(hdr)[off:])
+        off += sock.sendmsg(parts)
+        if progress:
+            progress()
+
+
+def send_json(sock: socket.socket, obj, typ: int = CTRL, op_id: int = 0) -> None:
+    data = json.dumps(obj, separators=(",", ":")).encode()
+    send_frame(sock, Header(typ, op_id=op_id, payload_len=len(data), send_ts_ns=time.time_ns()), data)
+
+
+def recv_payload(sock: socket.socket, h: Header) -> bytes:
+    """Read a (size-capped, already validated) control payload."""
+    buf = bytearray(h.payload_len)
+    recv_into_exact(sock, memoryview(buf))
+    return bytes(buf)
+
+
+def recv_json(sock: socket.socket, max_payload: int = CTRL_MAX) -> tuple[Header, dict]:
+    """Read one CTRL or ERROR frame and return (header, decoded JSON object)."""
+    h = recv_header(sock, bytearray(HEADER_SIZE), max_payload)
+    if h.type not in (CTRL, ERROR):
+        raise ProtocolError(f"expected a CTRL frame, got {TYPE_NAMES[h.type]}")
+    try:
+        obj = json.loads(recv_payload(sock, h))
+    except (UnicodeDecodeError, ValueError) as e:
+        raise ProtocolError(f"malformed JSON payload: {e}") from None
+    if not isinstance(obj, dict):
+        raise ProtocolError("CTRL payload is not a JSON object")
+    return h, obj
+
+
+def tune(sock: socket.socket) -> None:
+    """TCP_NODELAY; buffer sizes are left to the kernel (autotuning, sysctls)."""
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+
+# -- authentication --------------------------------------------------------------
+def as_secret(secret: bytes | str) -> bytes:
+    """The shared secret as bytes, surrounding whitespace (a file's newline) removed."""
+    secret = (secret.encode() if isinstance(secret, str) else bytes(secret)).strip()
+    if not secret:
+        raise ValueError("the shared secret is empty")
+    return secret
+
+
+def load_secret(path: str) -> bytes:
+    with open(path, "rb") as f:
+        return as_secret(f.read())
+
+
+def _mac(secret: bytes, role: bytes, nonce_s: bytes, nonce_c: bytes, ident: bytes) -> bytes:
+    return hmac.new(secret, role + nonce_s + nonce_c + ident, hashlib.sha256).digest()
+
+
+def _recv_small(sock: socket.socket, want: int) -> bytes:
+    h = recv_header(sock, bytearray(HEADER_SIZE), AUTH_MAX)
+    if h.type == ERROR:
+        raise ProtocolError(f"refused by peer: {recv_payload(sock, h).decode(errors='replace')}")
+    if h.type != want:
+        raise ProtocolError(f"expected {TYPE_NAMES[want]} during handshake, got {TYPE_NAMES[h.type]}")
+    return recv_payload(sock, h)
+
+
+def server_handshake(sock: socket.socket, secret: bytes,
+                     check: Callable[[dict], None] | None = None) -> dict:
+    """Authenticate the client on ``sock``; return its identity dict.
+
+    ``check(identity)`` may raise ProtocolError to refuse an unexpected identity.  On any
+    failure an ERROR frame is sent (best effort) and ProtocolError raised; the caller
+    closes the socket."""
+    nonce_s = os.urandom(NONCE_LEN)
+    send_frame(sock, Header(HELLO, payload_len=NONCE_LEN), nonce_s)
+    body = _recv_small(sock, AUTH)
+    mac, nonce_c, ident = body[:MAC_LEN], body[MAC_LEN:MAC_LEN + NONCE_LEN], body[MAC_LEN + NONCE_LEN:]
+    try:
+        if len(nonce_c) != NONCE_LEN or not hmac.compare_digest(
+                mac, _mac(secret, b"client", nonce_s, nonce_c, ident)):
+            raise ProtocolError("authentication failed (wrong or missing secret)")
+        try:
+            identity = json.loads(ident)
+        except ValueError:
+            identity = None
+        if not isinstance(identity, dict):
+            raise ProtocolError("malformed identity")
+        if check:
+            check(identity)
+    except ProtocolError as e:
+        try:
+            send_frame(sock, Header(ERROR, payload_len=len(str(e).encode())), str(e).encode())
+        except OSError:
+            pass
+        raise
+    reply = _mac(secret, b"server", nonce_s, nonce_c, ident)
+    send_frame(sock, Header(AUTH, payload_len=MAC_LEN), reply)
+    return identity
+
+
+def client_handshake(sock: socket.socket, secret: bytes, identity: dict) -> None:
+    """Authenticate to the server on ``sock`` as ``identity`` and check the server's proof."""
+    nonce_s = _recv_small(sock, HELLO)
+    if len(nonce_s) != NONCE_LEN:
+        raise ProtocolError("malformed HELLO")
+    nonce_c = os.urandom(NONCE_LEN)
+    ident = json.dumps(identity, separators=(",", ":"), sort_keys=True).encode()
+    body = _mac(secret, b"client", nonce_s, nonce_c, ident) + nonce_c + ident
+    send_frame(sock, Header(AUTH, payload_len=len(body)), body)
+    proof = _recv_small(sock, AUTH)
+    if not hmac.compare_digest(proof, _mac(secret, b"server", nonce_s, nonce_c, ident)):
+        raise ProtocolError("server failed authentication (wrong secret?)")
+
+
+def connect(addr: tuple[str, int], secret: bytes, identity: dict, *, timeout_s: float = 10.0,
+            retry_s: float = 0.0) -> socket.socket:
+    """Open a TCP connection to ``addr`` and authenticate; retry refused connects for ``retry_s``."""
+    deadline = time.monotonic() + retry_s
+    while True:
+        try:
+            sock = socket.create_connection(addr, timeout=timeout_s)
+            break
+        except OSError:
+            if time.monotonic() >= deadline:
+                raise
+            time.sleep(0.1)
+    try:
+        tune(sock)
+        sock.settimeout(HANDSHAKE_TIMEOUT_S)
+        client_handshake(sock, secret, identity)
+        sock.settimeout(None)
+        return sock
+    except BaseException:
+        sock.close()
+        raise
+
+
+def close_quietly(sock: socket.socket | None) -> None:
+    """Shut down (unblocking any thread in recv/send on it) and close."""
+    if sock is None:
+        return
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+    sock.close()

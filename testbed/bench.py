@@ -1,0 +1,113 @@
+"""``testbed bench``: benchmarks that report ratios measured in one run (no absolute pass/fail).
+
+* ``dataplane`` — one shaped link (100 Mbit/s, 30 ms): agent transfer goodput vs iperf3
+  goodput on the same link, same byte count, same run.
+* ``ring`` — ring AllReduce on the uniform 6-node ring topology: measured CCT vs the α-β
+  prediction (``costmodel.alpha_beta``) and the flow-level prediction.
+* ``planner`` — MTREE planner (tree generation + MILP) time on the 40-node, 231-link
+  IDN-like topology, and every scheme's planning time on NetStorm's 9-DC overlay.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+from pathlib import Path
+
+from testbed.results import environment, new_run_dir, write_json_atomic
+from testbed.runner import Progress, run_agents
+
+
+def _topology(links, name):
+    from testbed.topology import load_topology
+
+    return load_topology({"name": name, "datacenters": sorted({n for l in links for n in l["between"]}),
+                          "links": links})
+
+
+def bench_dataplane(out: Path, progress, size_mb: float = 48.0, rate: float = 100.0, delay: float = 30.0) -> dict:
+    from testbed.emulator.network import WanNetwork
+    from testbed.plan import Plan, ProgramBuilder
+
+    topo = _topology([{"between": ["a", "b"], "rate_mbps": rate, "delay_ms": delay}], "bench-link")
+    nbytes = int(size_mb * 1e6) // 4 * 4
+    b = ProgramBuilder(["a", "b"])
+    b.transfer("a", "b", 0, nbytes // 4, reduce=True)
+    plan = Plan("transfer", ["a", "b"], nbytes // 4, b.programs, participants=["a"], receivers=["b"])
+    with WanNetwork(topo, log=progress) as net:
+        progress(f"iperf3: {size_mb:g} MB over {rate:g} Mbit/s, {delay:g} ms")
+        srv = net.popen("b", ["iperf3", "-s", "-1", "-p", "5299"])
+        time.sleep(0.5)
+        cli = net.popen("a", ["iperf3", "-c", net.peer_address("a", "b"), "-p", "5299", "-n", str(nbytes), "-J"],
+                        stdout=subprocess.PIPE, text=True)
+        out_c, _ = cli.communicate(timeout=600)
+        srv.wait(timeout=10)
+        iperf_mbps = json.loads(out_c)["end"]["sum_received"]["bits_per_second"] / 1e6
+        progress(f"agents: the same {size_mb:g} MB as one transfer")
+        res = run_agents(net, plan, out / "dataplane", progress=progress, timeout_s=600)
+        tr = res["transfers"]
+        col = {c: i for i, c in enumerate(tr["columns"])}
+        row = tr["rows"][0]
+        secs = (row[col["recv_end_ns"]] - row[col["send_start_ns"]]) / 1e9
+        agent_mbps = nbytes * 8 / secs / 1e6
+        method = net.method
+    return {"link": {"rate_mbps": rate, "delay_ms": delay, "method": method}, "bytes": nbytes,
+            "iperf3_mbps": iperf_mbps, "agent_mbps": agent_mbps, "ratio": agent_mbps / iperf_mbps,
+            "correct": all(it["correct"] for it in res["iterations"])}
+
+
+def bench_ring(out: Path, progress, size_mb: float = 24.0) -> dict:
+    from testbed import config
+    from testbed.costmodel import alpha_beta
+    from testbed.runner import run_experiment
+
+    exp = config.validate({"name": "bench-ring", "topology": "ring-6", "scheme": {"name": "ring"},
+                           "workload": {"size": f"{size_mb}MB"}, "repetitions": 2}, "<bench>")
+    res = run_experiment(exp, out / "ring", progress)
+    from testbed.runner import build_plan
+
+    _, graph, plan, prediction, _ = build_plan(exp)
+    ab = alpha_beta(plan, graph, elem_bytes=4)
+    measured = res["summary"]["cct_s"]["mean"]
+    ab_s = ab["cct_s"] if isinstance(ab, dict) else ab
+    return {"bytes": exp["workload"]["bytes"], "measured_cct_s": measured, "alpha_beta_cct_s": ab_s,
+            "flow_model_cct_s": prediction["cct_s"], "ratio_to_alpha_beta": measured / ab_s,
+            "ratio_to_flow_model": measured / prediction["cct_s"], "correct": res["summary"]["correct"],
+            "emulation": {k: res["emulation"][k] for k in ("method", "kept_up", "warnings")}}
+
+
+def bench_planner(out: Path, progress) -> dict:
+    from testbed.planners import make_plan, schemes
+    from testbed.topology import load_topology
+
+    result = {}
+    g40 = load_topology("idn-like-40").graph()
+    t = time.perf_counter()
+    plan = make_plan("mtree", g40, 1 << 20)
+    result["mtree_idn40_s"] = time.perf_counter() - t
+    result["mtree_idn40_trees"] = len(plan.meta.get("trees", []))
+    g9 = load_topology("netstorm-internet2-9").graph()
+    per = {}
+    for name in sorted(schemes()):
+        t = time.perf_counter()
+        try:
+            make_plan(name, g9, 1 << 20)
+            per[name] = time.perf_counter() - t
+        except Exception as e:  # a scheme that needs a special topology (e.g. a mesh)
+            per[name] = f"n/a: {e}"
+    result["netstorm9_s"] = per
+    return result
+
+
+def main(args) -> int:
+    progress = Progress()
+    out = Path(args.out) if args.out else new_run_dir("results", f"bench-{args.name}")
+    fn = {"dataplane": bench_dataplane, "ring": bench_ring, "planner": bench_planner}[args.name]
+    result = {"bench": args.name, **fn(out, progress), "environment": environment()}
+    write_json_atomic(out / "bench.json", result)
+    for k, v in result.items():
+        if k != "environment":
+            print(f"{k}: {v}")
+    print(f"bench: {out / 'bench.json'}")
+    return 0

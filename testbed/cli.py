@@ -1,0 +1,207 @@
+"""Command line: ``python3 -m testbed VERB ...`` (``--help`` on every verb).
+
+Exit codes: 0 success, 1 run failure (wrong result, agent error, emulator problem),
+2 invalid input (experiment/topology file, arguments), 130 interrupted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import sys
+from pathlib import Path
+
+from testbed.errors import ConfigError, TestbedError
+
+
+def _experiment_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("experiment", help="experiment YAML file (or the name of one in experiments/)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY.PATH=VALUE",
+                   help="override any key of the experiment, e.g. --set scheme.name=ring --set workload.size=8MB")
+
+
+def cmd_run(args) -> int:
+    from testbed import config
+    from testbed.results import new_run_dir, write_json_atomic
+    from testbed.runner import Progress, run_experiment
+
+    exp = config.load_experiment(args.experiment, args.overrides)
+    progress = Progress(quiet=args.quiet)
+    out = Path(args.out) if args.out else new_run_dir(exp["output"]["dir"], exp["name"])
+    progress(f"experiment {exp['name']!r}: scheme {exp['scheme']['name']} on {exp['topology']['name']}, "
+             f"{exp['repetitions']} repetition(s); results -> {out}")
+    results = run_experiment(exp, out, progress)
+    write_json_atomic(out / "results.json", results)
+    _print_summary(results)
+    print(f"results: {out / 'results.json'}")
+    if not results["summary"]["correct"]:
+        bad = sorted({n for r in results["runs"] for n in r["incorrect"]})
+        print(f"error: wrong reduction result on {', '.join(bad) or 'some workers (digests differ)'}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _print_summary(results: dict) -> None:
+    s = results["summary"]
+    c = s["cct_s"]
+    print(f"scheme {results['experiment']['scheme']['name']}: CCT mean {c['mean']:.3f}s "
+          f"(min {c['min']:.3f}, max {c['max']:.3f}, n={c['n']}); predicted {s['predicted_cct_s']:.3f}s; "
+          f"bound {s['bound_cct_s']:.3f}s; efficiency {s['efficiency']:.2f}; correct={s['correct']}")
+    emu = results.get("emulation", {})
+    for w in emu.get("warnings", []):
+        print(f"WARNING: emulation did not keep up: {w}", file=sys.stderr)
+
+
+def cmd_validate(args) -> int:
+    from testbed import config
+
+    exp = config.load_experiment(args.experiment, args.overrides)
+    t = exp["topology"]
+    print(f"{args.experiment}: ok — scheme {exp['scheme']['name']}, topology {t['name']} "
+          f"({len(t['datacenters'])} datacenters, {len(t['links'])} links), "
+          f"{exp['workload']['bytes']} bytes, {exp['repetitions']} repetition(s)")
+    return 0
+
+
+def cmd_plan(args) -> int:
+    from testbed import config
+    from testbed.runner import build_plan
+
+    exp = config.load_experiment(args.experiment, args.overrides)
+    topo, graph, plan, prediction, bound = build_plan(exp)
+    if args.json:
+        print(json.dumps({"plan": plan.to_dict() if args.full else plan.meta, "prediction": prediction,
+                          "bound": bound}, indent=1, default=str))
+        return 0
+    print(f"scheme {plan.scheme} on {topo.name} (scale {topo.scale:g}): {exp['workload']['bytes']} bytes, "
+          f"{sum(len(p) for p in plan.programs.values())} ops, {plan.bytes_sent(1) * (4 if exp['workload']['dtype'] == 'float32' else 8) / 1e6:.3g} MB on the wire")
+    for i, t in enumerate(plan.meta.get("trees", [])):
+        ch = {}
+        for n, p in t["parent"].items():
+            if p is not None:
+                ch.setdefault(p, []).append(n)
+        fan = max((len(v) for v in ch.values()), default=0)
+        print(f"  tree {i}: root {t['root']}, height {t.get('height')}, max fan-out {fan}, "
+              f"rate {t.get('rate_mbps', 0):.1f} Mbit/s, share {t.get('share', 0):.3f}, chunks {t.get('chunks')}")
+        print("    parents: " + ", ".join(f"{n}<-{p}" for n, p in t["parent"].items() if p is not None))
+    for k, v in plan.meta.items():
+        if k not in ("trees", "params") and not isinstance(v, (list, dict)):
+            print(f"  {k}: {v}")
+    print(f"predicted CCT {prediction['cct_s']:.4f}s ({prediction.get('model', '')}); "
+          f"bound: rate {bound['rate_mbps']:.1f} Mbit/s, CCT {bound['cct_s']:.4f}s")
+    return 0
+
+
+def cmd_doctor(args) -> int:
+    from testbed.emulator.capabilities import probe
+
+    caps = probe()
+    d = caps.to_dict()
+    if args.json:
+        print(json.dumps(d, indent=1))
+        return 0 if not caps.problems() else 1
+    rows = [("root", caps.root), ("mnexec (Debian package mininet)", caps.mnexec),
+            ("Python package mininet", caps.mininet_python), ("network namespaces", caps.netns),
+            ("Linux bridge", caps.linux_bridge), ("bridge-nf-call-*tables = 0", caps.bridge_nf_off),
+            ("HTB (rate shaping)", caps.htb), ("netem (delay/loss/jitter in kernel)", caps.netem),
+            ("gcc (builds the user-space delay relay)", caps.gcc), ("ethtool", caps.ethtool),
+            ("iperf3", caps.iperf3), ("ping", caps.ping)]
+    for name, ok in rows:
+        print(f"  {'yes' if ok else 'NO ':3}  {name}")
+    print(f"  kernel {caps.kernel}")
+    method = caps.shaping_method
+    print("link shaping used by run: " + {
+        "netem": "HTB rate + netem delay/jitter/loss (kernel)",
+        "relay": "HTB rate + user-space delay relay for delay/jitter/loss (no netem in this kernel)",
+        None: "none — cannot run experiments here"}[method])
+    for note in caps.notes:
+        print(f"note: {note}")
+    for p in caps.problems():
+        print(f"problem: {p}")
+    return 0 if not caps.problems() else 1
+
+
+def cmd_clean(args) -> int:
+    from testbed.emulator.cleanup import clean
+
+    clean()
+    return 0
+
+
+def cmd_linkcheck(args) -> int:
+    from testbed.emulator.linkcheck import linkcheck
+
+    return linkcheck(args)
+
+
+def cmd_bench(args) -> int:
+    from testbed import bench
+
+    return bench.main(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python3 -m testbed",
+                                description="Emulated inter-datacenter WANs for geo-distributed ML synchronisation.")
+    sub = p.add_subparsers(dest="verb", required=True, metavar="VERB")
+
+    r = sub.add_parser("run", help="run an experiment and write results.json",
+                       description="Build the experiment's WAN, run its scheme with real agents, check results, write DIR/results.json.")
+    _experiment_args(r)
+    r.add_argument("--out", help="output folder (default: a new timestamped folder under output.dir, i.e. results/)")
+    r.add_argument("--quiet", action="store_true", help="no progress lines")
+    r.set_defaults(func=cmd_run)
+
+    v = sub.add_parser("validate", help="check an experiment (and its topology) without running anything")
+    _experiment_args(v)
+    v.set_defaults(func=cmd_validate)
+
+    pl = sub.add_parser("plan", help="print the plan (trees, roots, rates, shares, chunks) and the bound; no network")
+    _experiment_args(pl)
+    pl.add_argument("--json", action="store_true", help="print JSON (plan meta, prediction, bound)")
+    pl.add_argument("--full", action="store_true", help="with --json: the whole plan including every op")
+    pl.set_defaults(func=cmd_plan)
+
+    d = sub.add_parser("doctor", help="report what this machine can do and which link shaping run will use")
+    d.add_argument("--json", action="store_true")
+    d.set_defaults(func=cmd_doctor)
+
+    c = sub.add_parser("clean", help="remove namespaces, interfaces, bridges and processes a crashed run left")
+    c.set_defaults(func=cmd_clean)
+
+    lc = sub.add_parser("linkcheck", help="measure every link's rate (iperf3) and delay (ping) against the topology")
+    lc.add_argument("topology", help="topology name (topologies/) or file")
+    lc.add_argument("--out", help="output folder for linkcheck.json (default: a new folder under results/)")
+    lc.add_argument("--scale", type=float, default=1.0, help="multiply every rate by this factor")
+    lc.add_argument("--concurrent", action="store_true", help="only the phase with all links loaded at once")
+    lc.add_argument("--single", action="store_true", help="only the link-by-link phase")
+    lc.add_argument("--seconds", type=float, default=4.0, help="iperf3 duration per measurement (default 4)")
+    lc.add_argument("--method", choices=("auto", "netem", "relay"), default="auto", help="link shaping method")
+    lc.set_defaults(func=cmd_linkcheck)
+
+    b = sub.add_parser("bench", help="benchmarks that report ratios measured in one run")
+    b.add_argument("name", choices=("dataplane", "ring", "planner"), help="which benchmark")
+    b.add_argument("--out", help="output folder")
+    b.set_defaults(func=cmd_bench)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+
+    def on_term(signum, frame):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_term)
+    try:
+        return args.func(args)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return e.exit_code
+    except TestbedError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        print("interrupted: network and processes torn down", file=sys.stderr)
+        return 130

@@ -1,0 +1,254 @@
+"""Experiment files: load, apply ``--set`` overrides, validate, resolve defaults.
+
+Every problem is a :class:`ConfigError` naming the file, the key path and what was
+expected; nothing is started before the whole experiment (and its topology) validates.
+
+Format (YAML; every key but ``name``, ``topology`` and ``scheme.name`` is optional)::
+
+    name: quickstart
+    topology: quick-5            # file in topologies/, a path, or an inline mapping
+    scale: 1.0                   # multiplies every link rate AND the data size
+    seed: 1
+    repetitions: 3
+    scheme: {name: ring, chunks: 4}        # scheme parameters beside the name
+    workload:
+      size: 4MB                  # or  model: resnet50   (size = the model's parameters)
+      dtype: float32             # float32 | float64
+      iterations: 1
+      compute_s: 0               # seconds per iteration: a number, {uniform: [lo, hi]},
+                                 # {normal: [mean, std]}, or {per_worker: {dc: s}}
+    emulator: {method: auto, relay_procs: 0}
+    agents: {timeout_s: 120, stop_and_wait: false}
+    dynamics: []                 # live rate changes, see testbed/emulator/dynamics.py
+    faults: []                   # link down/up, datacenter crash/restart
+    output: {dir: results}
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from testbed.errors import ConfigError
+
+EXPERIMENT_DIR = Path(__file__).resolve().parent.parent / "experiments"
+
+DEFAULTS: dict[str, Any] = {
+    "scale": 1.0,
+    "seed": 0,
+    "repetitions": 1,
+    "workload": {"size": "1MB", "model": None, "dtype": "float32", "iterations": 1, "compute_s": 0},
+    "emulator": {"method": "auto", "relay_procs": 0},
+    "agents": {"timeout_s": 120.0, "stop_and_wait": False},
+    "dynamics": [],
+    "faults": [],
+    "output": {"dir": "results"},
+}
+TOP_KEYS = {"name", "topology", "scheme", *DEFAULTS}
+NODE_PARAMS, NODE_LIST_PARAMS = {"hub", "root"}, {"order", "active"}
+
+
+class _Checker:
+    """Small helpers that raise ConfigError with the file and key path."""
+
+    def __init__(self, source: str):
+        self.source = source
+
+    def fail(self, key: str, msg: str):
+        raise ConfigError(msg, source=self.source, key=key)
+
+    def mapping(self, value, key: str, allowed: set[str] | None = None) -> dict:
+        if not isinstance(value, dict):
+            self.fail(key, f"expected a mapping, got {type(value).__name__}")
+        if allowed is not None:
+            extra = sorted(set(value) - allowed)
+            if extra:
+                self.fail(f"{key}.{extra[0]}" if key else extra[0],
+                          f"unknown key (allowed: {', '.join(sorted(allowed))})")
+        return value
+
+    def number(self, value, key: str, *, integer=False, minimum=None, positive=False):
+        ok = isinstance(value, int) if integer else isinstance(value, (int, float))
+        if not ok or isinstance(value, bool):
+            self.fail(key, f"expected {'an integer' if integer else 'a number'}, got {value!r}")
+        if positive and value <= 0:
+            self.fail(key, f"must be > 0, got {value!r}")
+        if minimum is not None and value < minimum:
+            self.fail(key, f"must be >= {minimum}, got {value!r}")
+        return value
+
+    def choice(self, value, key: str, choices):
+        if value not in choices:
+            self.fail(key, f"expected one of {', '.join(map(str, choices))}, got {value!r}")
+        return value
+
+    def node(self, value, key: str, nodes: list[str]):
+        if value not in nodes:
+            shown = ", ".join(nodes[:12]) + (" ..." if len(nodes) > 12 else "")
+            self.fail(key, f"unknown datacenter {value!r} (known: {shown})")
+        return value
+
+
+def load_yaml(path: str | Path) -> dict:
+    p = Path(path)
+    if not p.exists() and not p.suffix and (EXPERIMENT_DIR / f"{p}.yaml").exists():
+        p = EXPERIMENT_DIR / f"{p}.yaml"
+    try:
+        text = p.read_text()
+    except OSError as e:
+        raise ConfigError(f"cannot read experiment file: {e.strerror}", source=str(path)) from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
+        raise ConfigError(f"invalid YAML: {where}{getattr(e, 'problem', None) or e}", source=str(path)) from None
+    if not isinstance(data, dict):
+        raise ConfigError("the experiment must be a YAML mapping", source=str(path))
+    return data
+
+
+def apply_overrides(data: dict, overrides: list[str], source: str) -> dict:
+    """``--set a.b.c=value``: value parsed as YAML (``8MB`` stays a string, ``4`` an int)."""
+    data = copy.deepcopy(data)
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"--set expects key.path=value, got {item!r}", source=source)
+        path, raw = item.split("=", 1)
+        try:
+            value = yaml.safe_load(raw)
+        except yaml.YAMLError:
+            value = raw
+        cur = data
+        keys = path.strip().split(".")
+        for k in keys[:-1]:
+            if not isinstance(cur.get(k, {}), dict):
+                raise ConfigError(f"cannot set {path}: {k} is not a mapping", source=source, key=path)
+            cur = cur.setdefault(k, {})
+        cur[keys[-1]] = value
+    return data
+
+
+def _merge(defaults: dict, given: dict) -> dict:
+    out = copy.deepcopy(defaults)
+    for k, v in given.items():
+        out[k] = _merge(out[k], v) if isinstance(out.get(k), dict) and isinstance(v, dict) else v
+    return out
+
+
+def validate(data: dict, source: str = "<experiment>") -> dict:
+    """Check an experiment mapping and return it fully resolved (defaults filled in,
+    ``topology`` resolved to its mapping, ``workload.bytes`` computed)."""
+    from testbed import workloads
+    from testbed.planners import schemes
+    from testbed.topology import load_topology
+
+    c = _Checker(source)
+    c.mapping(data, "", TOP_KEYS)
+    for key in ("name", "topology", "scheme"):
+        if key not in data:
+            c.fail(key, "missing (required)")
+    if not isinstance(data["name"], str) or not data["name"]:
+        c.fail("name", "expected a non-empty string")
+    for key in ("workload", "emulator", "agents", "output"):
+        if key in data:
+            c.mapping(data[key], key, set(DEFAULTS[key]))
+    exp = _merge(DEFAULTS, data)
+
+    c.number(exp["scale"], "scale", positive=True)
+    c.number(exp["seed"], "seed", integer=True, minimum=0)
+    c.number(exp["repetitions"], "repetitions", integer=True, minimum=1)
+
+    topo_ref = exp["topology"]
+    if isinstance(topo_ref, str) and not Path(topo_ref).is_absolute() and "/" in topo_ref:
+        candidate = Path(source).parent / topo_ref
+        topo_ref = str(candidate) if candidate.exists() else topo_ref
+    topo = load_topology(topo_ref, source=source, key="topology")
+    nodes = list(topo.nodes)
+    exp["topology"] = topo.to_dict()
+
+    scheme = c.mapping(exp["scheme"], "scheme")
+    name = scheme.get("name")
+    known = schemes()
+    if name not in known:
+        c.fail("scheme.name", f"unknown scheme {name!r} (known: {', '.join(sorted(known))})")
+    spec = known[name]
+    params = {k: v for k, v in scheme.items() if k != "name"}
+    for k, v in params.items():
+        key = f"scheme.{k}"
+        if k not in spec.params:
+            c.fail(key, f"scheme {name!r} has no parameter {k!r} (parameters: {', '.join(spec.params) or 'none'})")
+        p = spec.params[k]
+        types = p.type if isinstance(p.type, tuple) else (p.type,)
+        if float in types and isinstance(v, int) and not isinstance(v, bool):
+            v = params[k] = float(v)
+        if not isinstance(v, types) or (isinstance(v, bool) and bool not in types):
+            c.fail(key, f"expected {' or '.join(t.__name__ for t in types)}, got {v!r}")
+        if p.choices:
+            c.choice(v, key, p.choices)
+        if k in NODE_PARAMS and v:
+            c.node(v, key, nodes)
+        if k in NODE_LIST_PARAMS:
+            for i, n in enumerate(v):
+                c.node(n, f"{key}[{i}]", nodes)
+    exp["scheme"] = {"name": name, **{k: p.default for k, p in spec.params.items()}, **params}
+
+    w = exp["workload"]
+    c.choice(w["dtype"], "workload.dtype", ("float32", "float64"))
+    c.number(w["iterations"], "workload.iterations", integer=True, minimum=1)
+    if w["model"] is not None:
+        c.choice(w["model"], "workload.model", sorted(workloads.MODELS))
+        nbytes = workloads.model_bytes(w["model"], w["dtype"])
+    else:
+        try:
+            nbytes = workloads.parse_size(w["size"])
+        except (ValueError, TypeError) as e:
+            c.fail("workload.size", str(e))
+        if nbytes <= 0:
+            c.fail("workload.size", "must be > 0")
+    itemsize = 4 if w["dtype"] == "float32" else 8
+    w["bytes"] = max(itemsize, int(nbytes * exp["scale"]) // itemsize * itemsize)
+    w["length"] = w["bytes"] // itemsize
+    _check_compute(c, w["compute_s"], nodes)
+
+    e = exp["emulator"]
+    c.choice(e["method"], "emulator.method", ("auto", "netem", "relay"))
+    c.number(e["relay_procs"], "emulator.relay_procs", integer=True, minimum=0)
+    a = exp["agents"]
+    c.number(a["timeout_s"], "agents.timeout_s", positive=True)
+    if not isinstance(a["stop_and_wait"], bool):
+        c.fail("agents.stop_and_wait", f"expected true or false, got {a['stop_and_wait']!r}")
+    if not isinstance(exp["output"]["dir"], str):
+        c.fail("output.dir", "expected a path string")
+
+    from testbed.emulator.dynamics import validate_dynamics, validate_faults
+
+    exp["dynamics"] = validate_dynamics(exp["dynamics"], topo, c, source)
+    exp["faults"] = validate_faults(exp["faults"], topo, c)
+    return exp
+
+
+def _check_compute(c: _Checker, spec, nodes: list[str]) -> None:
+    key = "workload.compute_s"
+    if isinstance(spec, (int, float)) and not isinstance(spec, bool):
+        c.number(spec, key, minimum=0)
+        return
+    c.mapping(spec, key, {"uniform", "normal", "per_worker"})
+    if len(spec) != 1:
+        c.fail(key, "give exactly one of uniform, normal, per_worker")
+    (kind, arg), = spec.items()
+    if kind == "per_worker":
+        c.mapping(arg, f"{key}.per_worker")
+        for dc, s in arg.items():
+            c.node(dc, f"{key}.per_worker", nodes)
+            c.number(s, f"{key}.per_worker.{dc}", minimum=0)
+    elif not (isinstance(arg, list) and len(arg) == 2 and all(isinstance(x, (int, float)) for x in arg)):
+        c.fail(f"{key}.{kind}", "expected a list of two numbers")
+
+
+def load_experiment(path: str | Path, overrides: list[str] = ()) -> dict:
+    data = apply_overrides(load_yaml(path), list(overrides), str(path))
+    return validate(data, str(path))

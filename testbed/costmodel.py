@@ -1,0 +1,437 @@
+"""Predicting a plan's completion time from the topology.
+
+Two models:
+
+* :func:`predict` — a discrete-event, flow-level simulation of the plan IR with max-min
+  fair link sharing, the model the MTREE and CREW papers use for their simulators
+  (MTREE: "concurrent tasks share the link capacities equally"; CREW: flow-level Python
+  simulation).  It is the reference the emulated runs are compared with.
+* :func:`alpha_beta` — the classic closed-form Hockney α-β estimate (MTREE §III: a μ-byte
+  message over link i costs α_i + βμ) summed over the plan's critical chain, with no
+  contention, for comparison.
+
+Both ignore reduction compute time (adding two vectors is assumed free) and treat a
+send as complete when its last byte leaves the sender.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import deque
+from itertools import count
+
+import networkx as nx
+
+from testbed.plan import SEND, Plan, PlanError
+from testbed.routing import shortest_paths
+
+MODEL = "flow-level max-min fair"
+
+
+def _bytes_per_s(graph: nx.DiGraph, u: str, v: str) -> float:
+    rate = graph[u][v].get("rate_mbps", 0.0)
+    if not rate > 0:
+        raise ValueError(f"link {u}->{v} has no positive rate_mbps")
+    return rate * 1e6 / 8.0
+
+
+class _Ops:
+    """The plan's ops flattened to integer ids with dependency and transfer tables."""
+
+    def __init__(self, plan: Plan):
+        self.node: list[str] = []
+        self.ops = []
+        gid: dict[tuple[str, int], int] = {}
+        for n in plan.nodes:
+            for op in plan.programs.get(n, []):
+                gid[(n, op.id)] = len(self.ops)
+                self.node.append(n)
+                self.ops.append(op)
+        n_ops = len(self.ops)
+        self.unmet = [0] * n_ops
+        self.users: list[list[int]] = [[] for _ in range(n_ops)]
+        send_of: dict[int, int] = {}
+        recv_of: dict[int, int] = {}
+        for i, op in enumerate(self.ops):
+            self.unmet[i] = len(op.deps)
+            for d in op.deps:
+                self.users[gid[(self.node[i], d)]].append(i)
+            (send_of if op.kind == SEND else recv_of)[op.xfer] = i
+        if send_of.keys() != recv_of.keys():
+            raise PlanError("plan has unmatched transfers; run plan.validate()")
+        self.partner = [0] * n_ops
+        for x, s in send_of.items():
+            r = recv_of[x]
+            self.partner[s], self.partner[r] = r, s
+        self.is_send = [op.kind == SEND for op in self.ops]
+
+
+class _Routes:
+    """Per ordered pair: link ids on the latency-shortest path, one-way delay (s)."""
+
+    def __init__(self, graph: nx.DiGraph):
+        self.graph = graph
+        self.paths = shortest_paths(graph)
+        self.link_id: dict[tuple[str, str], int] = {}
+        self.cap: list[float] = []
+        self.names: list[str] = []
+        self._cache: dict[tuple[str, str], tuple[tuple[int, ...], float, float]] = {}
+
+    def get(self, u: str, v: str) -> tuple[tuple[int, ...], float, float]:
+        """(link ids, one-way delay s, bottleneck bytes/s) of the route u→v."""
+        hit = self._cache.get((u, v))
+        if hit is not None:
+            return hit
+        path = self.paths.get((u, v))
+        if path is None:
+            raise PlanError(f"no route from {u} to {v} in the topology")
+        ids = []
+        delay = 0.0
+        for a, b in zip(path, path[1:]):
+            key = (a, b)
+            if key not in self.link_id:
+                self.link_id[key] = len(self.cap)
+                self.cap.append(_bytes_per_s(self.graph, a, b))
+                self.names.append(f"{a}->{b}")
+            ids.append(self.link_id[key])
+            delay += self.graph[a][b].get("delay_ms", 0.0) / 1000.0
+        hit = (tuple(ids), delay, min(self.cap[i] for i in ids))
+        self._cache[(u, v)] = hit
+        return hit
+
+
+def max_min_rates(classes: dict[tuple[int, ...], int], cap: list[float]) -> dict[tuple[int, ...], float]:
+    """Max-min fair rate of one flow of each class by progressive filling.
+
+    ``classes`` maps a flow's link-id tuple to the number of flows with exactly those
+    links (identical flows get identical rates, so they are filled together).  Repeatedly
+    the link with the smallest fair share (remaining capacity / unfrozen flows) freezes
+    its flows at that share.  Shares only grow as flows freeze, so a heap of link shares
+    with lazy invalidation finds the next bottleneck: O(Σ path lengths · log links).
+    """
+    rem: dict[int, float] = {}
+    cnt: dict[int, int] = {}
+    on_link: dict[int, list[tuple[int, ...]]] = {}
+    for key, w in classes.items():
+        for l in key:
+            if l not in rem:
+                rem[l], cnt[l], on_link[l] = cap[l], 0, []
+            cnt[l] += w
+            on_link[l].append(key)
+    ver = dict.fromkeys(rem, 0)
+    heap = [(rem[l] / cnt[l], 0, l) for l in rem]
+    heapq.heapify(heap)
+    rate: dict[tuple[int, ...], float] = {}
+    while heap:
+        share, v, l = heapq.heappop(heap)
+        if v != ver[l] or cnt[l] <= 0:
+            continue
+        hit = set()
+        for key in on_link[l]:
+            if key in rate:
+                continue
+            rate[key] = share
+            w = classes[key]
+            for l2 in key:
+                rem[l2] -= share * w
+                cnt[l2] -= w
+            hit.update(key)
+        for l2 in hit:
+            ver[l2] += 1
+            if cnt[l2] > 0:
+                heapq.heappush(heap, (max(share, rem[l2] / cnt[l2]), ver[l2], l2))
+    return rate
+
+
+def predict(plan: Plan, graph: nx.DiGraph, *, elem_bytes: int = 4, stop_and_wait: bool = False) -> dict:
+    """Flow-level, max-min fair discrete-event simulation of ``plan`` on ``graph``.
+
+    * An op is ready when its ``deps`` have completed.  A ready send joins the FIFO of
+      its connection (src, dst, channel); a connection transmits one transfer at a time,
+      in the order they became ready (one ordered byte stream, as the executor's TCP
+      connection).
+    * A transmitting transfer is a flow on the latency-shortest route
+      (:func:`testbed.routing.shortest_paths`); flows sharing a directed link share its
+      rate max-min fairly (progressive filling, recomputed whenever the set of flows
+      changes).
+    * The send completes when its last byte has left (``stop_and_wait``: one route RTT
+      later, when the acknowledgement is back, and only then can the connection send
+      again — TSEngine-style stop-and-wait, NetStorm App. B).  The data arrives at the
+      receiver one-way delay α (sum of ``delay_ms`` on the route) after the last byte
+      left.  A single transfer therefore takes α + size/rate exactly.
+    * A recv completes once its data has arrived and its deps are met.  Reduction
+      compute time is ignored.
+
+    Returns a dict with ``cct_s`` (completion of the last op of any program),
+    ``result_s`` (the last receive), ``model``, ``per_link_bytes`` and ``link_busy_s``
+    (bytes / capacity) per directed link "u->v", ``bottleneck`` (the link with the largest
+    busy time), ``node_finish_s``, ``phase_end_s`` and ``transfers``.  Raises PlanError
+    if the plan deadlocks.
+    """
+    ops = _Ops(plan)
+    routes = _Routes(graph)
+    n_ops = len(ops.ops)
+    links: list[tuple[int, ...]] = [()] * n_ops
+    alpha = [0.0] * n_ops
+    rtt = [0.0] * n_ops
+    size = [0.0] * n_ops
+    conn = [0] * n_ops
+    conn_id: dict[tuple[str, str, int], int] = {}
+    for i, op in enumerate(ops.ops):
+        if not ops.is_send[i]:
+            continue
+        src = ops.node[i]
+        links[i], alpha[i], _ = routes.get(src, op.peer)
+        if stop_and_wait:
+            rtt[i] = alpha[i] + routes.get(op.peer, src)[1]
+        size[i] = float(op.length * elem_bytes)
+        conn[i] = conn_id.setdefault((src, op.peer, op.channel), len(conn_id))
+    cap = routes.cap
+    queues = [deque() for _ in conn_id]
+    busy = [False] * len(conn_id)
+    done = [-1.0] * n_ops
+    arrived = [False] * n_ops  # recv: its data is there
+    ready = [False] * n_ops  # recv: its deps are met
+    unmet = list(ops.unmet)
+    per_link = [0.0] * len(cap)
+    events: list[tuple[float, int, int, int]] = []  # (time, seq, kind, op): arrivals and ACKs
+    ARRIVE, ACK = 0, 1
+    seq = count()
+    # Transmitting flows.  A flow's bytes left are ``left`` as of ``t_upd`` at rate ``rate``;
+    # its predicted end sits in ``ends`` (stale entries are skipped by version).
+    left = [0.0] * n_ops
+    t_upd = [0.0] * n_ops
+    rate = [0.0] * n_ops
+    ver = [0] * n_ops
+    ends: list[tuple[float, int, int]] = []
+    members: dict[tuple[int, ...], set[int]] = {}  # class (link tuple) -> transmitting flows
+    class_rate: dict[tuple[int, ...], float] = {}  # max-min rate per class ...
+    basis: dict[tuple[int, ...], int] = {}  # ... computed for these class sizes
+    touched: set[tuple[int, ...]] = set()  # classes whose size may differ from basis
+    on_link: list[set[tuple[int, ...]]] = [set() for _ in cap]  # link -> active classes
+    fresh: list[int] = []  # flows started since the last rate update
+    t = 0.0
+    work = deque(i for i in range(n_ops) if unmet[i] == 0)
+
+    def complete(i: int) -> None:
+        done[i] = t
+        for u in ops.users[i]:
+            unmet[u] -= 1
+            if unmet[u] == 0:
+                work.append(u)
+
+    def pump(c: int) -> None:
+        if busy[c] or not queues[c]:
+            return
+        i = queues[c].popleft()
+        busy[c] = True
+        key = links[i]
+        members.setdefault(key, set()).add(i)
+        touched.add(key)
+        for l in key:
+            on_link[l].add(key)
+        left[i] = size[i]
+        fresh.append(i)
+        for l in key:
+            per_link[l] += size[i]
+
+    def set_rate(i: int, r: float) -> None:
+        left[i] -= rate[i] * (t - t_upd[i])
+        t_upd[i], rate[i] = t, r
+        ver[i] += 1
+        heapq.heappush(ends, (t + left[i] / r, ver[i], i))
+
+    while True:
+        while work:
+            i = work.popleft()
+            if ops.is_send[i]:
+                queues[conn[i]].append(i)
+                pump(conn[i])
+            else:
+                ready[i] = True
+                if arrived[i]:
+                    complete(i)
+        if touched:
+            moved = [k for k in touched if len(members.get(k, ())) != basis.get(k, 0)]
+            touched.clear()
+            if moved:
+                # re-share the connected component (classes linked by shared links) of the
+                # classes that changed; max-min allocations of components are independent
+                comp: set[tuple[int, ...]] = set()
+                seen_links: set[int] = set()
+                stack = list(moved)
+                while stack:
+                    k = stack.pop()
+                    for l in k:
+                        if l in seen_links:
+                            continue
+                        seen_links.add(l)
+                        for k2 in on_link[l]:
+                            if k2 not in comp:
+                                comp.add(k2)
+                                stack.append(k2)
+                for k in moved:
+                    if not members.get(k):
+                        basis.pop(k, None)
+                        class_rate.pop(k, None)
+                        for l in k:
+                            on_link[l].discard(k)
+                sub = {k: len(members[k]) for k in comp if members.get(k)}
+                basis.update(sub)
+                for key, r in max_min_rates(sub, cap).items():
+                    if class_rate.get(key) != r:
+                        class_rate[key] = r
+                        for i in members[key]:
+                            set_rate(i, r)
+        for i in fresh:  # a flow that replaced an identical one keeps the class rate
+            set_rate(i, class_rate[links[i]])
+        fresh.clear()
+        while ends and ends[0][1] != ver[ends[0][2]]:
+            heapq.heappop(ends)
+        t_flow = ends[0][0] if ends else float("inf")
+        t_ev = events[0][0] if events else float("inf")
+        if t_flow == float("inf") and t_ev == float("inf"):
+            break
+        t = min(t_flow, t_ev)
+        horizon = t + 1e-12 * (1.0 + t)
+        while ends and ends[0][0] <= horizon:
+            _, v, i = heapq.heappop(ends)
+            if v != ver[i]:
+                continue
+            ver[i] += 1
+            left[i] = 0.0
+            key = links[i]
+            members[key].discard(i)
+            touched.add(key)
+            r = ops.partner[i]
+            heapq.heappush(events, (t + alpha[i], next(seq), ARRIVE, r))
+            if stop_and_wait:
+                heapq.heappush(events, (t + rtt[i], next(seq), ACK, i))
+            else:
+                complete(i)
+                busy[conn[i]] = False
+                pump(conn[i])
+        while events and events[0][0] <= horizon:
+            _, _, kind, i = heapq.heappop(events)
+            if kind == ARRIVE:
+                arrived[i] = True
+                if ready[i]:
+                    complete(i)
+            else:
+                complete(i)
+                busy[conn[i]] = False
+                pump(conn[i])
+    stuck = [i for i in range(n_ops) if done[i] < 0]
+    if stuck:
+        sample = [(ops.node[i], ops.ops[i].id) for i in stuck[:5]]
+        raise PlanError(f"plan deadlocks in the cost model; ops never complete: {sample}")
+    return _report(plan, ops, routes, done, per_link, stop_and_wait)
+
+
+def _report(plan: Plan, ops: _Ops, routes: _Routes, done: list[float], per_link: list[float],
+            stop_and_wait: bool) -> dict:
+    node_finish = {n: 0.0 for n in plan.nodes}
+    phase_end: dict[str, float] = {}
+    result = 0.0
+    for i, op in enumerate(ops.ops):
+        n = ops.node[i]
+        node_finish[n] = max(node_finish[n], done[i])
+        if not ops.is_send[i]:
+            result = max(result, done[i])
+            phase_end[op.phase] = max(phase_end.get(op.phase, 0.0), done[i])
+    busy = [b / c for b, c in zip(per_link, routes.cap)]
+    bott = max(range(len(busy)), key=lambda l: (busy[l], routes.names[l]), default=None)
+    return {
+        "cct_s": max(node_finish.values(), default=0.0),
+        "result_s": result,
+        "model": MODEL,
+        "stop_and_wait": stop_and_wait,
+        "compute": "reduction compute time ignored",
+        "per_link_bytes": {routes.names[l]: per_link[l] for l in range(len(per_link))},
+        "link_busy_s": {routes.names[l]: busy[l] for l in range(len(busy))},
+        "bottleneck": routes.names[bott] if bott is not None else "",
+        "node_finish_s": node_finish,
+        "phase_end_s": phase_end,
+        "transfers": sum(ops.is_send),
+    }
+
+
+def alpha_beta(plan: Plan, graph: nx.DiGraph, elem_bytes: int = 4) -> dict:
+    """Classic Hockney α-β estimate (MTREE §III: a μ-byte message over a route costs
+    α + μ/b, α = route one-way delay, b = route bottleneck rate) along the plan's critical
+    chain, with **no contention** between connections.
+
+    The only queueing kept is the one the α-β model itself implies: a connection
+    (src, dst, channel) sends one message at a time, in the order they become ready, so a
+    pipelined chain occupies each hop μ/b per chunk (the flow-shop recurrence of MTREE
+    eq. (2)).  Reduction compute time is ignored.  Returns ``cct_s``, ``model`` and the
+    transfers on the critical chain as "src->dst" strings.
+    """
+    ops = _Ops(plan)
+    routes = _Routes(graph)
+    n_ops = len(ops.ops)
+    cost = [0.0] * n_ops  # send: transmission time; recv: α of its route
+    conn = [0] * n_ops
+    conn_id: dict[tuple[str, str, int], int] = {}
+    for i, op in enumerate(ops.ops):
+        if ops.is_send[i]:
+            _, a, b = routes.get(ops.node[i], op.peer)
+            cost[i] = op.length * elem_bytes / b
+            cost[ops.partner[i]] = a
+            conn[i] = conn_id.setdefault((ops.node[i], op.peer, op.channel), len(conn_id))
+    free = [0.0] * len(conn_id)
+    last_on = [-1] * len(conn_id)
+    unmet = list(ops.unmet)
+    dep_t = [0.0] * n_ops  # latest completion among deps
+    dep_w = [-1] * n_ops
+    arrive = [-1.0] * n_ops  # recv: data arrival time (-1 = unknown)
+    arrive_w = [-1] * n_ops
+    finish = [-1.0] * n_ops
+    why = [-1] * n_ops
+    seq = count()
+    heap = [(0.0, next(seq), i) for i in range(n_ops) if unmet[i] == 0 and ops.is_send[i]]
+    deps_ok = [unmet[i] == 0 for i in range(n_ops)]
+
+    def push_recv(r: int) -> None:
+        if deps_ok[r] and arrive[r] >= 0:
+            heapq.heappush(heap, (max(dep_t[r], arrive[r]), next(seq), r))
+
+    while heap:
+        t, _, i = heapq.heappop(heap)
+        if ops.is_send[i]:
+            c = conn[i]
+            if free[c] > t:
+                t, why[i] = free[c], last_on[c]
+            else:
+                why[i] = dep_w[i]
+            finish[i] = free[c] = t + cost[i]
+            last_on[c] = i
+            r = ops.partner[i]
+            arrive[r], arrive_w[r] = finish[i] + cost[r], i
+            push_recv(r)
+        else:
+            finish[i] = t
+            why[i] = arrive_w[i] if arrive[i] >= dep_t[i] else dep_w[i]
+        for u in ops.users[i]:
+            unmet[u] -= 1
+            if finish[i] >= dep_t[u]:
+                dep_t[u], dep_w[u] = finish[i], i
+            if unmet[u] == 0:
+                deps_ok[u] = True
+                if ops.is_send[u]:
+                    heapq.heappush(heap, (dep_t[u], next(seq), u))
+                else:
+                    push_recv(u)
+    if any(f < 0 for f in finish):
+        raise PlanError("plan deadlocks (cyclic dependencies across nodes)")
+    model = "alpha-beta critical chain (no contention)"
+    if not n_ops:
+        return {"cct_s": 0.0, "model": model, "critical_chain": []}
+    last = max(range(n_ops), key=lambda i: finish[i])
+    chain = []
+    i = last
+    while i >= 0:
+        if not ops.is_send[i]:
+            chain.append(f"{ops.ops[i].peer}->{ops.node[i]}")
+        i = why[i]
+    return {"cct_s": finish[last], "model": model, "critical_chain": chain[::-1]}

@@ -1,0 +1,125 @@
+"""What this machine can do for emulation: detected by trying, never assumed.
+
+``probe()`` creates a throw-away network namespace with a veth pair and tries the
+qdiscs the emulator wants.  The result decides the link-shaping method:
+
+* ``netem``  — HTB for rate + netem for delay/jitter/loss, all in the kernel (preferred);
+* ``relay``  — HTB for rate + the user-space delay relay (``testbed/emulator/relay``) for
+  delay/jitter/loss, used where the kernel has no netem (e.g. this project's CI kernel).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from dataclasses import asdict, dataclass
+
+
+def _run(cmd: list[str], timeout: float = 10) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+
+
+@dataclass
+class Capabilities:
+    root: bool
+    mnexec: bool
+    mininet_python: bool
+    netns: bool
+    htb: bool
+    netem: bool
+    linux_bridge: bool
+    bridge_nf_off: bool
+    iperf3: bool
+    ping: bool
+    ethtool: bool
+    gcc: bool
+    kernel: str
+    notes: list[str]
+
+    @property
+    def shaping_method(self) -> str | None:
+        """'netem', 'relay', or None if links cannot be shaped at all."""
+        if not (self.root and self.netns and self.htb):
+            return None
+        if self.netem:
+            return "netem"
+        return "relay" if self.gcc and self.ethtool else None
+
+    def problems(self) -> list[str]:
+        """What stops ``run`` from working, as sentences a user can act on."""
+        out = []
+        if not self.root:
+            out.append("not root: run with sudo")
+        if not self.mnexec:
+            out.append("mnexec missing: install the Debian/Ubuntu package 'mininet' (testbed/setup.sh)")
+        if not self.mininet_python:
+            out.append("Python package 'mininet' missing: run testbed/setup.sh")
+        if self.root and not self.htb:
+            out.append("the kernel has no HTB qdisc: links cannot be rate-shaped")
+        if self.root and self.shaping_method is None:
+            out.append("no way to emulate delay: neither netem nor gcc+ethtool for the user-space relay")
+        return out
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["shaping_method"] = self.shaping_method
+        return d
+
+
+def _probe_kernel() -> tuple[bool, bool, bool, bool, list[str]]:
+    """(netns, htb, netem, linux bridge, notes) — each tried inside a temporary netns."""
+    ns = f"tbprobe{os.getpid()}"
+    notes: list[str] = []
+    if _run(["ip", "netns", "add", ns]).returncode != 0:
+        return False, False, False, False, ["cannot create a network namespace"]
+    try:
+        def tc(*args: str) -> bool:
+            return _run(["ip", "netns", "exec", ns, "tc", *args]).returncode == 0
+
+        # veth, not dummy: some kernels (this project's CI) have no dummy driver
+        _run(["ip", "-n", ns, "link", "add", "name", "probe0", "type", "veth", "peer", "name", "probe1"])
+        _run(["ip", "-n", ns, "link", "set", "probe0", "up"])
+        htb = tc("qdisc", "add", "dev", "probe0", "root", "handle", "1:", "htb", "default", "1")
+        htb = htb and tc("class", "add", "dev", "probe0", "parent", "1:", "classid", "1:1", "htb", "rate", "10mbit")
+        netem = tc("qdisc", "add", "dev", "probe0", "parent", "1:1", "handle", "10:", "netem",
+                   "delay", "10ms", "1ms", "loss", "1%") if htb else False
+        if not netem:
+            notes.append("netem is not available in this kernel: delay/jitter/loss use the user-space relay")
+        bridge = _run(["ip", "-n", ns, "link", "add", "name", "probebr0", "type", "bridge"]).returncode == 0
+        return True, htb, netem, bridge, notes
+    finally:
+        _run(["ip", "netns", "del", ns])
+
+
+def probe() -> Capabilities:
+    root = os.geteuid() == 0
+    try:
+        import mininet.net  # noqa: F401
+        mininet_python = True
+    except ImportError:
+        mininet_python = False
+    netns = htb = netem = bridge = False
+    notes: list[str] = []
+    if root and shutil.which("ip") and shutil.which("tc"):
+        netns, htb, netem, bridge, notes = _probe_kernel()
+    bridge_nf_off = all(
+        not os.path.exists(p) or open(p).read().strip() == "0"
+        for p in (f"/proc/sys/net/bridge/bridge-nf-call-{t}tables" for t in ("ip", "ip6", "arp"))
+    )
+    return Capabilities(
+        root=root,
+        mnexec=shutil.which("mnexec") is not None,
+        mininet_python=mininet_python,
+        netns=netns,
+        htb=htb,
+        netem=netem,
+        linux_bridge=bridge,
+        bridge_nf_off=bridge_nf_off,
+        iperf3=shutil.which("iperf3") is not None,
+        ping=shutil.which("ping") is not None,
+        ethtool=shutil.which("ethtool") is not None,
+        gcc=shutil.which("gcc") is not None,
+        kernel=os.uname().release,
+        notes=notes,
+    )

@@ -1,0 +1,195 @@
+"""Time-varying link rates and faults, applied live while agents run.
+
+Experiment keys (times in seconds from the start of the measured phase, i.e. when the
+agents are launched; they run on across repetitions):
+
+``dynamics:`` a list of
+  * ``{at_s: 5, link: [h1, h2], rate_mbps: 50}`` — both directions, or ``rate_mbps: [ab, ba]``,
+    or ``direction: ab|ba`` to change one;
+  * ``{trace: rates.csv}`` — CSV rows ``time_s,src,dst,rate_mbps`` (header optional; path
+    relative to the experiment file);
+  * ``{redraw: {lo: 20, hi: 155, every_s: 180, seed: 1}}`` — NetStorm's fluctuation
+    (paper Sec. 6 / authors' klonet_net_dynamic.py): every ``every_s`` each direction of
+    every link gets an independent uniform integer rate in [lo, hi] Mbit/s (scaled by the
+    experiment's ``scale``), from a seeded generator.
+
+``faults:`` a list of ``{at_s: 3, link_down: [a, b]}``, ``{at_s: 6, link_up: [a, b]}``,
+``{at_s: 4, crash: dc}`` (kill its processes, cut its links), ``{at_s: 9, restart: dc}``.
+
+Every applied change is logged with its timestamp (``WanNetwork.events``) into results.json.
+"""
+
+from __future__ import annotations
+
+import csv
+import heapq
+import random
+import threading
+import time
+from pathlib import Path
+
+from testbed.topology import Topology
+
+
+def _link(c, value, key: str, topo: Topology) -> list[str]:
+    if not (isinstance(value, list) and len(value) == 2):
+        c.fail(key, "expected [datacenter, datacenter]")
+    for i, dc in enumerate(value):
+        c.node(dc, f"{key}[{i}]", list(topo.nodes))
+    try:
+        topo.link(*value)
+    except KeyError:
+        c.fail(key, f"no WAN link between {value[0]} and {value[1]}")
+    return list(value)
+
+
+def validate_dynamics(items, topo: Topology, c, source: str) -> list[dict]:
+    """Check ``dynamics:`` and return it normalised to timed rate events plus redraw specs."""
+    if not isinstance(items, list):
+        c.fail("dynamics", "expected a list")
+    out: list[dict] = []
+    for i, item in enumerate(items):
+        key = f"dynamics[{i}]"
+        c.mapping(item, key)
+        if "trace" in item:
+            c.mapping(item, key, {"trace"})
+            path = Path(item["trace"])
+            if not path.is_absolute():
+                path = Path(source).parent / path
+            try:
+                rows = list(csv.reader(path.read_text().splitlines()))
+            except OSError as e:
+                c.fail(f"{key}.trace", f"cannot read trace: {e.strerror}")
+            for r, row in enumerate(rows):
+                if not row or row[0].strip().startswith("#") or (r == 0 and not _is_num(row[0])):
+                    continue
+                rkey = f"{key}.trace line {r + 1}"
+                if len(row) != 4 or not _is_num(row[0]) or not _is_num(row[3]):
+                    c.fail(rkey, "expected time_s,src,dst,rate_mbps")
+                src, dst = row[1].strip(), row[2].strip()
+                _link(c, [src, dst], rkey, topo)
+                out.append({"at_s": float(row[0]), "src": src, "dst": dst, "rate_mbps": float(row[3])})
+        elif "redraw" in item:
+            c.mapping(item, key, {"redraw"})
+            r = c.mapping(item["redraw"], f"{key}.redraw", {"lo", "hi", "every_s", "seed"})
+            lo = c.number(r.get("lo", 20), f"{key}.redraw.lo", positive=True)
+            hi = c.number(r.get("hi", 155), f"{key}.redraw.hi", positive=True)
+            if hi < lo:
+                c.fail(f"{key}.redraw.hi", "must be >= lo")
+            every = c.number(r.get("every_s", 180), f"{key}.redraw.every_s", positive=True)
+            seed = c.number(r.get("seed", 1), f"{key}.redraw.seed", integer=True)
+            out.append({"redraw": {"lo": lo, "hi": hi, "every_s": every, "seed": seed}})
+        else:
+            c.mapping(item, key, {"at_s", "link", "rate_mbps", "direction"})
+            for req in ("at_s", "link", "rate_mbps"):
+                if req not in item:
+                    c.fail(f"{key}.{req}", "missing (required)")
+            at = c.number(item["at_s"], f"{key}.at_s", minimum=0)
+            a, b = _link(c, item["link"], f"{key}.link", topo)
+            rates = item["rate_mbps"]
+            rates = rates if isinstance(rates, list) else [rates, rates]
+            if len(rates) != 2:
+                c.fail(f"{key}.rate_mbps", "expected a rate or [a->b, b->a]")
+            for k, r in enumerate(rates):
+                c.number(r, f"{key}.rate_mbps", positive=True)
+            direction = c.choice(item.get("direction", "both"), f"{key}.direction", ("both", "ab", "ba"))
+            if direction in ("both", "ab"):
+                out.append({"at_s": at, "src": a, "dst": b, "rate_mbps": float(rates[0])})
+            if direction in ("both", "ba"):
+                out.append({"at_s": at, "src": b, "dst": a, "rate_mbps": float(rates[1])})
+    return out
+
+
+def validate_faults(items, topo: Topology, c) -> list[dict]:
+    if not isinstance(items, list):
+        c.fail("faults", "expected a list")
+    out = []
+    kinds = ("link_down", "link_up", "crash", "restart")
+    for i, item in enumerate(items):
+        key = f"faults[{i}]"
+        c.mapping(item, key, {"at_s", *kinds})
+        present = [k for k in kinds if k in item]
+        if len(present) != 1 or "at_s" not in item:
+            c.fail(key, f"expected at_s and exactly one of {', '.join(kinds)}")
+        kind = present[0]
+        at = c.number(item["at_s"], f"{key}.at_s", minimum=0)
+        if kind.startswith("link"):
+            target = _link(c, item[kind], f"{key}.{kind}", topo)
+        else:
+            target = c.node(item[kind], f"{key}.{kind}", list(topo.nodes))
+        out.append({"at_s": at, kind: target})
+    return out
+
+
+def _is_num(s: str) -> bool:
+    try:
+        float(s)
+        return True
+    except ValueError:
+        return False
+
+
+class Scheduler:
+    """Applies dynamics and faults to a running :class:`WanNetwork` from a thread."""
+
+    def __init__(self, net, dynamics: list[dict], faults: list[dict], *, scale: float = 1.0,
+                 log=lambda msg: None):
+        self.net, self.scale, self.log = net, scale, log
+        self._queue: list[tuple[float, int, dict]] = []
+        self._n = 0
+        for ev in dynamics:
+            if "redraw" in ev:
+                self._redraw = dict(ev["redraw"], rng=random.Random(ev["redraw"]["seed"]))
+                self._push(ev["redraw"]["every_s"], {"redraw": True})
+            else:
+                self._push(ev["at_s"], {**ev, "rate_mbps": ev["rate_mbps"] * scale})
+        for ev in faults:
+            self._push(ev["at_s"], ev)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="dynamics", daemon=True)
+        self.errors: list[str] = []
+
+    def _push(self, at: float, ev: dict) -> None:
+        heapq.heappush(self._queue, (at, self._n, ev))
+        self._n += 1
+
+    def start(self) -> "Scheduler":
+        self.t0 = time.monotonic()
+        if self._queue:
+            self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=10)
+
+    def _loop(self) -> None:
+        while self._queue and not self._stop.is_set():
+            at, _, ev = self._queue[0]
+            if self._stop.wait(max(0.0, at - (time.monotonic() - self.t0))):
+                return
+            heapq.heappop(self._queue)
+            try:
+                self._apply(at, ev)
+            except Exception as e:  # a failed change is recorded, the run goes on
+                self.errors.append(f"t={at:g}s {ev}: {e}")
+                self.log(f"dynamics: {self.errors[-1]}")
+
+    def _apply(self, at: float, ev: dict) -> None:
+        net = self.net
+        if ev.get("redraw"):
+            r = self._redraw
+            for link in net.topo.links:
+                for src, dst in ((link.a, link.b), (link.b, link.a)):
+                    net.set_rate(src, dst, r["rng"].randint(int(r["lo"]), int(r["hi"])) * self.scale)
+            self._push(at + r["every_s"], ev)
+        elif "rate_mbps" in ev:
+            net.set_rate(ev["src"], ev["dst"], ev["rate_mbps"])
+        elif "link_down" in ev or "link_up" in ev:
+            up = "link_up" in ev
+            net.set_link(*ev["link_up" if up else "link_down"], up=up)
+        elif "crash" in ev:
+            net.set_host(ev["crash"], up=False)
+        elif "restart" in ev:
+            net.set_host(ev["restart"], up=True)

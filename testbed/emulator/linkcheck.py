@@ -1,0 +1,142 @@
+"""``testbed linkcheck``: are the emulated links what the topology says?
+
+For every direction of every link: rate with iperf3 (TCP goodput at the receiver, first
+second omitted) and delay with ping (RTT/2), first link by link (``single``), then with
+every direction loaded at once (``concurrent``).  During the check ICMP has its own
+priority class on each link (see ``shaping.shape_commands``), so under load ping measures
+propagation plus emulator delay, not the bulk queue's queueing delay.
+
+Pass rule (per direction): measured/configured rate in [0.93, 1.02] and
+|RTT/2 − (delay_ab + delay_ba)/2| <= max(1 ms, 3 %).  Note that TCP goodput is at most
+1448/1514 ≈ 0.956 of the L2 rate HTB enforces at MTU 1500.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import time
+from pathlib import Path
+
+from testbed.results import CpuMeter, environment, new_run_dir, write_json_atomic
+
+RATE_OK = (0.93, 1.02)
+BASE_PORT = 5201
+
+
+def _ping_rtt_ms(text: str) -> float | None:
+    m = re.search(r"= [\d.]+/([\d.]+)/", text)
+    return float(m.group(1)) if m else None
+
+
+def _iperf_mbps(text: str) -> float | None:
+    try:
+        end = json.loads(text)["end"]
+        return end["sum_received"]["bits_per_second"] / 1e6
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
+def _measure(net, directions, seconds: float, phase: str) -> list[dict]:
+    """Run iperf3 + ping on ``directions`` (a list of (src, dst)) at the same time."""
+    servers, clients, pings = [], [], []
+    for k, (src, dst) in enumerate(directions):
+        port = BASE_PORT + k
+        servers.append(net.popen(dst, ["iperf3", "-s", "-1", "-p", str(port)]))
+    time.sleep(0.5)
+    for k, (src, dst) in enumerate(directions):
+        ip = net.peer_address(src, dst)
+        clients.append(net.popen(src, ["iperf3", "-c", ip, "-p", str(BASE_PORT + k), "-t", str(seconds + 1),
+                                       "-O", "1", "-J"], stdout=subprocess.PIPE, text=True))
+    time.sleep(1.0)  # ping once the load is on (also in the single phase, for one code path)
+    count = max(5, int(seconds / 0.2))
+    for src, dst in directions:
+        pings.append(net.popen(src, ["ping", "-n", "-q", "-c", str(count), "-i", "0.2", net.peer_address(src, dst)],
+                               stdout=subprocess.PIPE, text=True))
+    rows = []
+    for (src, dst), c, p in zip(directions, clients, pings):
+        out_c, _ = c.communicate(timeout=seconds + 60)
+        out_p, _ = p.communicate(timeout=seconds + 60)
+        d = net.directions[(src, dst)]
+        back = net.directions[(dst, src)]
+        rtt = _ping_rtt_ms(out_p)
+        mbps = _iperf_mbps(out_c)
+        expect_owd = (d.spec.delay_ms + back.spec.delay_ms) / 2
+        row = {"phase": phase, **d.report(), "measured_mbps": mbps,
+               "measured_owd_ms": rtt / 2 if rtt is not None else None, "expected_owd_ms": expect_owd}
+        row["rate_ratio"] = mbps / d.spec.rate_mbps if mbps else None
+        row["ok"] = bool(
+            row["rate_ratio"] is not None and RATE_OK[0] <= row["rate_ratio"] <= RATE_OK[1]
+            and rtt is not None and abs(rtt / 2 - expect_owd) <= max(1.0, 0.03 * expect_owd))
+        rows.append(row)
+    for s in servers:
+        try:
+            s.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            s.kill()
+    return rows
+
+
+def run_linkcheck(topo, *, seconds: float = 4.0, phases=("single", "concurrent"), method: str = "auto",
+                  progress=print) -> dict:
+    from testbed.emulator.network import WanNetwork
+
+    result: dict = {"topology": topo.name, "scale": topo.scale, "directions": []}
+    with WanNetwork(topo, method=method, log=progress, icmp_priority=True) as net:
+        result["method"] = net.method
+        all_dirs = list(net.directions)
+        if "single" in phases:
+            for k, (src, dst) in enumerate(all_dirs):
+                progress(f"single {k + 1}/{len(all_dirs)}: {src} -> {dst}")
+                result["directions"] += _measure(net, [(src, dst)], seconds, "single")
+        if "concurrent" in phases:
+            progress(f"concurrent: all {len(all_dirs)} directions loaded at once")
+            cpu = CpuMeter().start()
+            before = net.relay_stats()
+            result["directions"] += _measure(net, all_dirs, seconds, "concurrent")
+            result["concurrent_cpu_util"] = cpu.stop()
+            result["relay_before"], result["relay_after"] = before, net.relay_stats()
+        result["emulation_kept_up"] = _kept_up(result.get("relay_after", []))
+    result["total_capacity_mbps"] = sum(d["rate_mbps"] for d in result["directions"] if d["phase"] == phases[0])
+    result["ok"] = all(d["ok"] for d in result["directions"])
+    return result
+
+
+def _kept_up(stats: list[dict]) -> dict:
+    from testbed.emulator.relay import kept_up
+
+    reasons = [why for ok, why in (kept_up(s) for s in stats) if not ok]
+    return {"ok": not reasons, "reasons": reasons}
+
+
+def format_table(result: dict) -> str:
+    lines = [f"{'phase':10} {'src':>6} {'dst':>6} {'rate':>8} {'meas':>8} {'ratio':>6} "
+             f"{'owd':>7} {'meas':>7}  ok"]
+    for d in result["directions"]:
+        meas = f"{d['measured_mbps']:.1f}" if d["measured_mbps"] is not None else "-"
+        ratio = f"{d['rate_ratio']:.3f}" if d["rate_ratio"] is not None else "-"
+        owd = f"{d['measured_owd_ms']:.2f}" if d["measured_owd_ms"] is not None else "-"
+        lines.append(f"{d['phase']:10} {d['src']:>6} {d['dst']:>6} {d['rate_mbps']:8.1f} {meas:>8} {ratio:>6} "
+                     f"{d['expected_owd_ms']:7.2f} {owd:>7}  {'ok' if d['ok'] else 'FAIL'}")
+    return "\n".join(lines)
+
+
+def linkcheck(args) -> int:
+    from testbed.runner import Progress
+    from testbed.topology import load_topology
+
+    topo = load_topology(args.topology, source=args.topology).scaled(args.scale)
+    phases = ("concurrent",) if args.concurrent else ("single",) if args.single else ("single", "concurrent")
+    out = Path(args.out) if args.out else new_run_dir("results", f"linkcheck-{topo.name}")
+    result = run_linkcheck(topo, seconds=args.seconds, phases=phases, method=args.method, progress=Progress())
+    result["environment"] = environment()
+    write_json_atomic(Path(out) / "linkcheck.json", result)
+    print(format_table(result))
+    if "concurrent_cpu_util" in result:
+        print(f"CPU during concurrent phase: {result['concurrent_cpu_util']:.0%}; "
+              f"emulator kept up: {result['emulation_kept_up']}")
+    print(f"total configured capacity {result['total_capacity_mbps']:.0f} Mbit/s at scale {topo.scale:g}; "
+          f"{'all directions within tolerance' if result['ok'] else 'SOME DIRECTIONS OUT OF TOLERANCE'}")
+    print(f"linkcheck: {Path(out) / 'linkcheck.json'}")
+    return 0 if result["ok"] else 1

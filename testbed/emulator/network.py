@@ -1,0 +1,369 @@
+"""Topology -> running Mininet network with shaped WAN links.
+
+Overlay model (Mininet's Topo/Net/Node/Link split, built imperatively):
+
+* every datacenter is a Mininet host ``d<i>`` (a network namespace);
+* every WAN link is a point-to-point veth between the two hosts (method ``netem``), or two
+  veths through a shared relay namespace ``wan`` where the user-space delay relay joins
+  them (method ``relay``); either way IP sees one hop, so agents reach a neighbour directly;
+* each host has a *node address* on ``lo`` (10.0.x.y/32).  Non-adjacent datacenters reach
+  each other over latency-shortest paths (``testbed.routing``): static /32 routes with the
+  node address as source, and IP forwarding on every host;
+* a separate, unshaped control network (Linux bridge ``tbc0`` in the root namespace,
+  10.255.0.0/16) carries only control traffic: coordinator <-> agents, never data.
+
+Addresses: node i -> 10.0.(i // 250).(i % 250 + 1); link j -> 10.(1 + j // 250).(j % 250).{1,2}/24
+(end a gets .1); control: host i -> 10.255.(i // 250).(i % 250 + 1), root 10.255.255.254.
+Routes are static: a link taken down is not routed around (faults mean unreachability).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from testbed.emulator import shaping
+from testbed.emulator.capabilities import Capabilities, probe
+from testbed.errors import RunError
+from testbed.routing import shortest_paths
+from testbed.topology import LinkDir, Topology
+
+CONTROL_BRIDGE = "tbc0"
+CONTROL_IP = "10.255.255.254"
+HOST_PREFIX = "d"
+
+
+def node_ip(i: int) -> str:
+    return f"10.0.{i // 250}.{i % 250 + 1}"
+
+
+def link_ip(j: int, end: int) -> str:
+    return f"10.{1 + j // 250}.{j % 250}.{end + 1}"
+
+
+def control_ip(i: int) -> str:
+    return f"10.255.{i // 250}.{i % 250 + 1}"
+
+
+@dataclass
+class Direction:
+    """One shaped direction of a WAN link, as it is right now."""
+
+    src: str
+    dst: str
+    link: int  # index in topo.links
+    intf: str  # sender-side interface whose egress is shaped
+    spec: LinkDir
+    method: str
+    up: bool = True
+
+    def report(self) -> dict:
+        return {"src": self.src, "dst": self.dst, "rate_mbps": self.spec.rate_mbps,
+                "delay_ms": self.spec.delay_ms, "jitter_ms": self.spec.jitter_ms,
+                "loss": self.spec.loss, "queue_pkts": self.spec.queue_pkts,
+                "method": "htb+netem" if self.method == "netem" else "htb+user-space-relay"}
+
+
+@dataclass
+class WanNetwork:
+    """Build, run and tear down the emulated WAN of ``topo``.  Use as a context manager:
+    everything (hosts, links, bridge, relay, processes started with :meth:`popen`) is torn
+    down on exit, also on error or Ctrl-C."""
+
+    topo: Topology
+    method: str = "auto"  # "auto" | "netem" | "relay"
+    relay_procs: int = 0  # relay processes (0: one per core, at most 2)
+    seed: int = 0
+    log: Callable[[str], None] = lambda msg: None
+    caps: Capabilities | None = None
+    icmp_priority: bool = False  # linkcheck only: see shaping.shape_commands
+    directions: dict[tuple[str, str], Direction] = field(default_factory=dict)
+
+    def __post_init__(self):
+        self.index = {dc: i for i, dc in enumerate(self.topo.nodes)}
+        self.net = None
+        self.hosts: dict = {}
+        self.relays: list = []
+        self._procs: list[tuple[str, subprocess.Popen]] = []  # (datacenter, process)
+        self.events: list[dict] = []
+        self.t0 = time.time()
+
+    # -- life cycle ------------------------------------------------------------
+    def __enter__(self) -> "WanNetwork":
+        try:
+            self.start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def start(self) -> None:
+        from mininet.log import setLogLevel
+        from mininet.net import Mininet
+        from mininet.nodelib import LinuxBridge
+
+        caps = self.caps or probe()
+        problems = caps.problems()
+        if problems:
+            raise RunError("cannot emulate on this machine: " + "; ".join(problems))
+        method = caps.shaping_method if self.method == "auto" else self.method
+        if method == "netem" and not caps.netem:
+            raise RunError("shaping method 'netem' requested but this kernel has no netem (try 'relay' or 'auto')")
+        self.method = method
+        setLogLevel("error")
+        self.log(f"building {len(self.topo.nodes)} datacenters, {len(self.topo.links)} links "
+                 f"(shaping: {method})")
+        net = self.net = Mininet(build=False, controller=None, topo=None, autoSetMacs=False,
+                                 waitConnected=False)
+        for dc, i in self.index.items():
+            self.hosts[dc] = net.addHost(f"{HOST_PREFIX}{i}", ip=None)
+        wan = net.addHost("wan", ip=None) if method == "relay" else None
+        bridge = net.addSwitch(CONTROL_BRIDGE, cls=LinuxBridge)
+        self._link_intf: dict[tuple[str, int], str] = {}  # (dc, link index) -> interface
+        port = {dc: 0 for dc in self.topo.nodes}
+        relay_pairs = []
+        for j, link in enumerate(self.topo.links):
+            ia, ib = (f"{HOST_PREFIX}{self.index[dc]}-eth{port[dc]}" for dc in (link.a, link.b))
+            port[link.a] += 1
+            port[link.b] += 1
+            ha, hb = self.hosts[link.a], self.hosts[link.b]
+            if wan is None:
+                net.addLink(ha, hb, intfName1=ia, intfName2=ib)
+            else:
+                net.addLink(ha, wan, intfName1=ia, intfName2=f"r{j}a")
+                net.addLink(wan, hb, intfName1=f"r{j}b", intfName2=ib)
+                relay_pairs.append((j, f"r{j}a", f"r{j}b"))
+            self._link_intf[(link.a, j)] = ia
+            self._link_intf[(link.b, j)] = ib
+            self.directions[(link.a, link.b)] = Direction(link.a, link.b, j, ia, link.ab, method)
+            self.directions[(link.b, link.a)] = Direction(link.b, link.a, j, ib, link.ba, method)
+        for dc, h in self.hosts.items():
+            net.addLink(h, bridge, intfName1=f"{h.name}-ctl", intfName2=f"{CONTROL_BRIDGE}-{h.name}")
+        net.build()
+        net.start()
+        _check(subprocess.run(["ip", "addr", "replace", f"{CONTROL_IP}/16", "dev", CONTROL_BRIDGE],
+                              capture_output=True, text=True), "control bridge address")
+        self._configure_hosts()
+        if wan is not None:
+            self._start_relays(wan, relay_pairs)
+        self.log("network up")
+
+    def stop(self) -> None:
+        """Tear everything down; safe to call twice and on a half-built network."""
+        self.stop_processes(grace_s=0)
+        for r in self.relays:
+            try:
+                self.relay_final_stats = getattr(self, "relay_final_stats", []) + [r.stop()]
+            except Exception as e:  # teardown must go on
+                self.log(f"relay stop: {e}")
+        self.relays = []
+        if self.net is not None:
+            try:
+                self.net.stop()
+            finally:
+                self.net = None
+        subprocess.run(["ip", "link", "del", CONTROL_BRIDGE], capture_output=True)
+
+    # -- configuration -------------------------------------------------------
+    def _configure_hosts(self) -> None:
+        bdp = max((shaping.bdp_packets(d.spec) * shaping.MTU for d in self.directions.values()), default=0)
+        buf = max(16 << 20, 4 * bdp)
+        paths = shortest_paths(self.topo.graph())  # static: computed once on the full topology
+        for dc, h in self.hosts.items():
+            i = self.index[dc]
+            sysctls = {"net.ipv4.ip_forward": 1, "net.ipv4.conf.all.rp_filter": 0,
+                       "net.ipv4.conf.default.rp_filter": 0,
+                       "net.ipv4.tcp_rmem": f"4096 131072 {buf}", "net.ipv4.tcp_wmem": f"4096 65536 {buf}",
+                       "net.ipv4.tcp_no_metrics_save": 1}
+            _exec(h, ["sysctl", "-q", "-w", *(f"{k}={v}" for k, v in sysctls.items())])
+            cmds = ["link set lo up", f"addr add {node_ip(i)}/32 dev lo",
+                    f"addr add {control_ip(i)}/16 dev {h.name}-ctl", f"link set {h.name}-ctl up"]
+            for (owner, j), intf in self._link_intf.items():
+                if owner == dc:
+                    end = 0 if self.topo.links[j].a == dc else 1
+                    cmds += [f"addr add {link_ip(j, end)}/24 dev {intf}", f"link set {intf} up"]
+                    _exec(h, ["sysctl", "-q", "-w", f"net.ipv4.conf.{intf}.rp_filter=0"])
+            _batch(h, "ip", cmds + self._route_lines(dc, paths))
+        tc_lines: dict[str, list[str]] = {}
+        for d in self.directions.values():
+            cmds = shaping.shape_commands(d.intf, d.spec, self.method, self.icmp_priority)
+            tc_lines.setdefault(d.src, []).extend(" ".join(c[1:]) for c in cmds)
+        for dc, lines in tc_lines.items():
+            _batch(self.hosts[dc], "tc", lines)
+
+    def _start_relays(self, wan, pairs) -> None:
+        """One relay process per group of links (groups balanced by rate, one per core)."""
+        from testbed.emulator import relay as relay_mod
+
+        _exec(wan, ["sysctl", "-q", "-w", "net.ipv6.conf.all.disable_ipv6=1", "net.ipv4.ip_forward=0"])
+        links = []
+        for j, ra, rb in pairs:
+            for intf in (ra, rb):
+                _exec(wan, ["ip", "link", "set", intf, "up"])
+            link = self.topo.links[j]
+            links.append(relay_mod.RelayLink(
+                iface_ab_in=ra, iface_ba_in=rb,
+                ab=relay_mod.RelayDirection(link.ab.delay_ms, link.ab.jitter_ms, link.ab.loss),
+                ba=relay_mod.RelayDirection(link.ba.delay_ms, link.ba.jitter_ms, link.ba.loss),
+                rate_mbps_max=max(link.ab.rate_mbps, link.ba.rate_mbps)))
+        cpus = os.cpu_count() or 1
+        groups = relay_mod.partition_links(links, self.relay_procs or min(2, cpus))
+        for k, group in enumerate(groups):
+            r = relay_mod.Relay([links[i] for i in group], seed=self.seed * 1000 + k, cpu=k % cpus)
+            self.relays.append(r)
+            r.start(wan.popen)
+        self.log(f"user-space delay relay: {len(groups)} process(es) for {len(pairs)} links")
+
+    # -- addressing --------------------------------------------------------------
+    def host(self, dc: str):
+        return self.hosts[dc]
+
+    def node_address(self, dc: str) -> str:
+        return node_ip(self.index[dc])
+
+    def control_address(self, dc: str) -> str:
+        return control_ip(self.index[dc])
+
+    def peer_address(self, src: str, dst: str) -> str:
+        """Address ``src`` uses for ``dst``: the link address for a WAN neighbour (traffic on
+        that link), else the node address (traffic routed over the shortest path)."""
+        d = self.directions.get((src, dst))
+        if d is None:
+            return self.node_address(dst)
+        return link_ip(d.link, 0 if self.topo.links[d.link].a == dst else 1)
+
+    def address_map(self) -> dict[str, dict[str, str]]:
+        return {s: {d: self.peer_address(s, d) for d in self.topo.nodes if d != s} for s in self.topo.nodes}
+
+    # -- processes ---------------------------------------------------------------
+    def popen(self, dc: str, argv: list[str], **kw) -> subprocess.Popen:
+        """Start ``argv`` inside datacenter ``dc``; killed (whole process group) at stop()."""
+        kw.setdefault("stdout", subprocess.DEVNULL)
+        kw.setdefault("stderr", subprocess.DEVNULL)
+        p = self.hosts[dc].popen(argv, **kw)
+        self._procs.append((dc, p))
+        return p
+
+    def stop_processes(self, grace_s: float = 5.0) -> None:
+        """Wait up to ``grace_s`` for processes started with :meth:`popen`, then kill them."""
+        deadline = time.monotonic() + grace_s
+        for _, p in self._procs:
+            try:
+                p.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+            _kill(p)
+        self._procs.clear()
+
+    # -- live changes (dynamics and faults) --------------------------------------
+    def _event(self, kind: str, **info) -> None:
+        self.events.append({"t_s": round(time.time() - self.t0, 4), "event": kind, **info})
+
+    def set_rate(self, src: str, dst: str, rate_mbps: float) -> None:
+        d = self._direction(src, dst)
+        _batch(self.hosts[src], "tc", [" ".join(c[1:]) for c in
+                                       shaping.rate_change_commands(d.intf, rate_mbps, self.icmp_priority)])
+        d.spec = LinkDir(rate_mbps, d.spec.delay_ms, d.spec.jitter_ms, d.spec.loss, d.spec.queue_pkts)
+        self._event("rate", src=src, dst=dst, rate_mbps=rate_mbps)
+
+    def set_link(self, a: str, b: str, up: bool) -> None:
+        for src, dst in ((a, b), (b, a)):
+            d = self._direction(src, dst)
+            _exec(self.hosts[src], ["ip", "link", "set", d.intf, "up" if up else "down"])
+            d.up = up
+        if up:  # routes through the link were flushed when it went down
+            self._restore_routes()
+        self._event("link_up" if up else "link_down", a=a, b=b)
+
+    def set_host(self, dc: str, up: bool) -> None:
+        """Crash (kill every process started in ``dc`` and cut its links) or restart it."""
+        if not up:
+            for owner, p in self._procs:
+                if owner == dc:
+                    _kill(p)
+        for (src, dst) in list(self.directions):
+            if src == dc:
+                self.set_link(src, dst, up)
+        self._event("host_up" if up else "host_crash", dc=dc)
+
+    def _route_lines(self, dc: str, paths: dict) -> list[str]:
+        """``ip`` batch lines: a /32 route to every other node address, next hop = first hop
+        of the latency-shortest path, source = our node address (routable everywhere)."""
+        lines = []
+        for dst in self.topo.nodes:
+            path = paths.get((dc, dst))
+            if dst == dc or path is None:
+                continue
+            d = self.directions[(dc, path[1])]
+            nh_end = 0 if self.topo.links[d.link].a == path[1] else 1
+            lines.append(f"route replace {node_ip(self.index[dst])}/32 via {link_ip(d.link, nh_end)} "
+                         f"dev {d.intf} src {node_ip(self.index[dc])}")
+        return lines
+
+    def _restore_routes(self) -> None:
+        """Re-install routes after a link came back (the kernel drops them on link down);
+        routes over links that are still down fail and are skipped (-force)."""
+        paths = shortest_paths(self.topo.graph())
+        for dc, h in self.hosts.items():
+            _batch(h, "ip", self._route_lines(dc, paths), force=True)
+
+    def _direction(self, src: str, dst: str) -> Direction:
+        try:
+            return self.directions[(src, dst)]
+        except KeyError:
+            raise RunError(f"no WAN link {src} -> {dst}") from None
+
+    # -- reporting -----------------------------------------------------------------
+    def link_report(self) -> list[dict]:
+        return [d.report() for d in self.directions.values()]
+
+    def relay_stats(self) -> list[dict]:
+        return [r.stats() for r in self.relays]
+
+
+def _check(res: subprocess.CompletedProcess, what: str) -> None:
+    if res.returncode != 0:
+        raise RunError(f"{what} failed: {(res.stderr or res.stdout).strip()}")
+
+
+def _exec(node, argv: list[str]) -> str:
+    out, err, rc = node.pexec(argv)
+    if rc != 0:
+        raise RunError(f"{node.name}: '{' '.join(argv)}' failed: {(err or out).strip()}")
+    return out
+
+
+def _batch(node, tool: str, lines: list[str], force: bool = False) -> None:
+    """Run many ``ip``/``tc`` commands in ``node`` with one process (``-batch -``);
+    ``force`` goes on past failing lines (and does not raise)."""
+    if not lines:
+        return
+    res = subprocess.run(["mnexec", "-a", str(node.pid), tool, *(["-force"] if force else []), "-batch", "-"],
+                         input="\n".join(lines) + "\n", capture_output=True, text=True)
+    if res.returncode != 0 and not force:
+        raise RunError(f"{node.name}: {tool} -batch failed: {(res.stderr or res.stdout).strip()}")
+
+
+def _kill(p: subprocess.Popen) -> None:
+    """Kill a process started with ``mnexec -d`` (own session) and its whole group."""
+    if p.poll() is not None:
+        return
+    try:
+        os.killpg(p.pid, signal.SIGTERM)
+    except (ProcessLookupError, PermissionError):
+        pass
+    try:
+        p.wait(timeout=3)
+    except subprocess.TimeoutExpired:
+        try:
+            os.killpg(p.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        p.wait(timeout=3)

@@ -1,0 +1,1095 @@
+/*
+ * tbrelay.c -- user-space WAN delay / jitter / loss relay for the testbed.
+ *
+ * WHY USER SPACE
+ *   The kernel this project runs on has no netem.  Rate is shaped with HTB at
+ *   each sender's egress (elsewhere); one-way delay, jitter and loss are
+ *   emulated here.  Every emulated link A<->B is cut in two by this relay:
+ *
+ *     host A ns: A-ethX <-veth-> P  [relay ns]  Q <-veth-> B-ethY :host B ns
+ *
+ *   Every frame that arrives on P (sent by A) is held for the A->B delay
+ *   (+ jitter, unless lost) and then transmitted out of Q, so it reaches B;
+ *   symmetrically Q -> P with the B->A parameters.  One process serves many
+ *   links; the harness may run one process per core.
+ *
+ * DATA PATH (why it is cheap)
+ *   - One AF_PACKET socket per interface, bound to it with ETH_P_ALL, using a
+ *     TPACKET_V3 (block based) RX ring.  The kernel copies each frame once into
+ *     the shared ring and timestamps it; user space needs no syscall to read.
+ *   - THE RX RING IS THE DELAY LINE.  Frames are not copied out: a retired
+ *     block stays owned by user space until every frame in it has been sent,
+ *     then it is handed back to the kernel (blocks are released strictly in
+ *     ring order).  The ring is therefore sized from rate * (delay + jitter)
+ *     (config, with a cap); when it is full the kernel drops frames and counts
+ *     them (PACKET_STATISTICS) -> reported as "drop_ring" (overload).
+ *   - Per direction a small array of descriptors (pointer, length, due time)
+ *     is the queue: a FIFO ring (default) or a binary heap (reorder mode).
+ *   - Arrival time is the kernel's receive timestamp (CLOCK_REALTIME, mapped
+ *     to CLOCK_MONOTONIC), so it is exact however late user space looks at
+ *     the ring.  Because of that the relay does not have to wake up per
+ *     frame: in "poll" mode (all delays >= 4 ms) it only wakes for due times
+ *     and at least every rx_poll_us; with small delays the RX sockets are
+ *     also in epoll (edge-triggered, one wakeup per retired block).
+ *   - Transmission: sendmmsg() straight from the ring memory (batch of up to
+ *     `batch` frames, one syscall), PACKET_QDISC_BYPASS (no qdisc on the
+ *     relay side), PACKET_IGNORE_OUTGOING (never re-read what we sent).
+ *   - One epoll_pwait2() with a nanosecond timeout = earliest pending due
+ *     time; timer slack is set small (slack_us).  All frames due at wakeup are
+ *     sent round-robin over the directions.  Lateness (send time - due time)
+ *     is measured per frame (interpolated inside a sendmmsg batch) and kept in
+ *     a histogram.  Note: the TPACKET_V3 block-retire timeout (tov_ms, 1-4 ms)
+ *     bounds how soon a frame becomes visible, so delays below ~1-2 ms are
+ *     emulated late; this relay targets WAN delays (ms to 100s of ms).
+ *
+ * JITTER / ORDER
+ *   due = arrival + delay + J, J ~ Normal(0, jitter) truncated at +-3 sigma
+ *   (resampled), and never below arrival.  By default the relay keeps FIFO
+ *   order per direction:  due = max(previous due, arrival + delay + J).
+ *   Real WAN paths very rarely reorder, and reordering makes TCP see spurious
+ *   losses (dupacks), which would dominate the experiment.  netem WOULD
+ *   reorder; set "reorder 1" to get netem-like behaviour (heap by due time).
+ *
+ * LOSS
+ *   Independent Bernoulli(loss) per MTU segment, xoshiro256** RNG seeded per
+ *   direction from (seed, link, direction): reproducible for a given frame
+ *   sequence, independent of other links.
+ *
+ * OFFLOADS / GSO ("vnet" mode)
+ *   vnet 0 (plain mode): frames are relayed byte for byte.  Then the HOST-side
+ *   veth ends (A-ethX, B-ethY) must not produce GSO super-frames or partial
+ *   checksums:  ethtool -K A-ethX tx off tso off gso off   (tx off implies
+ *   no partial checksums; GRO on the relay-side ends must stay off, the veth
+ *   default).  Frames with an incomplete checksum would be delivered with a
+ *   wrong checksum, frames > MTU cannot be sent (counted in drop_tx).
+ *   vnet 1 (default): PACKET_VNET_HDR on every socket; each frame carries a
+ *   virtio_net_hdr, so GSO super-frames (up to 64 KB) and partial checksums
+ *   pass through unchanged and offloads may stay ON -- far fewer frames per
+ *   second.  Loss stays per-MTU-segment correct: each super-frame of N
+ *   segments draws N Bernoulli samples; if some (not all) segments are lost,
+ *   a TCP super-frame is segmented in user space (headers rebuilt, checksums
+ *   recomputed) and only the surviving segments are sent.  Non-TCP GSO
+ *   (UDP GSO) and super-frames of > 64 segments are dropped as a whole when
+ *   any of their segments is lost (approximation; counted per segment).
+ *
+ * CONFIG (argv[1]) -- trivial line format written by the Python wrapper:
+ *   seed N | reorder 0/1 | vnet 0/1 | cpu N | rtprio N | slack_us N |
+ *   tov_ms N (0 = auto) | batch N | rx_poll_us N (-1 = auto) | max_ring_mb N | spin_us N |
+ *   spin_pct N (CPU share the early-wake spinning may use)
+ *   link P Q  ab_delay_us ab_jitter_us ab_loss  ba_delay_us ba_jitter_us ba_loss  rate_mbps
+ * Runtime control on stdin (one command per line):
+ *   set LINK ab|ba DELAY_US JITTER_US LOSS      stats
+ * Output (stdout, one JSON object per line): {"event":"ready"...} once set up,
+ *   {"event":"stats"...} on SIGUSR1 or "stats", {"event":"exit"...} on
+ *   SIGTERM/SIGINT/SIGHUP/EOF-free exit (then exit status 0).
+ */
+#define _GNU_SOURCE
+#include <arpa/inet.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <inttypes.h>
+#include <linux/if_ether.h>
+#include <linux/if_packet.h>
+#include <linux/virtio_net.h>
+#include <math.h>
+#include <net/if.h>
+#include <sched.h>
+#include <signal.h>
+#include <stdarg.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/epoll.h>
+#include <sys/mman.h>
+#include <sys/prctl.h>
+#include <sys/resource.h>
+#include <sys/signalfd.h>
+#include <sys/socket.h>
+#include <sys/uio.h>
+#include <time.h>
+#include <unistd.h>
+
+#ifndef PACKET_QDISC_BYPASS
+#define PACKET_QDISC_BYPASS 20
+#endif
+#ifndef PACKET_IGNORE_OUTGOING
+#define PACKET_IGNORE_OUTGOING 23
+#endif
+
+#define MAX_BATCH 256
+#define VNET_LEN ((uint32_t)sizeof(struct virtio_net_hdr))
+#define NSEC 1000000000LL
+#define HIST_N 281 /* lateness buckets, see hist_idx() */
+
+/* ---------------------------------------------------------------- utils */
+
+static void die(const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    fprintf(stderr, "tbrelay: ");
+    vfprintf(stderr, fmt, ap);
+    fprintf(stderr, "\n");
+    va_end(ap);
+    exit(2);
+}
+
+static inline int64_t clock_ns(clockid_t c)
+{
+    struct timespec ts;
+    clock_gettime(c, &ts);
+    return ts.tv_sec * NSEC + ts.tv_nsec;
+}
+static inline int64_t mono_ns(void) { return clock_ns(CLOCK_MONOTONIC); }
+
+/* xoshiro256** seeded with splitmix64 */
+typedef struct { uint64_t s[4]; } rng_t;
+static uint64_t splitmix64(uint64_t *x)
+{
+    uint64_t z = (*x += 0x9e3779b97f4a7c15ULL);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
+    return z ^ (z >> 31);
+}
+static void rng_seed(rng_t *r, uint64_t seed)
+{
+    for (int i = 0; i < 4; i++) r->s[i] = splitmix64(&seed);
+}
+static inline uint64_t rotl(uint64_t x, int k) { return (x << k) | (x >> (64 - k)); }
+static inline uint64_t rng_next(rng_t *r)
+{
+    uint64_t *s = r->s, res = rotl(s[1] * 5, 7) * 9, t = s[1] << 17;
+    s[2] ^= s[0]; s[3] ^= s[1]; s[1] ^= s[2]; s[0] ^= s[3]; s[2] ^= t; s[3] = rotl(s[3], 45);
+    return res;
+}
+static inline double rng_unit(rng_t *r) { return (rng_next(r) >> 11) * 0x1.0p-53; }
+
+/* ------------------------------------------------------------ structures */
+
+typedef struct {
+    uint8_t *data;     /* what is sent: vnet hdr (vnet mode) + L2 frame, in the ring */
+    uint32_t len;      /* bytes to send */
+    uint32_t block;    /* ring block that holds the frame */
+    int64_t due;       /* CLOCK_MONOTONIC ns */
+    uint64_t lossmask; /* GSO frames: bit i = segment i lost (=> user-space segmentation) */
+    uint32_t segs;     /* MTU segments in this frame (1 unless GSO) */
+    uint32_t seq;      /* arrival order (heap tie break) */
+} entry_t;
+
+typedef struct {
+    uint64_t frames_in, bytes_in, segs_in;
+    uint64_t frames_out, bytes_out, segs_out;
+    uint64_t lost_segs, lost_frames;   /* dropped by the loss model */
+    uint64_t drop_ring;                /* kernel: ring full (overload) */
+    uint64_t drop_queue;               /* descriptor queue full (should not happen) */
+    uint64_t drop_tx;                  /* sendmmsg hard errors */
+    uint64_t drop_trunc;               /* frame larger than a ring block */
+    uint64_t gso_frames, gso_split;    /* super-frames seen / segmented for loss */
+    uint64_t tx_retry;                 /* ENOBUFS/EAGAIN, retried later */
+    uint64_t ring_freezes;
+    uint64_t max_backlog, max_backlog_bytes;
+    int64_t late_max;                  /* ns */
+    int64_t rxlag_max, rxlag_sum;      /* ns from kernel timestamp to harvest */
+    uint64_t hist[HIST_N];
+} stats_t;
+
+struct dir;
+
+typedef struct port {
+    char name[IFNAMSIZ];
+    int fd, ifindex;
+    uint8_t *map;
+    size_t map_len;
+    uint32_t bsize, nblk, tov_ms;
+    uint32_t cur;      /* next block the kernel will hand us */
+    uint32_t head;     /* oldest block we still own */
+    uint32_t owned;    /* blocks in [head, cur) */
+    uint32_t *pending; /* per block: queued frames not yet sent */
+    struct dir *rxdir; /* direction fed by frames arriving on this port */
+} port_t;
+
+typedef struct dir {
+    port_t *in, *out;
+    int link, ba; /* ba=0: A->B (in = P), ba=1: B->A (in = Q) */
+    int64_t delay, jitter;
+    double loss;
+    uint64_t loss_thr; /* loss * 2^53 */
+    rng_t rng;
+    double spare;
+    int has_spare;
+    entry_t *q;
+    uint32_t cap, qhead, qlen, seq;
+    uint64_t qbytes;
+    int64_t last_due;
+    int retry; /* tx hit ENOBUFS: retry soon */
+    stats_t st;
+} dir_t;
+
+static struct {
+    uint64_t seed;
+    int reorder, vnet, cpu, rtprio, slack_us, tov_ms, batch, rx_poll_us, max_ring_mb, spin_us, spin_pct;
+} cfg = {0, 0, 1, -1, 0, 20, 0, 64, -1, 256, 150, 5};
+
+static port_t *ports;
+static dir_t *dirs;
+static int nports, ndirs, nlinks;
+static double *link_rate; /* Mbit/s, for ring sizing */
+static uint64_t n_wakeups, n_loops, n_sendcalls;
+static int64_t send_call_max, wake_late_max; /* ns: longest sendmmsg, worst timer overshoot */
+static int64_t t_start;
+
+/* --------------------------------------------------------------- config */
+
+static void set_dir_params(dir_t *d, double delay_us, double jitter_us, double loss)
+{
+    if (delay_us < 0 || jitter_us < 0 || loss < 0 || loss > 1 || !isfinite(delay_us) ||
+        !isfinite(jitter_us) || !isfinite(loss)) {
+        fprintf(stderr, "tbrelay: bad parameters %g %g %g ignored\n", delay_us, jitter_us, loss);
+        return;
+    }
+    d->delay = (int64_t)llround(delay_us * 1000.0);
+    d->jitter = (int64_t)llround(jitter_us * 1000.0);
+    d->loss = loss;
+    d->loss_thr = loss >= 1.0 ? (1ULL << 53) : (uint64_t)(loss * 0x1.0p53);
+}
+
+static void parse_config(const char *path)
+{
+    FILE *f = fopen(path, "r");
+    if (!f) die("cannot open config %s: %s", path, strerror(errno));
+    char line[1024];
+    int cap = 0, lineno = 0;
+    while (fgets(line, sizeof line, f)) {
+        lineno++;
+        char *s = line;
+        while (*s == ' ' || *s == '\t') s++;
+        if (*s == '#' || *s == '\n' || *s == 0) continue;
+        char key[32];
+        long long v;
+        if (strncmp(s, "link ", 5) == 0) {
+            char p[IFNAMSIZ], q[IFNAMSIZ];
+            double ad, aj, al, bd, bj, bl, rate;
+            if (sscanf(s, "link %15s %15s %lf %lf %lf %lf %lf %lf %lf", p, q, &ad, &aj, &al, &bd,
+                       &bj, &bl, &rate) != 9)
+                die("%s:%d: bad link line", path, lineno);
+            if (nlinks == cap) {
+                cap = cap ? cap * 2 : 16;
+                ports = realloc(ports, sizeof(port_t) * 2 * cap);
+                dirs = realloc(dirs, sizeof(dir_t) * 2 * cap);
+                link_rate = realloc(link_rate, sizeof(double) * cap);
+            }
+            int i = nlinks++;
+            port_t *pp = &ports[2 * i], *pq = &ports[2 * i + 1];
+            memset(pp, 0, sizeof *pp * 2);
+            memset(&dirs[2 * i], 0, sizeof(dir_t) * 2);
+            memcpy(pp->name, p, IFNAMSIZ);
+            memcpy(pq->name, q, IFNAMSIZ);
+            dir_t *ab = &dirs[2 * i], *ba = &dirs[2 * i + 1];
+            ab->in = pp; ab->out = pq; ab->link = i; ab->ba = 0;
+            ba->in = pq; ba->out = pp; ba->link = i; ba->ba = 1;
+            set_dir_params(ab, ad, aj, al);
+            set_dir_params(ba, bd, bj, bl);
+            if (ab->loss != al || ba->loss != bl) die("%s:%d: bad parameters", path, lineno);
+            link_rate[i] = rate > 0 ? rate : 1000;
+            continue;
+        }
+        if (sscanf(s, "%31s %lld", key, &v) != 2) die("%s:%d: cannot parse: %s", path, lineno, s);
+        if (!strcmp(key, "seed")) cfg.seed = (uint64_t)v;
+        else if (!strcmp(key, "reorder")) cfg.reorder = !!v;
+        else if (!strcmp(key, "vnet")) cfg.vnet = !!v;
+        else if (!strcmp(key, "cpu")) cfg.cpu = (int)v;
+        else if (!strcmp(key, "rtprio")) cfg.rtprio = (int)v;
+        else if (!strcmp(key, "slack_us")) cfg.slack_us = (int)v;
+        else if (!strcmp(key, "tov_ms")) cfg.tov_ms = v < 0 ? 0 : (int)v;
+        else if (!strcmp(key, "batch")) cfg.batch = v < 1 ? 1 : v > MAX_BATCH ? MAX_BATCH : (int)v;
+        else if (!strcmp(key, "rx_poll_us")) cfg.rx_poll_us = (int)v;
+        else if (!strcmp(key, "spin_us")) cfg.spin_us = v < 0 ? 0 : (int)v;
+        else if (!strcmp(key, "spin_pct")) cfg.spin_pct = v < 0 ? 0 : v > 100 ? 100 : (int)v;
+        else if (!strcmp(key, "max_ring_mb")) cfg.max_ring_mb = v < 1 ? 1 : (int)v;
+        else die("%s:%d: unknown key %s", path, lineno, key);
+    }
+    fclose(f);
+    if (!nlinks) die("%s: no link lines", path);
+    nports = ndirs = 2 * nlinks;
+    for (int i = 0; i < ndirs; i++) {
+        dirs[i].in->rxdir = &dirs[i];
+        rng_seed(&dirs[i].rng, cfg.seed * 0x100000001b3ULL ^ (uint64_t)(i + 1) * 0x9e3779b97f4a7c15ULL);
+    }
+}
+
+/* ------------------------------------------------------------- sockets */
+
+static void setup_port(port_t *p, dir_t *d)
+{
+    int one = 1, v3 = TPACKET_V3;
+    p->ifindex = if_nametoindex(p->name);
+    if (!p->ifindex) die("no such interface %s (in this namespace)", p->name);
+    p->fd = socket(AF_PACKET, SOCK_RAW | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+    if (p->fd < 0) die("socket(AF_PACKET): %s (need root/CAP_NET_RAW)", strerror(errno));
+    if (setsockopt(p->fd, SOL_PACKET, PACKET_VERSION, &v3, sizeof v3))
+        die("PACKET_VERSION: %s", strerror(errno));
+    if (cfg.vnet && setsockopt(p->fd, SOL_PACKET, PACKET_VNET_HDR, &one, sizeof one))
+        die("PACKET_VNET_HDR: %s (use vnet 0)", strerror(errno));
+
+    /* Block retire timeout: a frame is visible to us at most ~tov after it
+     * arrived, which is harmless while tov << delay; longer tov = fuller
+     * blocks and fewer wakeups.  Auto (tov_ms 0): delay/10 within [1, 4] ms. */
+    int tov = cfg.tov_ms;
+    if (tov <= 0) {
+        tov = (int)(d->delay / 10000000);
+        tov = tov < 1 ? 1 : tov > 4 ? 4 : tov;
+    }
+    p->tov_ms = tov;
+    /* Ring size.  Every block is used for at least one tov (partially filled
+     * at low rates), and is held until its last frame is due, so we need
+     * hold/tov blocks, and rate*hold bytes at full rate; both x2, plus 16
+     * blocks of slack: the relay can be stalled for roughly as long as the
+     * delay before the kernel has to drop ("drop_ring"). */
+    double hold_s = (d->delay + 3 * d->jitter) / 1e9 + 0.005 + tov / 1e3;
+    double bytes = link_rate[d->link] * 1e6 / 8 * hold_s;
+    p->bsize = cfg.vnet ? (1u << 17) : (1u << 16); /* a block must hold a 64 KB GSO frame */
+    uint64_t nblk = (uint64_t)(2 * bytes / p->bsize);
+    uint64_t nblk_t = (uint64_t)(2 * hold_s * 1000.0 / tov);
+    if (nblk < nblk_t) nblk = nblk_t;
+    nblk += 16;
+    if (nblk < 32) nblk = 32;
+    uint64_t maxblk = (uint64_t)cfg.max_ring_mb * 1024 * 1024 / p->bsize;
+    if (maxblk < 8) maxblk = 8;
+    if (nblk > maxblk) {
+        fprintf(stderr, "tbrelay: %s: ring capped at %d MB (wanted %.0f MB)\n", p->name,
+                cfg.max_ring_mb, (double)nblk * p->bsize / 1048576.0);
+        nblk = maxblk;
+    }
+    p->nblk = (uint32_t)nblk;
+    struct tpacket_req3 req = {
+        .tp_block_size = p->bsize,
+        .tp_block_nr = p->nblk,
+        .tp_frame_size = 2048,
+        .tp_frame_nr = (p->bsize / 2048) * p->nblk,
+        .tp_retire_blk_tov = (unsigned)tov,
+        .tp_sizeof_priv = 0,
+        .tp_feature_req_word = 0,
+    };
+    if (setsockopt(p->fd, SOL_PACKET, PACKET_RX_RING, &req, sizeof req))
+        die("PACKET_RX_RING (%u x %u): %s", p->nblk, p->bsize, strerror(errno));
+    p->map_len = (size_t)p->bsize * p->nblk;
+    p->map = mmap(NULL, p->map_len, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, p->fd, 0);
+    if (p->map == MAP_FAILED) die("mmap ring: %s", strerror(errno));
+    p->pending = calloc(p->nblk, sizeof(uint32_t));
+
+    setsockopt(p->fd, SOL_PACKET, PACKET_QDISC_BYPASS, &one, sizeof one);
+    if (setsockopt(p->fd, SOL_PACKET, PACKET_IGNORE_OUTGOING, &one, sizeof one))
+        fprintf(stderr, "tbrelay: PACKET_IGNORE_OUTGOING unsupported, filtering in user space\n");
+    int sndbuf = 64 << 20;
+    if (setsockopt(p->fd, SOL_SOCKET, SO_SNDBUFFORCE, &sndbuf, sizeof sndbuf))
+        setsockopt(p->fd, SOL_SOCKET, SO_SNDBUF, &sndbuf, sizeof sndbuf);
+
+    struct sockaddr_ll sll = {.sll_family = AF_PACKET,
+                              .sll_protocol = htons(ETH_P_ALL),
+                              .sll_ifindex = p->ifindex};
+    if (bind(p->fd, (struct sockaddr *)&sll, sizeof sll))
+        die("bind %s: %s", p->name, strerror(errno));
+
+    /* descriptor queue of the direction fed by this port: one per possible
+     * frame in the ring (smallest ring slot is ~128 bytes). */
+    d->cap = (uint32_t)(p->map_len / 128) + 64;
+    d->q = malloc(sizeof(entry_t) * d->cap);
+    if (!d->q) die("out of memory");
+}
+
+/* ---------------------------------------------------------------- queue */
+/* FIFO (circular) unless cfg.reorder, then a min-heap on (due, seq). */
+
+static inline int ent_less(const entry_t *a, const entry_t *b)
+{
+    return a->due < b->due || (a->due == b->due && (int32_t)(a->seq - b->seq) < 0);
+}
+
+static void q_push(dir_t *d, const entry_t *e)
+{
+    if (!cfg.reorder) {
+        uint32_t i = d->qhead + d->qlen;
+        if (i >= d->cap) i -= d->cap;
+        d->q[i] = *e;
+    } else {
+        uint32_t i = d->qlen;
+        while (i > 0) {
+            uint32_t par = (i - 1) / 2;
+            if (!ent_less(e, &d->q[par])) break;
+            d->q[i] = d->q[par];
+            i = par;
+        }
+        d->q[i] = *e;
+    }
+    d->qlen++;
+    d->qbytes += e->len;
+}
+
+static inline entry_t *q_top(dir_t *d) { return d->qlen ? &d->q[cfg.reorder ? 0 : d->qhead] : NULL; }
+
+static void q_pop(dir_t *d)
+{
+    d->qbytes -= q_top(d)->len;
+    if (!cfg.reorder) {
+        if (++d->qhead == d->cap) d->qhead = 0;
+        d->qlen--;
+        return;
+    }
+    entry_t last = d->q[--d->qlen];
+    uint32_t i = 0, n = d->qlen;
+    for (;;) {
+        uint32_t c = 2 * i + 1;
+        if (c >= n) break;
+        if (c + 1 < n && ent_less(&d->q[c + 1], &d->q[c])) c++;
+        if (!ent_less(&d->q[c], &last)) break;
+        d->q[i] = d->q[c];
+        i = c;
+    }
+    if (n) d->q[i] = last;
+}
+
+/* Put back frames that could not be sent (tx ENOBUFS); `b` holds them in the
+ * order they were popped. */
+static void q_unpop(dir_t *d, entry_t *b, int n)
+{
+    if (!cfg.reorder) {
+        for (int i = n - 1; i >= 0; i--) {
+            d->qhead = d->qhead ? d->qhead - 1 : d->cap - 1;
+            d->q[d->qhead] = b[i];
+            d->qlen++;
+            d->qbytes += b[i].len;
+        }
+    } else {
+        for (int i = 0; i < n; i++) q_push(d, &b[i]);
+    }
+}
+
+/* ----------------------------------------------------------------- RX */
+
+static double normal(dir_t *d)
+{
+    if (d->has_spare) {
+        d->has_spare = 0;
+        return d->spare;
+    }
+    double u, v, s;
+    do {
+        u = rng_unit(&d->rng) * 2 - 1;
+        v = rng_unit(&d->rng) * 2 - 1;
+        s = u * u + v * v;
+    } while (s >= 1 || s == 0);
+    s = sqrt(-2.0 * log(s) / s);
+    d->spare = v * s;
+    d->has_spare = 1;
+    return u * s;
+}
+
+/* L3/L4 layout of a frame; returns 0 if not IPv4/IPv6. */
+typedef struct { uint32_t l3, l4, hdrs; int v6, proto; } layout_t;
+
+static int parse_layout(const uint8_t *f, uint32_t len, layout_t *o)
+{
+    uint32_t l3 = 14;
+    if (len < 14) return 0;
+    uint16_t et = (uint16_t)(f[12] << 8 | f[13]);
+    if (et == 0x8100 || et == 0x88a8) {
+        if (len < 18) return 0;
+        et = (uint16_t)(f[16] << 8 | f[17]);
+        l3 = 18;
+    }
+    if (et == 0x0800) {
+        if (len < l3 + 20) return 0;
+        o->v6 = 0;
+        o->proto = f[l3 + 9];
+        o->l4 = l3 + (f[l3] & 15) * 4;
+    } else if (et == 0x86dd) {
+        if (len < l3 + 40) return 0;
+        o->v6 = 1;
+        o->proto = f[l3 + 6]; /* extension headers not handled */
+        o->l4 = l3 + 40;
+    } else
+        return 0;
+    o->l3 = l3;
+    if (o->proto == 6) {
+        if (len < o->l4 + 20) return 0;
+        o->hdrs = o->l4 + (f[o->l4 + 12] >> 4) * 4;
+    } else if (o->proto == 17) {
+        o->hdrs = o->l4 + 8;
+    } else
+        return 0;
+    return o->hdrs <= len;
+}
+
+/* Account and enqueue one received frame. */
+static void rx_frame(dir_t *d, port_t *p, uint8_t *data, uint32_t len, int64_t arrival)
+{
+    stats_t *st = &d->st;
+    const uint32_t vl = cfg.vnet ? VNET_LEN : 0;
+    uint32_t segs = 1;
+    if (cfg.vnet) {
+        struct virtio_net_hdr *vh = (struct virtio_net_hdr *)data;
+        vh->flags &= VIRTIO_NET_HDR_F_NEEDS_CSUM; /* DATA_VALID is rx-only */
+        if ((vh->gso_type & ~VIRTIO_NET_HDR_GSO_ECN) != VIRTIO_NET_HDR_GSO_NONE && vh->gso_size) {
+            layout_t lo;
+            uint32_t fl = len - vl;
+            if (parse_layout(data + vl, fl, &lo) && fl > lo.hdrs)
+                segs = (fl - lo.hdrs + vh->gso_size - 1) / vh->gso_size;
+            st->gso_frames++;
+        }
+    }
+    st->frames_in++;
+    st->bytes_in += len - vl;
+    st->segs_in += segs;
+
+    uint64_t lossmask = 0;
+    uint32_t nlost = 0;
+    if (d->loss_thr) {
+        for (uint32_t i = 0; i < segs; i++)
+            if ((rng_next(&d->rng) >> 11) < d->loss_thr) {
+                nlost++;
+                if (i < 64) lossmask |= 1ULL << i;
+            }
+    }
+    if (nlost) {
+        layout_t lo;
+        int splittable = segs > 1 && segs <= 64 && nlost < segs &&
+                         parse_layout(data + vl, len - vl, &lo) && lo.proto == 6;
+        st->lost_segs += splittable ? nlost : segs;
+        if (!splittable) {
+            st->lost_frames++;
+            return;
+        }
+        st->gso_split++;
+    }
+    if (d->qlen >= d->cap) {
+        st->drop_queue++;
+        return;
+    }
+    int64_t due = arrival + d->delay;
+    if (d->jitter) {
+        double z;
+        do z = normal(d); while (z > 3.0 || z < -3.0); /* truncated at +-3 sigma */
+        due += (int64_t)(z * (double)d->jitter);
+        if (due < arrival) due = arrival;
+    }
+    if (!cfg.reorder && due < d->last_due) due = d->last_due; /* FIFO: never reorder */
+    d->last_due = due;
+    entry_t e = {.data = data, .len = len, .block = p->cur, .due = due,
+                 .lossmask = lossmask, .segs = segs, .seq = d->seq++};
+    q_push(d, &e);
+    p->pending[p->cur]++;
+    if (d->qlen > st->max_backlog) st->max_backlog = d->qlen;
+    if (d->qbytes > st->max_backlog_bytes) st->max_backlog_bytes = d->qbytes;
+}
+
+/* Take every block the kernel has retired since last time. */
+static void harvest(port_t *p, int64_t now, int64_t rt_minus_mono)
+{
+    dir_t *d = p->rxdir;
+    while (p->owned < p->nblk) {
+        struct tpacket_block_desc *bd = (void *)(p->map + (size_t)p->cur * p->bsize);
+        if (!(__atomic_load_n(&bd->hdr.bh1.block_status, __ATOMIC_ACQUIRE) & TP_STATUS_USER)) break;
+        uint32_t n = bd->hdr.bh1.num_pkts;
+        uint8_t *ptr = (uint8_t *)bd + bd->hdr.bh1.offset_to_first_pkt;
+        for (uint32_t i = 0; i < n; i++) {
+            struct tpacket3_hdr *h = (void *)ptr;
+            struct sockaddr_ll *sll = (void *)(ptr + TPACKET_ALIGN(sizeof(struct tpacket3_hdr)));
+            if (sll->sll_pkttype != PACKET_OUTGOING) {
+                if (h->tp_snaplen < h->tp_len) {
+                    d->st.drop_trunc++;
+                } else {
+                    int64_t arr = (int64_t)h->tp_sec * NSEC + h->tp_nsec - rt_minus_mono;
+                    if (arr > now || arr < now - 10 * NSEC) arr = now; /* sanity */
+                    int64_t lag = now - arr;
+                    d->st.rxlag_sum += lag;
+                    if (lag > d->st.rxlag_max) d->st.rxlag_max = lag;
+                    uint8_t *data = ptr + h->tp_mac;
+                    uint32_t len = h->tp_snaplen;
+                    if (cfg.vnet) {
+                        data -= VNET_LEN;
+                        len += VNET_LEN;
+                    }
+                    rx_frame(d, p, data, len, arr);
+                }
+            }
+            ptr += h->tp_next_offset;
+        }
+        if (++p->cur == p->nblk) p->cur = 0;
+        p->owned++;
+    }
+}
+
+/* Give fully sent blocks back to the kernel, strictly in ring order. */
+static void release_blocks(port_t *p)
+{
+    while (p->owned && p->pending[p->head] == 0) {
+        struct tpacket_block_desc *bd = (void *)(p->map + (size_t)p->head * p->bsize);
+        __atomic_store_n(&bd->hdr.bh1.block_status, TP_STATUS_KERNEL, __ATOMIC_RELEASE);
+        if (++p->head == p->nblk) p->head = 0;
+        p->owned--;
+    }
+}
+
+/* ----------------------------------------------------------------- TX */
+
+static inline int hist_idx(int64_t late_ns)
+{
+    int64_t us = late_ns / 1000;
+    if (us < 0) us = 0;
+    if (us < 1000) return (int)(us / 10);
+    if (us < 10000) return 100 + (int)((us - 1000) / 100);
+    if (us < 100000) return 190 + (int)((us - 10000) / 1000);
+    return HIST_N - 1;
+}
+static double hist_upper_us(int i)
+{
+    if (i < 100) return (i + 1) * 10.0;
+    if (i < 190) return 1000.0 + (i - 99) * 100.0;
+    if (i < 280) return 10000.0 + (i - 189) * 1000.0;
+    return INFINITY;
+}
+
+static void sent_ok(dir_t *d, const entry_t *e, int64_t t_sent)
+{
+    stats_t *st = &d->st;
+    uint32_t vl = cfg.vnet ? VNET_LEN : 0;
+    st->frames_out++;
+    st->bytes_out += e->len - vl;
+    st->segs_out += e->segs - (uint32_t)__builtin_popcountll(e->lossmask);
+    int64_t late = t_sent - e->due;
+    if (late > st->late_max) st->late_max = late;
+    st->hist[hist_idx(late)]++;
+    d->in->pending[e->block]--;
+}
+
+static inline void csum_add(uint32_t *sum, const uint8_t *p, uint32_t n)
+{
+    uint64_t s = *sum;
+    while (n >= 2) {
+        s += (uint32_t)(p[0] << 8 | p[1]);
+        p += 2;
+        n -= 2;
+    }
+    if (n) s += (uint32_t)(p[0] << 8);
+    while (s >> 16) s = (s & 0xffff) + (s >> 16);
+    *sum = (uint32_t)s;
+}
+static inline uint16_t csum_fold(uint32_t s)
+{
+    while (s >> 16) s = (s & 0xffff) + (s >> 16);
+    return (uint16_t)~s;
+}
+static inline void put16(uint8_t *p, uint32_t v) { p[0] = (uint8_t)(v >> 8); p[1] = (uint8_t)v; }
+
+/* Software TCP segmentation of a GSO super-frame, emitting only the segments
+ * whose bit in lossmask is clear, into `scratch`; returns #messages. */
+static int tcp_segment(const entry_t *e, uint8_t *scratch, size_t scap, struct mmsghdr *m,
+                       struct iovec *iov)
+{
+    const uint8_t *f = e->data + VNET_LEN;
+    uint32_t flen = e->len - VNET_LEN;
+    const struct virtio_net_hdr *vh = (const void *)e->data;
+    layout_t lo;
+    if (!parse_layout(f, flen, &lo) || lo.proto != 6) return 0;
+    uint32_t mss = vh->gso_size, payload = flen - lo.hdrs, off = 0, seq0;
+    seq0 = (uint32_t)f[lo.l4 + 4] << 24 | f[lo.l4 + 5] << 16 | f[lo.l4 + 6] << 8 | f[lo.l4 + 7];
+    uint16_t id0 = (uint16_t)(f[lo.l3 + 4] << 8 | f[lo.l3 + 5]);
+    uint8_t flags0 = f[lo.l4 + 13];
+    size_t used = 0;
+    int nm = 0;
+    for (uint32_t i = 0; off < payload; i++, off += mss) {
+        uint32_t seg = payload - off < mss ? payload - off : mss;
+        int last = off + seg >= payload;
+        if (i < 64 && (e->lossmask >> i) & 1) continue;
+        size_t need = VNET_LEN + lo.hdrs + seg;
+        if (used + need > scap) break;
+        uint8_t *o = scratch + used;
+        memset(o, 0, VNET_LEN); /* plain frame: full checksums, no GSO */
+        uint8_t *g = o + VNET_LEN;
+        memcpy(g, f, lo.hdrs);
+        memcpy(g + lo.hdrs, f + lo.hdrs + off, seg);
+        uint32_t l4len = lo.hdrs - lo.l4 + seg;
+        uint8_t *ip = g + lo.l3, *th = g + lo.l4;
+        if (!lo.v6) {
+            put16(ip + 2, lo.l4 - lo.l3 + l4len);
+            put16(ip + 4, (uint16_t)(id0 + i));
+            put16(ip + 10, 0);
+            uint32_t s = 0;
+            csum_add(&s, ip, lo.l4 - lo.l3);
+            put16(ip + 10, csum_fold(s));
+        } else {
+            put16(ip + 4, l4len);
+        }
+        uint32_t sq = seq0 + off;
+        th[4] = (uint8_t)(sq >> 24); th[5] = (uint8_t)(sq >> 16); th[6] = (uint8_t)(sq >> 8); th[7] = (uint8_t)sq;
+        uint8_t fl = flags0;
+        if (!last) fl &= (uint8_t)~0x09; /* FIN, PSH only on the last segment */
+        if (i) fl &= (uint8_t)~0x80;     /* CWR only on the first */
+        th[13] = fl;
+        put16(th + 16, 0);
+        uint32_t s = 0;
+        uint8_t ph[8];
+        if (!lo.v6) csum_add(&s, ip + 12, 8);
+        else csum_add(&s, ip + 8, 32);
+        ph[0] = 0; ph[1] = 6; put16(ph + 2, 0); /* proto */
+        csum_add(&s, ph, 2);
+        put16(ph, l4len >> 16); put16(ph + 2, l4len & 0xffff);
+        csum_add(&s, ph, 4);
+        csum_add(&s, th, l4len);
+        put16(th + 16, csum_fold(s));
+        iov[nm].iov_base = o;
+        iov[nm].iov_len = need;
+        memset(&m[nm], 0, sizeof m[nm]);
+        m[nm].msg_hdr.msg_iov = &iov[nm];
+        m[nm].msg_hdr.msg_iovlen = 1;
+        nm++;
+        used += (need + 15) & ~(size_t)15;
+        if (nm == 64) break;
+    }
+    return nm;
+}
+
+static int is_transient(int err) { return err == ENOBUFS || err == EAGAIN || err == ENOMEM || err == EINTR; }
+
+/* Send up to cfg.batch due frames of d.  Returns 1 if anything was sent. */
+static int tx_batch(dir_t *d, int64_t now)
+{
+    static entry_t b[MAX_BATCH];
+    static struct mmsghdr m[MAX_BATCH];
+    static struct iovec iov[MAX_BATCH];
+    static uint8_t scratch[64 * 2048 + 65536 + 4096];
+    int n = 0;
+    entry_t *t;
+    while (n < cfg.batch && (t = q_top(d)) && t->due <= now) {
+        if (t->lossmask) {
+            if (n) break; /* send what we have first */
+            entry_t e = *t;
+            q_pop(d);
+            int nm = tcp_segment(&e, scratch, sizeof scratch, m, iov);
+            int64_t t0 = mono_ns();
+            int k = nm ? sendmmsg(d->out->fd, m, (unsigned)nm, MSG_DONTWAIT) : 0;
+            n_sendcalls++;
+            if (k < 0 && is_transient(errno)) {
+                d->st.tx_retry++;
+                q_unpop(d, &e, 1);
+                d->retry = 1;
+                return 0;
+            }
+            if (k <= 0 && nm) { /* hard error: the whole frame is lost */
+                d->st.drop_tx++;
+                d->in->pending[e.block]--;
+                return 1;
+            }
+            sent_ok(d, &e, t0); /* (a partial send counts as sent) */
+            return 1;
+        }
+        b[n] = *t;
+        q_pop(d);
+        iov[n].iov_base = b[n].data;
+        iov[n].iov_len = b[n].len;
+        memset(&m[n], 0, sizeof m[n]);
+        m[n].msg_hdr.msg_iov = &iov[n];
+        m[n].msg_hdr.msg_iovlen = 1;
+        n++;
+    }
+    if (!n) return 0;
+    int done = 0;
+    while (done < n) {
+        int64_t t0 = mono_ns();
+        int k = sendmmsg(d->out->fd, m + done, (unsigned)(n - done), MSG_DONTWAIT);
+        int64_t t1 = mono_ns();
+        n_sendcalls++;
+        if (t1 - t0 > send_call_max) send_call_max = t1 - t0;
+        if (k > 0) {
+            /* frame i is handed to the device at ~ t0 + (t1-t0)*i/k (the
+             * syscall also runs the receivers' stack in softirq context, so
+             * t1 is later than the frame's departure) */
+            for (int i = 0; i < k; i++)
+                sent_ok(d, &b[done + i], t0 + (t1 - t0) * i / k);
+            done += k;
+            continue;
+        }
+        if (k < 0 && is_transient(errno)) {
+            d->st.tx_retry++;
+            q_unpop(d, b + done, n - done);
+            d->retry = 1;
+            return done > 0;
+        }
+        /* hard error on frame `done` (e.g. EMSGSIZE: frame > MTU, ENXIO/ENETDOWN) */
+        static int warned;
+        if (warned++ < 5)
+            fprintf(stderr, "tbrelay: send on %s: %s (len %u)\n", d->out->name, strerror(errno),
+                    b[done].len);
+        d->st.drop_tx++;
+        d->in->pending[b[done].block]--;
+        done++;
+    }
+    return 1;
+}
+
+/* -------------------------------------------------------------- stats */
+
+static void poll_kernel_stats(void)
+{
+    for (int i = 0; i < nports; i++) {
+        struct tpacket_stats_v3 ks;
+        socklen_t l = sizeof ks;
+        if (getsockopt(ports[i].fd, SOL_PACKET, PACKET_STATISTICS, &ks, &l) == 0) {
+            ports[i].rxdir->st.drop_ring += ks.tp_drops;
+            ports[i].rxdir->st.ring_freezes += ks.tp_freeze_q_cnt;
+        }
+    }
+}
+
+static void emit_stats(const char *event)
+{
+    poll_kernel_stats();
+    size_t cap = 4096 + (size_t)ndirs * 1536, n = 0;
+    char *buf = malloc(cap);
+    struct rusage ru;
+    getrusage(RUSAGE_SELF, &ru);
+    int64_t now = mono_ns();
+#define P(...) n += (size_t)snprintf(buf + n, cap - n, __VA_ARGS__)
+    P("{\"event\":\"%s\",\"pid\":%d,\"t_mono\":%.6f,\"uptime_s\":%.6f,\"cpu_user_s\":%.6f,"
+      "\"cpu_sys_s\":%.6f,\"wakeups\":%" PRIu64 ",\"loops\":%" PRIu64 ",\"send_calls\":%" PRIu64
+      ",\"send_call_max_us\":%.1f,\"wake_late_max_us\":%.1f"
+      ",\"vnet\":%d,\"reorder\":%d,\"rx_poll_us\":%d,\"dirs\":[",
+      event, getpid(), now / 1e9, (now - t_start) / 1e9,
+      ru.ru_utime.tv_sec + ru.ru_utime.tv_usec / 1e6, ru.ru_stime.tv_sec + ru.ru_stime.tv_usec / 1e6,
+      n_wakeups, n_loops, n_sendcalls, send_call_max / 1e3, wake_late_max / 1e3, cfg.vnet, cfg.reorder, cfg.rx_poll_us);
+    for (int i = 0; i < ndirs; i++) {
+        dir_t *d = &dirs[i];
+        stats_t *s = &d->st;
+        uint64_t tot = 0;
+        for (int j = 0; j < HIST_N; j++) tot += s->hist[j];
+        double pct[3] = {0, 0, 0}, q[3] = {0.50, 0.99, 0.999};
+        for (int k = 0; k < 3 && tot; k++) {
+            uint64_t want = (uint64_t)ceil(q[k] * (double)tot), acc = 0;
+            for (int j = 0; j < HIST_N; j++) {
+                acc += s->hist[j];
+                if (acc >= want) {
+                    pct[k] = hist_upper_us(j);
+                    break;
+                }
+            }
+            if (isinf(pct[k])) pct[k] = s->late_max / 1e3;
+        }
+        P("%s{\"link\":%d,\"dir\":\"%s\",\"in\":\"%s\",\"out\":\"%s\",\"delay_us\":%.3f,"
+          "\"jitter_us\":%.3f,\"loss\":%.6g,"
+          "\"frames_in\":%" PRIu64 ",\"bytes_in\":%" PRIu64 ",\"segs_in\":%" PRIu64
+          ",\"frames_out\":%" PRIu64 ",\"bytes_out\":%" PRIu64 ",\"segs_out\":%" PRIu64
+          ",\"lost_segs\":%" PRIu64 ",\"lost_frames\":%" PRIu64 ",\"drop_ring\":%" PRIu64
+          ",\"drop_queue\":%" PRIu64 ",\"drop_tx\":%" PRIu64 ",\"drop_trunc\":%" PRIu64
+          ",\"gso_frames\":%" PRIu64 ",\"gso_split\":%" PRIu64 ",\"tx_retry\":%" PRIu64
+          ",\"ring_freezes\":%" PRIu64 ",\"backlog\":%u,\"backlog_bytes\":%" PRIu64
+          ",\"max_backlog\":%" PRIu64 ",\"max_backlog_bytes\":%" PRIu64
+          ",\"late_max_us\":%.1f,\"late_p50_us\":%.1f,\"late_p99_us\":%.1f,\"late_p999_us\":%.1f"
+          ",\"rx_lag_max_us\":%.1f,\"rx_lag_avg_us\":%.1f,\"ring_blocks\":%u,\"ring_block_kb\":%u,\"tov_ms\":%u}",
+          i ? "," : "", d->link, d->ba ? "ba" : "ab", d->in->name, d->out->name, d->delay / 1e3,
+          d->jitter / 1e3, d->loss, s->frames_in, s->bytes_in, s->segs_in, s->frames_out,
+          s->bytes_out, s->segs_out, s->lost_segs, s->lost_frames, s->drop_ring, s->drop_queue,
+          s->drop_tx, s->drop_trunc, s->gso_frames, s->gso_split, s->tx_retry, s->ring_freezes,
+          d->qlen, d->qbytes, s->max_backlog, s->max_backlog_bytes, s->late_max / 1e3, pct[0],
+          pct[1], pct[2], s->rxlag_max / 1e3,
+          s->frames_in ? s->rxlag_sum / 1e3 / (double)s->frames_in : 0.0, d->in->nblk,
+          d->in->bsize / 1024, d->in->tov_ms);
+    }
+    P("]}\n");
+#undef P
+    size_t off = 0;
+    while (off < n) {
+        ssize_t w = write(1, buf + off, n - off);
+        if (w < 0 && errno == EINTR) continue;
+        if (w <= 0) break;
+        off += (size_t)w;
+    }
+    free(buf);
+}
+
+/* -------------------------------------------------------------- control */
+
+static void control_line(char *line)
+{
+    int link;
+    char which[8];
+    double dl, jt, ls;
+    if (!strncmp(line, "stats", 5)) {
+        emit_stats("stats");
+    } else if (sscanf(line, "set %d %7s %lf %lf %lf", &link, which, &dl, &jt, &ls) == 5 &&
+               link >= 0 && link < nlinks && (!strcmp(which, "ab") || !strcmp(which, "ba"))) {
+        set_dir_params(&dirs[2 * link + (which[0] == 'b')], dl, jt, ls);
+    } else if (*line) {
+        fprintf(stderr, "tbrelay: bad control line: %s\n", line);
+    }
+}
+
+static int stdin_open = 1;
+static void read_stdin(void)
+{
+    static char buf[4096];
+    static size_t have;
+    for (;;) {
+        ssize_t r = read(0, buf + have, sizeof buf - 1 - have);
+        if (r < 0 && errno == EINTR) continue;
+        if (r < 0) return; /* EAGAIN */
+        if (r == 0) {
+            stdin_open = 0;
+            return;
+        }
+        have += (size_t)r;
+        buf[have] = 0;
+        char *s = buf, *nl;
+        while ((nl = strchr(s, '\n'))) {
+            *nl = 0;
+            control_line(s);
+            s = nl + 1;
+        }
+        have = strlen(s);
+        memmove(buf, s, have);
+        if (have == sizeof buf - 1) have = 0; /* overlong line: discard */
+    }
+}
+
+/* ----------------------------------------------------------------- main */
+
+int main(int argc, char **argv)
+{
+    if (argc != 2) {
+        fprintf(stderr, "usage: %s CONFIG\n", argv[0]);
+        return 2;
+    }
+    parse_config(argv[1]);
+    signal(SIGPIPE, SIG_IGN);
+
+    if (cfg.cpu >= 0) {
+        cpu_set_t cs;
+        CPU_ZERO(&cs);
+        CPU_SET(cfg.cpu, &cs);
+        if (sched_setaffinity(0, sizeof cs, &cs))
+            fprintf(stderr, "tbrelay: cannot pin to cpu %d: %s\n", cfg.cpu, strerror(errno));
+    }
+    if (cfg.rtprio > 0) {
+        struct sched_param sp = {.sched_priority = cfg.rtprio};
+        if (sched_setscheduler(0, SCHED_FIFO, &sp))
+            fprintf(stderr, "tbrelay: SCHED_FIFO %d: %s\n", cfg.rtprio, strerror(errno));
+    }
+    prctl(PR_SET_TIMERSLACK, (unsigned long)(cfg.slack_us > 0 ? cfg.slack_us * 1000L : 1L));
+
+    int64_t min_delay = INT64_MAX;
+    for (int i = 0; i < ndirs; i++)
+        if (dirs[i].delay < min_delay) min_delay = dirs[i].delay;
+    if (cfg.rx_poll_us < 0) /* auto: event driven RX only when some delay is small */
+        cfg.rx_poll_us = min_delay < 4000000 ? 0 : 1000;
+
+    for (int i = 0; i < ndirs; i++) setup_port(dirs[i].in, &dirs[i]);
+
+    sigset_t ss;
+    sigemptyset(&ss);
+    sigaddset(&ss, SIGUSR1);
+    sigaddset(&ss, SIGTERM);
+    sigaddset(&ss, SIGINT);
+    sigaddset(&ss, SIGHUP);
+    sigprocmask(SIG_BLOCK, &ss, NULL);
+    int sfd = signalfd(-1, &ss, SFD_NONBLOCK | SFD_CLOEXEC);
+    int ep = epoll_create1(EPOLL_CLOEXEC);
+    struct epoll_event ev = {.events = EPOLLIN, .data.u64 = (uint64_t)-1};
+    epoll_ctl(ep, EPOLL_CTL_ADD, sfd, &ev);
+    fcntl(0, F_SETFL, fcntl(0, F_GETFL) | O_NONBLOCK);
+    ev.data.u64 = (uint64_t)-2;
+    if (epoll_ctl(ep, EPOLL_CTL_ADD, 0, &ev)) stdin_open = 0; /* e.g. /dev/null */
+    if (cfg.rx_poll_us == 0)
+        for (int i = 0; i < nports; i++) {
+            /* edge triggered: a retired block we keep owning stays "readable" */
+            struct epoll_event pe = {.events = EPOLLIN | EPOLLET, .data.u64 = (uint64_t)i};
+            epoll_ctl(ep, EPOLL_CTL_ADD, ports[i].fd, &pe);
+        }
+    t_start = mono_ns();
+    emit_stats("ready");
+
+    int running = 1;
+    int64_t ov_ewma = 0; /* average timer wakeup overshoot, ns */
+    int64_t spin_budget = 0, last_refill = mono_ns();
+    while (running) {
+        n_loops++;
+        int64_t rt = clock_ns(CLOCK_REALTIME), now = mono_ns();
+        int64_t off = rt - now;
+        for (int i = 0; i < nports; i++) harvest(&ports[i], now, off);
+
+        /* send everything due, one batch per direction per round (fairness) */
+        int busy, any_retry = 0;
+        do {
+            busy = 0;
+            now = mono_ns();
+            for (int i = 0; i < ndirs; i++) {
+                dirs[i].retry = 0;
+                busy |= tx_batch(&dirs[i], now);
+                any_retry |= dirs[i].retry;
+            }
+        } while (busy && !any_retry);
+        for (int i = 0; i < nports; i++) release_blocks(&ports[i]);
+
+        /* Next wakeup: the earliest due time.  A sleeping (halted) vCPU
+         * wakes up tens of microseconds late, so we sleep until
+         * due - early and spin the rest; `early` follows a running average of
+         * the measured wakeup overshoot (small when the CPU is busy anyway),
+         * capped by spin_us. */
+        int64_t next = INT64_MAX;
+        for (int i = 0; i < ndirs; i++) {
+            entry_t *t = q_top(&dirs[i]);
+            if (t && t->due < next) next = t->due;
+        }
+        now = mono_ns();
+        /* spinning is paid from a budget of spin_pct % of wall time, so that
+         * under heavy load (dense due times) we sleep instead of burning CPU */
+        spin_budget += (now - last_refill) * cfg.spin_pct / 100;
+        if (spin_budget > 5000000) spin_budget = 5000000;
+        last_refill = now;
+        int64_t early = ov_ewma + ov_ewma / 2 + 5000;
+        if (early > cfg.spin_us * 1000LL) early = cfg.spin_us * 1000LL;
+        if (spin_budget <= 0) early = 0;
+        if (next != INT64_MAX && next > now && next - now <= early) {
+            /* due very soon: spin (pause) until then, then go round again */
+            while ((now = mono_ns()) < next) __builtin_ia32_pause();
+            spin_budget -= now - last_refill;
+            if (n_loops & 255) continue;
+            next = now + early; /* every 256 spins: poll signals/stdin below */
+        }
+        int64_t wake = next == INT64_MAX ? INT64_MAX : next - early;
+        if (any_retry && wake > now + 20000) wake = now + 20000;
+        if (cfg.rx_poll_us > 0 && wake > now + cfg.rx_poll_us * 1000LL)
+            wake = now + cfg.rx_poll_us * 1000LL;
+        struct timespec ts, *tsp = NULL;
+        if (wake != INT64_MAX) {
+            int64_t dt = wake - now;
+            if (dt < 0) dt = 0;
+            ts.tv_sec = dt / NSEC;
+            ts.tv_nsec = dt % NSEC;
+            tsp = &ts;
+        }
+        struct epoll_event evs[64];
+        int ne = epoll_pwait2(ep, evs, 64, tsp, NULL);
+        if (ne == 0 && tsp && wake > now) { /* timed out: learn the overshoot */
+            int64_t ov = mono_ns() - wake;
+            if (ov < 0) ov = 0;
+            if (ov > wake_late_max) wake_late_max = ov;
+            if (ov > 1000000) ov = 1000000; /* ignore preemption outliers */
+            ov_ewma += (ov - ov_ewma) / 8;
+        }
+        if (ne > 0 || (tsp && wake > now)) n_wakeups++;
+        for (int i = 0; i < ne; i++) {
+            if (evs[i].data.u64 == (uint64_t)-1) {
+                struct signalfd_siginfo si;
+                while (read(sfd, &si, sizeof si) == sizeof si) {
+                    if (si.ssi_signo == SIGUSR1) emit_stats("stats");
+                    else running = 0;
+                }
+            } else if (evs[i].data.u64 == (uint64_t)-2) {
+                read_stdin();
+                if (!stdin_open) epoll_ctl(ep, EPOLL_CTL_DEL, 0, NULL);
+            }
+        }
+    }
+    emit_stats("exit");
+    return 0;
+}

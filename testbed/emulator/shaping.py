@@ -1,0 +1,84 @@
+"""tc commands that shape one direction of a WAN link at the sender's egress.
+
+Rate is an HTB class (so it can be changed live with ``tc class change``); under it:
+
+* method ``netem``: a netem qdisc for delay, jitter and loss.  Its ``limit`` holds the
+  sender queue plus every packet in flight on the emulated wire (bandwidth-delay product).
+* method ``relay``: a pfifo queue; delay, jitter and loss are added afterwards by the
+  user-space relay in the middle of the link (see ``relay/``).
+
+Either way the queue a TCP sender fills is the HTB leaf at its own host, as it would be
+at a WAN router's egress, and its size is the link's ``queue_pkts``.
+"""
+
+from __future__ import annotations
+
+import math
+
+from testbed.topology import LinkDir
+
+MTU = 1500
+
+
+def _rate(mbps: float) -> str:
+    return f"{max(mbps, 0.001) * 1000:.3f}kbit"
+
+
+def htb_class_args(rate_mbps: float) -> list[str]:
+    # burst: ~1 ms at the link rate, at least a few MTUs, so HTB is accurate at high rates
+    burst = max(4 * MTU, int(rate_mbps * 1e6 / 8 / 1000))
+    return ["rate", _rate(rate_mbps), "ceil", _rate(rate_mbps),
+            "burst", str(burst), "cburst", str(burst), "quantum", str(MTU + 14)]
+
+
+def bdp_packets(d: LinkDir) -> int:
+    return math.ceil(d.rate_mbps * 1e6 / 8 * (d.delay_ms + 3 * d.jitter_ms) / 1e3 / MTU)
+
+
+def _leaf(d: LinkDir, method: str) -> list[str]:
+    if method == "relay":
+        return ["pfifo", "limit", str(d.queue_pkts)]
+    if method != "netem":
+        raise ValueError(f"unknown shaping method {method!r}")
+    leaf = ["netem", "limit", str(d.queue_pkts + bdp_packets(d))]
+    if d.delay_ms or d.jitter_ms:
+        leaf += ["delay", f"{d.delay_ms}ms"]
+        if d.jitter_ms:
+            leaf += [f"{d.jitter_ms}ms", "distribution", "normal"]
+    if d.loss:
+        leaf += ["loss", f"{d.loss * 100:.6f}%"]
+    return leaf
+
+
+def shape_commands(intf: str, d: LinkDir, method: str, icmp_priority: bool = False) -> list[list[str]]:
+    """tc argv lists that shape the egress of ``intf`` as direction ``d``.
+
+    Classes: 1:1 holds the link rate; 1:10 (default) is the bulk queue under it.  With
+    ``icmp_priority`` (used by ``linkcheck`` only) ICMP goes to a strict-priority sibling
+    1:20 with its own small queue, so ``ping`` under full load measures propagation plus
+    emulator delay instead of the bulk queue's queueing delay; it still shares the rate.
+    """
+    q = ["tc", "qdisc", "replace", "dev", intf]
+    c = ["tc", "class", "replace", "dev", intf]
+    cmds = [
+        [*q, "root", "handle", "1:", "htb", "default", "10"],
+        [*c, "parent", "1:", "classid", "1:1", "htb", *htb_class_args(d.rate_mbps)],
+        [*c, "parent", "1:1", "classid", "1:10", "htb", *htb_class_args(d.rate_mbps), "prio", "1"],
+        [*q, "parent", "1:10", "handle", "10:", *_leaf(d, method)],
+    ]
+    if icmp_priority:
+        probe = LinkDir(d.rate_mbps, d.delay_ms, d.jitter_ms, d.loss, queue_pkts=100)
+        cmds += [
+            [*c, "parent", "1:1", "classid", "1:20", "htb", *htb_class_args(d.rate_mbps), "prio", "0"],
+            [*q, "parent", "1:20", "handle", "20:", *_leaf(probe, method)],
+            ["tc", "filter", "replace", "dev", intf, "parent", "1:", "protocol", "ip", "prio", "1",
+             "u32", "match", "ip", "protocol", "1", "0xff", "flowid", "1:20"],
+        ]
+    return cmds
+
+
+def rate_change_commands(intf: str, rate_mbps: float, icmp_priority: bool = False) -> list[list[str]]:
+    """Change the rate of an already shaped direction, live (queues are kept)."""
+    classes = ["1:1", "1:10"] + (["1:20"] if icmp_priority else [])
+    return [["tc", "class", "change", "dev", intf, "classid", cid, "htb", *htb_class_args(rate_mbps)]
+            for cid in classes]

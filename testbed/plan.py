@@ -1,0 +1,460 @@
+"""Plans are data: a collective as a per-node program of sends and receives on blocks.
+
+The idea follows msccl-tools: a collective is a *schedule* that one generic executor
+runs.  Every scheme (ring, parameter server, MTREE, MultiTree, NetStorm, CREW, ...) is a
+planner — a pure function from a network graph and parameters to a :class:`Plan` — and
+the agents in ``agents/`` execute any plan unchanged.
+
+Semantics (the agent executor and :func:`interpret` implement exactly this):
+
+* Each node owns a vector ``x`` of ``plan.length`` elements.  It starts as the node's
+  input if the node is a participant, else zeros (relays, inactive workers).  A node may
+  also own scratch buffers (``plan.scratch[node][name] = length``) that start as zeros.
+* A node's program is a list of :class:`Op`.  An op may start once every op named in its
+  ``deps`` (ids in the same program) has completed.
+* ``send``: transmit ``buf[offset:offset+length]`` to ``peer`` as transfer ``xfer``; it
+  completes once the data has been handed to the transport (or acknowledged, in
+  stop-and-wait mode).  The send reads the buffer *while* transmitting, so a write to
+  the same range must be ordered after it by ``deps``.
+* ``recv``: wait for transfer ``xfer`` from ``peer`` and then either add it into
+  ``buf[offset:offset+length]`` (``reduce=True``) or overwrite that range.  Data may
+  arrive before the op is ready; the executor holds it until the deps are met.  Applies
+  on one node are serialised, so two reducing receives into the same range need no
+  order between them (addition commutes); every other overlap of a write with another
+  access must be ordered by ``deps`` (checked by :meth:`Plan.validate`).
+* ``channel`` picks the connection between a pair of nodes (e.g. one per tree): ops on
+  one channel share one ordered byte stream, different channels do not block each
+  other.  ``flow``, ``chunk`` and ``phase`` label transfers for timing reports.
+* After the program, every node in ``plan.receivers`` must hold the sum of the inputs of
+  ``plan.participants``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from dataclasses import asdict, dataclass, field
+from typing import Iterable, Mapping
+
+import numpy as np
+
+SEND, RECV = "send", "recv"
+
+
+class PlanError(ValueError):
+    """A plan is inconsistent (unmatched transfer, dependency cycle, data race, ...)."""
+
+
+@dataclass(frozen=True)
+class Op:
+    id: int
+    kind: str  # SEND or RECV
+    peer: str
+    xfer: int  # transfer id, unique in the plan; a send and its recv share it
+    offset: int  # first element of the block
+    length: int  # elements in the block
+    buf: str = "x"
+    reduce: bool = False  # recv only: add (True) or overwrite (False)
+    deps: tuple[int, ...] = ()
+    channel: int = 0
+    flow: int = 0
+    chunk: int = 0
+    phase: str = ""
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["deps"] = list(self.deps)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: Mapping) -> "Op":
+        d = dict(d)
+        d["deps"] = tuple(d.get("deps", ()))
+        return cls(**d)
+
+
+@dataclass
+class Plan:
+    scheme: str
+    nodes: list[str]
+    length: int
+    programs: dict[str, list[Op]]
+    participants: list[str] | None = None  # None: every node
+    receivers: list[str] | None = None  # None: every node
+    scratch: dict[str, dict[str, int]] = field(default_factory=dict)
+    meta: dict = field(default_factory=dict)
+
+    # -- accessors -------------------------------------------------------
+    def contributing(self) -> list[str]:
+        return list(self.nodes if self.participants is None else self.participants)
+
+    def finishing(self) -> list[str]:
+        return list(self.nodes if self.receivers is None else self.receivers)
+
+    def transfers(self) -> Iterable[tuple[str, Op]]:
+        """Every send op with the node that issues it."""
+        for node, prog in self.programs.items():
+            for op in prog:
+                if op.kind == SEND:
+                    yield node, op
+
+    def bytes_sent(self, elem_bytes: int) -> int:
+        return sum(op.length for _, op in self.transfers()) * elem_bytes
+
+    # -- (de)serialisation -------------------------------------------------
+    def to_dict(self) -> dict:
+        return {
+            "scheme": self.scheme,
+            "nodes": list(self.nodes),
+            "length": self.length,
+            "participants": self.participants,
+            "receivers": self.receivers,
+            "scratch": self.scratch,
+            "meta": self.meta,
+            "programs": {n: [op.to_dict() for op in p] for n, p in self.programs.items()},
+        }
+
+    @classmethod
+    def from_dict(cls, d: Mapping) -> "Plan":
+        return cls(
+            scheme=d["scheme"],
+            nodes=list(d["nodes"]),
+            length=int(d["length"]),
+            participants=d.get("participants"),
+            receivers=d.get("receivers"),
+            scratch={n: dict(s) for n, s in d.get("scratch", {}).items()},
+            meta=dict(d.get("meta", {})),
+            programs={n: [Op.from_dict(o) for o in p] for n, p in d["programs"].items()},
+        )
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, s: str) -> "Plan":
+        return cls.from_dict(json.loads(s))
+
+    # -- checks ------------------------------------------------------------
+    def validate(self) -> None:
+        """Raise PlanError unless the plan is well formed and race free."""
+        known = set(self.nodes)
+        for group, names in (("participants", self.participants), ("receivers", self.receivers)):
+            for n in names or ():
+                if n not in known:
+                    raise PlanError(f"{group} names unknown node {n!r}")
+        sends: dict[int, tuple[str, Op]] = {}
+        recvs: dict[int, tuple[str, Op]] = {}
+        for node, prog in self.programs.items():
+            if node not in known:
+                raise PlanError(f"program for unknown node {node!r}")
+            ids = [op.id for op in prog]
+            if len(set(ids)) != len(ids):
+                raise PlanError(f"{node}: duplicate op ids")
+            idset = set(ids)
+            for op in prog:
+                if op.kind not in (SEND, RECV):
+                    raise PlanError(f"{node} op {op.id}: unknown kind {op.kind!r}")
+                if op.peer not in known or op.peer == node:
+                    raise PlanError(f"{node} op {op.id}: bad peer {op.peer!r}")
+                size = self.length if op.buf == "x" else self.scratch.get(node, {}).get(op.buf)
+                if size is None:
+                    raise PlanError(f"{node} op {op.id}: unknown buffer {op.buf!r}")
+                if op.length <= 0 or op.offset < 0 or op.offset + op.length > size:
+                    raise PlanError(f"{node} op {op.id}: block [{op.offset}, +{op.length}) outside {op.buf}")
+                missing = set(op.deps) - idset
+                if missing:
+                    raise PlanError(f"{node} op {op.id}: unknown deps {sorted(missing)}")
+                table = sends if op.kind == SEND else recvs
+                if op.xfer in table:
+                    raise PlanError(f"transfer {op.xfer} has two {op.kind} ops")
+                table[op.xfer] = (node, op)
+            _check_acyclic(node, prog)
+            _check_races(node, prog)
+        if sends.keys() != recvs.keys():
+            odd = sorted(sends.keys() ^ recvs.keys())[:5]
+            raise PlanError(f"unmatched transfers (send without recv or vice versa): {odd}")
+        for x, (src, s) in sends.items():
+            dst, r = recvs[x]
+            if s.peer != dst or r.peer != src or s.length != r.length or s.channel != r.channel:
+                raise PlanError(f"transfer {x}: send {src}->{s.peer} does not match recv at {dst} from {r.peer}")
+
+
+def _check_acyclic(node: str, prog: list[Op]) -> None:
+    state: dict[int, int] = {}
+    by_id = {op.id: op for op in prog}
+    for start in by_id:
+        stack = [(start, iter(by_id[start].deps))]
+        if state.get(start):
+            continue
+        state[start] = 1
+        while stack:
+            cur, it = stack[-1]
+            nxt = next(it, None)
+            if nxt is None:
+                state[cur] = 2
+                stack.pop()
+            elif state.get(nxt) == 1:
+                raise PlanError(f"{node}: dependency cycle through op {nxt}")
+            elif not state.get(nxt):
+                state[nxt] = 1
+                stack.append((nxt, iter(by_id[nxt].deps)))
+
+
+def _ancestors(prog: list[Op]) -> dict[int, int]:
+    """Bitmask (over op positions) of the transitive deps of each op."""
+    pos = {op.id: i for i, op in enumerate(prog)}
+    memo: dict[int, int] = {}
+    order = _topo_order(prog)
+    for op in order:
+        mask = 0
+        for d in op.deps:
+            mask |= memo[d] | (1 << pos[d])
+        memo[op.id] = mask
+    return memo
+
+
+def _topo_order(prog: list[Op]) -> list[Op]:
+    by_id = {op.id: op for op in prog}
+    indeg = {op.id: len(op.deps) for op in prog}
+    users = defaultdict(list)
+    for op in prog:
+        for d in op.deps:
+            users[d].append(op.id)
+    ready = [op.id for op in prog if not op.deps]
+    out = []
+    while ready:
+        i = ready.pop()
+        out.append(by_id[i])
+        for u in users[i]:
+            indeg[u] -= 1
+            if indeg[u] == 0:
+                ready.append(u)
+    return out
+
+
+def _check_races(node: str, prog: list[Op]) -> None:
+    """Every overlapping pair (write, any) on one buffer must be ordered by deps,
+    except two reducing receives (applies are serialised and addition commutes)."""
+    anc = _ancestors(prog)
+    pos = {op.id: i for i, op in enumerate(prog)}
+    by_buf: dict[str, list[Op]] = defaultdict(list)
+    for op in prog:
+        by_buf[op.buf].append(op)
+    for ops in by_buf.values():
+        ops.sort(key=lambda o: o.offset)
+        active: list[Op] = []
+        for op in ops:
+            active = [a for a in active if a.offset + a.length > op.offset]
+            for a in active:
+                writes = (a.kind == RECV) or (op.kind == RECV)
+                both_reduce = a.kind == RECV and op.kind == RECV and a.reduce and op.reduce
+                if not writes or both_reduce:
+                    continue
+                ordered = anc[op.id] >> pos[a.id] & 1 or anc[a.id] >> pos[op.id] & 1
+                if not ordered:
+                    raise PlanError(f"{node}: ops {a.id} and {op.id} touch the same data of {op.buf!r} unordered")
+            active.append(op)
+
+
+# ---------------------------------------------------------------------------
+# Reference interpreter: the executor's semantics without sockets.
+# ---------------------------------------------------------------------------
+def interpret(plan: Plan, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Run ``plan`` in memory and return every node's final ``x``.
+
+    Used by planner unit tests (is the schedule a correct AllReduce?) and as the
+    oracle for the agents.  Raises PlanError on deadlock.
+    """
+    contributing = set(plan.contributing())
+    bufs: dict[str, dict[str, np.ndarray]] = {}
+    dtype = next(iter(inputs.values())).dtype if inputs else np.float32
+    for n in plan.nodes:
+        x = np.array(inputs[n], copy=True) if n in contributing else np.zeros(plan.length, dtype)
+        bufs[n] = {"x": x, **{b: np.zeros(k, x.dtype) for b, k in plan.scratch.get(n, {}).items()}}
+    done: dict[str, set[int]] = {n: set() for n in plan.nodes}
+    pending = {n: list(plan.programs.get(n, [])) for n in plan.nodes}
+    mailbox: dict[int, np.ndarray] = {}
+    progress = True
+    while progress:
+        progress = False
+        for n in plan.nodes:
+            still = []
+            for op in pending[n]:
+                if not set(op.deps) <= done[n]:
+                    still.append(op)
+                    continue
+                view = bufs[n][op.buf][op.offset : op.offset + op.length]
+                if op.kind == SEND:
+                    mailbox[op.xfer] = view.copy()
+                elif op.xfer in mailbox:
+                    data = mailbox.pop(op.xfer)
+                    if op.reduce:
+                        view += data
+                    else:
+                        view[:] = data
+                else:
+                    still.append(op)
+                    continue
+                done[n].add(op.id)
+                progress = True
+            pending[n] = still
+    left = {n: [op.id for op in p] for n, p in pending.items() if p}
+    if left:
+        sample = {n: ids[:5] for n, ids in list(left.items())[:4]}
+        raise PlanError(f"plan deadlocks; ops never run: {sample}")
+    return {n: bufs[n]["x"] for n in plan.nodes}
+
+
+def expected_result(plan: Plan, inputs: Mapping[str, np.ndarray]) -> np.ndarray:
+    return np.sum([inputs[n] for n in plan.contributing()], axis=0)
+
+
+def check_allreduce(plan: Plan, inputs: Mapping[str, np.ndarray]) -> None:
+    """Interpret ``plan`` and raise PlanError unless every receiver holds the exact sum."""
+    out = interpret(plan, inputs)
+    want = expected_result(plan, inputs)
+    for n in plan.finishing():
+        if not np.array_equal(out[n], want):
+            bad = int(np.flatnonzero(out[n] != want)[0])
+            raise PlanError(f"{n} ends with a wrong value at element {bad}: {out[n][bad]} != {want[bad]}")
+
+
+# ---------------------------------------------------------------------------
+# Building blocks shared by planners.
+# ---------------------------------------------------------------------------
+class ProgramBuilder:
+    """Accumulates ops for every node, handing out op and transfer ids."""
+
+    def __init__(self, nodes: Iterable[str]):
+        self.programs: dict[str, list[Op]] = {n: [] for n in nodes}
+        self._next_xfer = 0
+
+    def transfer(self, src: str, dst: str, offset: int, length: int, *, reduce: bool,
+                 send_deps: Iterable[int] = (), recv_deps: Iterable[int] = (),
+                 src_buf: str = "x", dst_buf: str = "x", channel: int = 0, flow: int = 0,
+                 chunk: int = 0, phase: str = "") -> tuple[int, int]:
+        """Add a matched send (at src) and recv (at dst); return (send_id, recv_id)."""
+        xfer = self._next_xfer
+        self._next_xfer += 1
+        label = dict(channel=channel, flow=flow, chunk=chunk, phase=phase)
+        s = Op(len(self.programs[src]), SEND, dst, xfer, offset, length, src_buf,
+               deps=tuple(sorted(set(send_deps))), **label)
+        self.programs[src].append(s)
+        r = Op(len(self.programs[dst]), RECV, src, xfer, offset, length, dst_buf, reduce=reduce,
+               deps=tuple(sorted(set(recv_deps))), **label)
+        self.programs[dst].append(r)
+        return s.id, r.id
+
+
+def split_lengths(total: int, weights: Iterable[float]) -> list[int]:
+    """Split ``total`` elements in proportion to ``weights`` (largest remainder; sums to total)."""
+    w = np.asarray(list(weights), dtype=float)
+    if len(w) == 0 or w.sum() <= 0:
+        raise ValueError("weights must be non-empty with a positive sum")
+    raw = total * w / w.sum()
+    base = np.floor(raw).astype(int)
+    for i in np.argsort(-(raw - base), kind="stable")[: total - int(base.sum())]:
+        base[i] += 1
+    return [int(b) for b in base]
+
+
+@dataclass
+class Tree:
+    """A spanning (or Steiner) tree used for reduce-then-broadcast of one slice of the data.
+
+    ``parent`` maps every node in the tree to its parent (the root to None).  ``share`` is
+    the fraction of the vector the tree carries, ``chunks`` how many pipelined chunks the
+    slice is cut into, ``rate_mbps`` the rate the planner assigned (informational).
+    """
+
+    root: str
+    parent: dict[str, str | None]
+    share: float = 1.0
+    chunks: int = 1
+    rate_mbps: float = 0.0
+
+    def children(self) -> dict[str, list[str]]:
+        ch: dict[str, list[str]] = {n: [] for n in self.parent}
+        for n, p in self.parent.items():
+            if p is not None:
+                ch[p].append(n)
+        return ch
+
+    def depth(self) -> dict[str, int]:
+        d = {self.root: 0}
+        ch = self.children()
+        stack = [self.root]
+        while stack:
+            u = stack.pop()
+            for c in ch[u]:
+                d[c] = d[u] + 1
+                stack.append(c)
+        return d
+
+    def height(self) -> int:
+        return max(self.depth().values())
+
+    def edges(self) -> list[tuple[str, str]]:
+        """Directed (child, parent) edges: the reduce direction."""
+        return [(n, p) for n, p in self.parent.items() if p is not None]
+
+    def check(self, nodes: Iterable[str]) -> None:
+        nodes = set(nodes)
+        if self.parent.get(self.root, "missing") is not None:
+            raise PlanError(f"tree root {self.root!r} must have parent None")
+        if not nodes <= set(self.parent):
+            raise PlanError(f"tree rooted at {self.root} misses {sorted(nodes - set(self.parent))}")
+        if len(self.depth()) != len(self.parent):
+            raise PlanError(f"tree rooted at {self.root} is not connected or has a cycle")
+
+    def to_dict(self) -> dict:
+        return {"root": self.root, "parent": self.parent, "share": self.share,
+                "chunks": self.chunks, "rate_mbps": self.rate_mbps, "height": self.height()}
+
+
+def trees_plan(scheme: str, nodes: list[str], length: int, trees: list[Tree], *,
+               participants: list[str] | None = None, meta: dict | None = None) -> Plan:
+    """Compile concurrent reduce-then-broadcast over several trees into a plan.
+
+    The vector is split among trees by ``share``; each tree's slice into ``chunks``
+    chunks.  Per chunk, a node adds its children's partial sums, forwards the result to
+    its parent, and once the root has the full sum the chunk is broadcast back down the
+    same tree.  Chunks are independent, so broadcast of chunk k overlaps reduce of chunk
+    k+1 (pipelining); each tree uses its own channel so trees never block each other.
+    Every tree must contain all ``nodes`` that finish with the result (Steiner trees may
+    omit non-participants only if they are neither participants nor receivers).
+    """
+    for t in trees:
+        t.check(participants if participants is not None else nodes)
+    b = ProgramBuilder(nodes)
+    sizes = split_lengths(length, [t.share for t in trees])
+    offset = 0
+    for ti, (t, size) in enumerate(zip(trees, sizes)):
+        children = t.children()
+        order = sorted(t.depth().items(), key=lambda kv: -kv[1])  # leaves first
+        for ci, csize in enumerate(split_lengths(size, [1] * t.chunks) if size else []):
+            if csize == 0:
+                continue
+            label = dict(channel=ti, flow=ti, chunk=ci)
+            got: dict[str, list[int]] = defaultdict(list)  # node -> recv ids of children's sums
+            up_send: dict[str, int] = {}
+            for n, _ in order:  # reduce, bottom-up
+                p = t.parent[n]
+                if p is None:
+                    continue
+                s, r = b.transfer(n, p, offset, csize, reduce=True, send_deps=got[n],
+                                  phase="reduce", **label)
+                up_send[n] = s
+                got[p].append(r)
+            have: dict[str, list[int]] = {t.root: got[t.root]}
+            for n, _ in reversed(order):  # broadcast, top-down
+                for c in children[n]:
+                    # the child's copy-in must wait until its own upward send has read the data
+                    _, r = b.transfer(n, c, offset, csize, reduce=False, send_deps=have[n],
+                                      recv_deps=[up_send[c]], phase="bcast", **label)
+                    have[c] = [r]
+            offset += csize
+    meta = dict(meta or {})
+    meta.setdefault("trees", [t.to_dict() for t in trees])
+    plan = Plan(scheme, list(nodes), length, b.programs, participants=participants, meta=meta)
+    return plan

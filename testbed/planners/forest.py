@@ -1,0 +1,760 @@
+"""Topology-adaptive forest packing, "TopoAdapt" (paper 001: Zhang, Wu, Li, "Near-Optimal
+Topology-adaptive Parameter Synchronization in Distributed DNN Training", INFOCOM 2021;
+reading note shared/spec/001-topoadapt.md).
+
+Synchronisation is a *reduce* stage and a *broadcast* stage (Sec. III-B).  Per chunk the
+best topology is a tree (Property 1); the scheme packs directed Steiner trees rooted at
+the active workers -- reduce trees I^(v) (edges towards the root v) and broadcast trees
+J^(v) (edges away from v) -- into the worker graph, inactive workers being allowed as
+relays.  Tree weights w are bandwidths (Mbit/s) each tree takes on every one of its
+edges; root v owns the share chi_v / sum chi of the vector, and each tree carries a part
+of its root's data proportional to its weight (Property 3), so all trees finish together
+and T_comm = 2 |C| / sum_v chi_v (Eq. 2 and Sec. V).
+
+Pipeline of this module (Sec. IV-V, end-to-end procedure of the note Sec. 3.7):
+
+1. :func:`steiner_oracle` -- the alpha-approximate minimum Steiner tree algorithm A.
+   When every node of the graph is active the Steiner trees are spanning arborescences
+   and Edmonds' algorithm is exact (alpha = 1, Sec. IV cites Gabow-Manu for this case).
+   Otherwise ``heuristic`` (best of the directed shortest-path heuristic and a pruned
+   minimum spanning arborescence; alpha <= number of terminals) or ``exact`` (a
+   multi-commodity-flow MILP, for small graphs).
+2. :func:`pack_forest` -- tree generation.  **Deviation, documented:** the paper finds the
+   trees with Jain et al.'s primal-dual *ellipsoid* method on the dual (6) with a binary
+   search on D (Alg. 1).  We use the equivalent, standard *column generation*: solve the
+   restricted master LP (4) -- or (8) with ``overlap="partial"`` -- over the trees found so
+   far, read the edge duals y_e, and ask the oracle for a minimum y-weight Steiner tree
+   for every root and tree type; a tree whose y-weight is below its root's dual threshold
+   has negative reduced cost and joins the master.  This uses the same oracle and the
+   same separation argument as Theorem 1 (the final duals scaled by alpha are feasible),
+   prices the coupled LP (4)/(8) directly instead of the broadcast-only LP (5), and stops
+   when no tree prices out (or after ``max_iters`` rounds, reported in the meta).
+3. :func:`solve_weights` -- LP (4) (non-overlap: reduce and broadcast trees never share
+   bandwidth) or LP (8) (partial overlap: overlapped broadcast trees K^(v) share links
+   with the reduce trees, pure broadcast trees J^(v) run after reduce; the same
+   broadcast tree set serves as K and J, Sec. V).  Equalities (4a)/(4b)/(8a)/(8b) are
+   solved as "chi_v <= sum w" and the surplus weight is scaled down afterwards, as the
+   proof of Theorem 2 does.  (8c) is written as sum_K w_k <= chi_v, equivalent under (8a).
+4. :func:`prune_forest` -- ``max_trees``: keep at most that many reduce trees and that many
+   broadcast trees (largest weight first, each root keeping its best tree of each kind
+   while it has one) and re-solve the LP on the kept trees.
+5. :func:`compile_forest` -- the plan IR.  Root v's range is cut into ``chunks`` rounds
+   (pipelined sub-chunks, Property 2); every round is split among v's reduce trees by
+   w_i and, independently, among its broadcast flows by weight (K flows by w_k, J flows
+   by w_j).  A broadcast piece starts at the root once every reduce piece overlapping it
+   has arrived there; J (pure broadcast) pieces additionally wait until the root has
+   received *all* of its reduce data -- the stage barrier of LP (4)/(8), enforced per
+   root (the IR has no global barrier).  With ``overlap="none"`` every broadcast flow is
+   a J flow; with ``"partial"`` the K flows carry the fraction sum w_k / chi_v of every
+   round as soon as it is reduced (the root's FIFO of Sec. V).
+
+The IR has no rates: the weights only size the pieces (the agents' transport shares
+links); ``plan.meta`` reports the LP rates per tree for pacing or analysis.
+"""
+
+from __future__ import annotations
+
+import heapq
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import networkx as nx
+import numpy as np
+from scipy import sparse
+from scipy.optimize import Bounds, LinearConstraint, linprog, milp
+
+from testbed.errors import ConfigError
+from testbed.plan import Plan, ProgramBuilder, Tree, split_lengths
+from testbed.planners import Param, planner
+
+REFERENCE = ("TopoAdapt: Zhang, Wu, Li, 'Near-Optimal Topology-adaptive Parameter Synchronization in "
+             "Distributed DNN Training', IEEE INFOCOM 2021 (paper 001), Sec. III-V, LP (4)/(8), Alg. 1")
+
+OVERLAPS = ("none", "partial")
+ORACLES = ("auto", "heuristic", "exact")
+EPS = 1e-9
+
+
+# ---------------------------------------------------------------------------
+# Trees
+# ---------------------------------------------------------------------------
+@dataclass(frozen=True)
+class SteinerTree:
+    """A directed Steiner tree of the worker graph.
+
+    ``kind`` is ``"reduce"`` (edges point towards ``root``) or ``"broadcast"`` (edges point
+    away from it); ``edges`` are the directed graph edges in the direction data moves.
+    """
+
+    kind: str
+    root: str
+    edges: tuple[tuple[str, str], ...]
+
+    def parent(self) -> dict[str, str | None]:
+        """Parent map towards the root (the :class:`~testbed.plan.Tree` convention)."""
+        par: dict[str, str | None] = {self.root: None}
+        for u, v in self.edges:
+            if self.kind == "reduce":
+                par[u] = v
+            else:
+                par[v] = u
+        return par
+
+    def nodes(self) -> set[str]:
+        return set(self.parent())
+
+    def to_tree(self, **kw) -> Tree:
+        return Tree(self.root, self.parent(), **kw)
+
+
+def capacities(graph: nx.DiGraph) -> dict[tuple[str, str], float]:
+    """b_e of every directed edge: its ``rate_mbps`` (Sec. III-A, "available bandwidth")."""
+    return {(u, v): float(d["rate_mbps"]) for u, v, d in graph.edges(data=True)}
+
+
+# ---------------------------------------------------------------------------
+# Oracle A: minimum-weight directed Steiner tree
+# ---------------------------------------------------------------------------
+def _prune(parent: dict[str, str], root: str, terminals: set[str]) -> dict[str, str]:
+    """Drop non-terminal leaves repeatedly (they only cost weight)."""
+    parent = dict(parent)
+    while True:
+        has_child = set(parent.values())
+        drop = [n for n in parent if n not in terminals and n != root and n not in has_child]
+        if not drop:
+            return parent
+        for n in drop:
+            del parent[n]
+
+
+def _edmonds(H: nx.DiGraph, w: dict, root: str) -> dict[str, str]:
+    """Exact minimum spanning out-arborescence of H rooted at ``root`` (Edmonds)."""
+    A = nx.DiGraph()
+    A.add_nodes_from(H.nodes)
+    for u, v in H.edges:
+        if v != root:
+            A.add_edge(u, v, w=w[(u, v)])
+    arb = nx.minimum_spanning_arborescence(A, attr="w")
+    return {v: u for u, v in arb.edges}
+
+
+def _shortest_path_heuristic(H: nx.DiGraph, w: dict, root: str, terminals: set[str]) -> dict[str, str]:
+    """Directed shortest-path heuristic (Takahashi-Matsuyama): grow the tree from the
+    root, attaching each time the terminal closest (in y-weight) to the current tree
+    along a shortest path.  Approximation ratio at most the number of terminals."""
+    parent: dict[str, str] = {}
+    in_tree = {root}
+    order = {n: i for i, n in enumerate(H.nodes)}
+    while not terminals <= in_tree:
+        dist = {n: 0.0 for n in in_tree}
+        prev: dict[str, str] = {}
+        heap = [(0.0, order[n], n) for n in in_tree]
+        heapq.heapify(heap)
+        done = set()
+        target = None
+        while heap:
+            d, _, u = heapq.heappop(heap)
+            if u in done:
+                continue
+            done.add(u)
+            if u in terminals and u not in in_tree:
+                target = u
+                break
+            for v in H.successors(u):
+                nd = d + w[(u, v)]
+                if v not in done and nd < dist.get(v, float("inf")) - 1e-15:
+                    dist[v] = nd
+                    prev[v] = u
+                    heapq.heappush(heap, (nd, order[v], v))
+        if target is None:
+            raise ValueError(f"active workers unreachable from {root}")
+        v = target
+        while v not in in_tree:
+            parent[v] = prev[v]
+            in_tree.add(v)
+            v = prev[v]
+    return parent
+
+
+def _milp_steiner(H: nx.DiGraph, w: dict, root: str, terminals: set[str]) -> dict[str, str]:
+    """Exact minimum directed Steiner tree by a multi-commodity flow MILP (HiGHS):
+    binary x_e, one unit of flow f^t from the root to every terminal t with f^t_e <= x_e.
+    Small graphs only."""
+    edges = list(H.edges)
+    m = len(edges)
+    nodes = list(H.nodes)
+    idx = {n: i for i, n in enumerate(nodes)}
+    terms = [t for t in terminals if t != root]
+    k = len(terms)
+    nv = m * (1 + k)
+    c = np.zeros(nv)
+    c[:m] = [w[e] + 1e-9 for e in edges]  # tiny cost: no useless zero-weight edges
+    rows, cols, vals, lo, hi = [], [], [], [], []
+    r = 0
+    for ti, t in enumerate(terms):
+        base = m * (1 + ti)
+        for n in nodes:
+            for ei, (u, v) in enumerate(edges):
+                if u == n:
+                    rows.append(r), cols.append(base + ei), vals.append(1.0)
+                if v == n:
+                    rows.append(r), cols.append(base + ei), vals.append(-1.0)
+            rhs = 1.0 if n == root else (-1.0 if n == t else 0.0)
+            lo.append(rhs), hi.append(rhs)
+            r += 1
+        for ei in range(m):
+            rows += [r, r]
+            cols += [base + ei, ei]
+            vals += [1.0, -1.0]
+            lo.append(-np.inf), hi.append(0.0)
+            r += 1
+    A = sparse.csr_matrix((vals, (rows, cols)), shape=(r, nv))
+    integrality = np.zeros(nv)
+    integrality[:m] = 1
+    res = milp(c, constraints=LinearConstraint(A, lo, hi), integrality=integrality,
+               bounds=Bounds(np.zeros(nv), np.ones(nv)))
+    if res.x is None:
+        raise ValueError(f"no Steiner tree rooted at {root}")
+    chosen = {edges[i] for i in range(m) if res.x[i] > 0.5}
+    # extract an arborescence (BFS from the root over the chosen edges)
+    parent: dict[str, str] = {}
+    seen = {root}
+    frontier = [root]
+    while frontier:
+        nxt = []
+        for u in frontier:
+            for v in H.successors(u):
+                if (u, v) in chosen and v not in seen:
+                    seen.add(v)
+                    parent[v] = u
+                    nxt.append(v)
+        frontier = nxt
+    return parent
+
+
+def steiner_oracle(graph: nx.DiGraph, y: dict[tuple[str, str], float], root: str, terminals: set[str], *,
+                   kind: str, method: str = "heuristic") -> SteinerTree:
+    """Oracle A of Alg. 1 (TopoAdapt Sec. IV): an (approximately) minimum y-weight
+    directed Steiner tree rooted at ``root`` containing every node of ``terminals``.
+
+    ``kind="broadcast"``: an out-arborescence of ``graph``; ``kind="reduce"``: an
+    in-arborescence ("reduce forest packing can be computed similarly except for
+    reversing the direction of edges"), computed as an out-arborescence of the reversed
+    graph.  If the terminals are all the nodes, Edmonds' algorithm is exact.  Otherwise
+    ``method="heuristic"`` returns the cheaper of the shortest-path heuristic and the
+    minimum spanning arborescence with non-terminal leaves pruned; ``"exact"`` solves a
+    MILP.  Non-terminal leaves are always pruned.
+    """
+    H = graph if kind == "broadcast" else graph.reverse(copy=False)
+    wH = y if kind == "broadcast" else {(v, u): y[(u, v)] for (u, v) in y}
+    terminals = set(terminals) | {root}
+    if terminals >= set(H.nodes):
+        par = _edmonds(H, wH, root)
+    elif method == "exact":
+        par = _prune(_milp_steiner(H, wH, root, terminals), root, terminals)
+    else:
+        cands = [_prune(_shortest_path_heuristic(H, wH, root, terminals), root, terminals)]
+        try:
+            cands.append(_prune(_edmonds(H, wH, root), root, terminals))
+        except nx.NetworkXException:
+            pass
+        par = min(cands, key=lambda p: (sum(wH[(u, v)] for v, u in p.items()), len(p)))
+    hedges = [(u, v) for v, u in par.items()]  # H orientation: parent -> child
+    edges = hedges if kind == "broadcast" else [(v, u) for u, v in hedges]
+    return SteinerTree(kind, root, tuple(sorted(edges)))
+
+
+def _height(t: SteinerTree) -> int:
+    return t.to_tree().height()
+
+
+def _shortest_path_tree(graph: nx.DiGraph, root: str, terminals: set[str], kind: str) -> SteinerTree:
+    """Latency-shortest-path Steiner tree (one-way ``delay_ms``, ties by hop count then
+    node order), pruned to the terminals: a shallow starting column."""
+    H = graph if kind == "broadcast" else graph.reverse(copy=False)
+    order = {n: i for i, n in enumerate(H.nodes)}
+    best: dict[str, tuple] = {}
+    parent: dict[str, str] = {}
+    heap = [(0.0, 0, order[root], root, None)]
+    while heap:
+        d, hops, _, u, p = heapq.heappop(heap)
+        if u in best:
+            continue
+        best[u] = (d, hops)
+        if p is not None:
+            parent[u] = p
+        for v in H.successors(u):
+            if v not in best:
+                heapq.heappush(heap, (d + H[u][v].get("delay_ms", 0.0), hops + 1, order[v], v, u))
+    par = _prune({v: parent[v] for v in parent}, root, terminals | {root})
+    hedges = [(u, v) for v, u in par.items()]
+    edges = hedges if kind == "broadcast" else [(v, u) for u, v in hedges]
+    return SteinerTree(kind, root, tuple(sorted(edges)))
+
+
+def tree_weight(t: SteinerTree, y: dict) -> float:
+    return float(sum(y[e] for e in t.edges))
+
+
+# ---------------------------------------------------------------------------
+# LP (4) / LP (8)
+# ---------------------------------------------------------------------------
+@dataclass
+class Weights:
+    """Solution of LP (4) or (8) for fixed tree sets (weights in Mbit/s)."""
+
+    chi: dict[str, float]
+    w_reduce: list[float]
+    w_k: list[float]  # overlapped broadcast (zeros for overlap="none")
+    w_j: list[float]  # pure broadcast
+    objective: float  # sum_v chi_v
+    duals: dict = field(default_factory=dict)
+
+
+def solve_weights(caps: dict[tuple[str, str], float], roots: list[str], reduce_trees: list[SteinerTree],
+                  bcast_trees: list[SteinerTree], overlap: str, *, shallow: bool = False) -> Weights:
+    """Solve LP (4) (``overlap="none"``) or LP (8) (``"partial"``) of TopoAdapt for the
+    given trees (Sec. III-D, Sec. V).
+
+    Variables chi_v, w_i (reduce), and w_j (broadcast; with overlap also w_k over the
+    same broadcast trees).  maximize sum chi_v subject to chi_v <= sum_{I(v)} w_i (4a/8a),
+    chi_v <= sum_{J(v)} w_j [+ sum_{K(v)} w_k] (4b/8b), sum_{K(v)} w_k <= chi_v (8c),
+    per-edge capacities (4c)/(4d) or (8d)/(8e).  Returns the weights (scaled so that the
+    per-root equalities hold exactly) and the duals for pricing.
+
+    ``shallow=True`` breaks ties among optimal solutions (our addition): a second LP
+    keeps sum chi within 1e-9 (relative) of the optimum and minimises sum_t w_t * height_t
+    (tree height in hops), i.e. prefers shallow trees, which pipeline with fewer
+    start-up steps (Property 2's (s + depth - 1)/s factor).  The model is bandwidth-only,
+    so without it e.g. Hamiltonian chains and one-hop stars tie on a homogeneous
+    complete graph (Sec. VI-B expects stars).
+    """
+    edges = list(caps)
+    eidx = {e: i for i, e in enumerate(edges)}
+    m = len(edges)
+    R, B = len(reduce_trees), len(bcast_trees)
+    nr = len(roots)
+    ridx = {v: i for i, v in enumerate(roots)}
+    part = overlap == "partial"
+    # variable layout: chi (nr) | w_reduce (R) | w_j (B) | w_k (B, overlap only)
+    o_r, o_j = nr, nr + R
+    o_k = nr + R + B
+    nv = nr + R + B + (B if part else 0)
+    # row layout: A_v (nr) | B_v (nr) | C_v (nr, overlap) | edge block 1 (m) | edge block 2 (m)
+    rA, rB = 0, nr
+    rC = 2 * nr
+    e1 = 2 * nr + (nr if part else 0)
+    e2 = e1 + m
+    nrows = e2 + m
+    rows, cols, vals = [], [], []
+
+    def put(r, c, v):
+        rows.append(r), cols.append(c), vals.append(v)
+
+    for v in roots:
+        put(rA + ridx[v], ridx[v], 1.0)
+        put(rB + ridx[v], ridx[v], 1.0)
+        if part:
+            put(rC + ridx[v], ridx[v], -1.0)
+    for i, t in enumerate(reduce_trees):
+        put(rA + ridx[t.root], o_r + i, -1.0)
+        for e in t.edges:
+            put(e1 + eidx[e], o_r + i, 1.0)  # (4c) / (8d)
+    for j, t in enumerate(bcast_trees):
+        put(rB + ridx[t.root], o_j + j, -1.0)
+        for e in t.edges:
+            put(e2 + eidx[e], o_j + j, 1.0)  # (4d) / (8e)
+        if part:
+            put(rB + ridx[t.root], o_k + j, -1.0)
+            put(rC + ridx[t.root], o_k + j, 1.0)
+            for e in t.edges:
+                put(e1 + eidx[e], o_k + j, 1.0)  # (8d): K shares links with reduce
+    A = sparse.csr_matrix((vals, (rows, cols)), shape=(nrows, nv))
+    b = np.zeros(nrows)
+    b[e1:e1 + m] = [caps[e] for e in edges]
+    b[e2:e2 + m] = [caps[e] for e in edges]
+    c = np.zeros(nv)
+    c[:nr] = -1.0
+    res = linprog(c, A_ub=A, b_ub=b, bounds=(0, None), method="highs")
+    if res.status != 0:
+        raise RuntimeError(f"forest LP failed: {res.message}")
+    x = res.x
+    lam = res.ineqlin.marginals  # <= 0 for a minimisation with <= rows
+    if shallow and -res.fun > EPS:
+        h = [_height(t) for t in reduce_trees] + [_height(t) for t in bcast_trees] * (2 if part else 1)
+        c2 = np.concatenate([np.zeros(nr), np.asarray(h, dtype=float)])
+        keep = np.zeros((1, nv))
+        keep[0, :nr] = -1.0
+        A2 = sparse.vstack([A, sparse.csr_matrix(keep)]).tocsr()
+        b2 = np.concatenate([b, [res.fun * (1 - 1e-9)]])
+        res2 = linprog(c2, A_ub=A2, b_ub=b2, bounds=(0, None), method="highs")
+        if res2.status == 0:
+            x = res2.x
+    chi = {v: max(0.0, float(x[ridx[v]])) for v in roots}
+    wr = [max(0.0, float(x[o_r + i])) for i in range(R)]
+    wj = [max(0.0, float(x[o_j + j])) for j in range(B)]
+    wk = [max(0.0, float(x[o_k + j])) for j in range(B)] if part else [0.0] * B
+    # scale surplus weight down so that the per-root equalities hold (proof of Thm. 2)
+    for v in roots:
+        ri = [i for i, t in enumerate(reduce_trees) if t.root == v]
+        bi = [j for j, t in enumerate(bcast_trees) if t.root == v]
+        sr = sum(wr[i] for i in ri)
+        sb = sum(wj[j] + wk[j] for j in bi)
+        for i in ri:
+            wr[i] = wr[i] * chi[v] / sr if sr > 0 else 0.0
+        for j in bi:
+            f = chi[v] / sb if sb > 0 else 0.0
+            wj[j] *= f
+            wk[j] *= f
+    duals = {
+        "y1": {e: max(0.0, -float(lam[e1 + eidx[e]])) for e in edges},
+        "y2": {e: max(0.0, -float(lam[e2 + eidx[e]])) for e in edges},
+        "A": {v: float(lam[rA + ridx[v]]) for v in roots},
+        "B": {v: float(lam[rB + ridx[v]]) for v in roots},
+        "C": {v: float(lam[rC + ridx[v]]) for v in roots} if part else {v: 0.0 for v in roots},
+    }
+    return Weights(chi, wr, wk, wj, float(sum(chi.values())), duals)
+
+
+# ---------------------------------------------------------------------------
+# Column generation (replaces the ellipsoid method of Alg. 1)
+# ---------------------------------------------------------------------------
+@dataclass
+class Forest:
+    """Reduce and broadcast trees with their LP weights."""
+
+    overlap: str
+    roots: list[str]
+    reduce: list[SteinerTree]
+    broadcast: list[SteinerTree]
+    weights: Weights
+    stats: dict = field(default_factory=dict)
+
+
+def pack_forest(graph: nx.DiGraph, active: list[str], *, overlap: str = "partial", oracle: str = "auto",
+                max_iters: int = 200, tol: float = 1e-7, shallow: bool = True) -> Forest:
+    """Generate reduce and broadcast Steiner trees and their weights by column
+    generation on LP (4)/(8) (our replacement of TopoAdapt Alg. 1, see the module doc).
+
+    Start: for every root and kind the latency-shortest-path tree and the oracle's tree
+    under y_e = 1 / b_e (fat edges first).  Iterate: solve the master LP; for every root v and
+    tree type price a new tree with the oracle under the edge duals of the rows the type
+    occupies -- reduce trees: (4c)/(8d); broadcast: (4d), or, with overlap, both (8d)
+    (as a K tree) and (8e) (as a J tree) -- and add it if its y-weight is below the
+    root's threshold (reduced cost < 0).  Stop when nothing prices out.
+    """
+    caps = capacities(graph)
+    terminals = set(active)
+    method = "exact" if oracle == "exact" else "heuristic"
+    roots = list(active)
+    red: list[SteinerTree] = []
+    bc: list[SteinerTree] = []
+    seen: set[SteinerTree] = set()
+
+    def add(t: SteinerTree) -> bool:
+        if t in seen:
+            return False
+        seen.add(t)
+        (red if t.kind == "reduce" else bc).append(t)
+        return True
+
+    y0 = {e: 1.0 / caps[e] for e in caps}
+    for v in roots:
+        for kind in ("reduce", "broadcast"):
+            add(_shortest_path_tree(graph, v, terminals, kind))
+            add(steiner_oracle(graph, y0, v, terminals, kind=kind, method=method))
+    it = 0
+    converged = False
+    oracle_calls = 0
+    while True:
+        wts = solve_weights(caps, roots, red, bc, overlap)
+        if it >= max_iters:
+            break
+        it += 1
+        d = wts.duals
+        added = 0
+        for v in roots:
+            # reduce tree: reduced cost = y1(T) - (-lambda_A)
+            pricing = [("reduce", d["y1"], -d["A"][v])]
+            if overlap == "partial":
+                pricing.append(("broadcast", d["y1"], -d["B"][v] + d["C"][v]))  # as a K tree
+                pricing.append(("broadcast", d["y2"], -d["B"][v]))  # as a J tree
+            else:
+                pricing.append(("broadcast", d["y2"], -d["B"][v]))
+            for kind, y, thr in pricing:
+                if thr <= tol:
+                    continue
+                t = steiner_oracle(graph, y, v, terminals, kind=kind, method=method)
+                oracle_calls += 1
+                if tree_weight(t, y) < thr - tol * max(1.0, thr) and add(t):
+                    added += 1
+        if not added:
+            converged = True
+            break
+    if shallow:
+        wts = solve_weights(caps, roots, red, bc, overlap, shallow=True)
+    stats = {"iterations": it, "converged": converged, "oracle_calls": oracle_calls,
+             "reduce_columns": len(red), "broadcast_columns": len(bc), "objective": wts.objective}
+    return Forest(overlap, roots, red, bc, wts, stats)
+
+
+def prune_forest(forest: Forest, caps: dict, max_trees: int, *, shallow: bool = True) -> Forest:
+    """Keep at most ``max_trees`` reduce trees and ``max_trees`` broadcast trees with
+    positive weight and re-solve the LP on them (execution budget; our addition).
+
+    Selection per kind: first the heaviest tree of every root (roots by decreasing
+    chi), then the remaining trees by decreasing weight (broadcast: w_k + w_j).  The
+    re-solved LP is feasible (a subset of columns) and never better than before.
+    """
+    w = forest.weights
+    out = {}
+    for kind, trees, weight in (("reduce", forest.reduce, w.w_reduce),
+                                ("broadcast", forest.broadcast, [a + b for a, b in zip(w.w_k, w.w_j)])):
+        live = [(weight[i], i) for i in range(len(trees)) if weight[i] > EPS]
+        live.sort(key=lambda x: (-x[0], x[1]))
+        keep: list[int] = []
+        if max_trees and len(live) > max_trees:
+            for v in sorted(forest.roots, key=lambda r: -w.chi[r]):
+                best = next((i for _, i in live if trees[i].root == v), None)
+                if best is not None and len(keep) < max_trees:
+                    keep.append(best)
+            for _, i in live:
+                if len(keep) >= max_trees:
+                    break
+                if i not in keep:
+                    keep.append(i)
+        else:
+            keep = [i for _, i in live]
+        out[kind] = [trees[i] for i in sorted(keep)]
+    pruned = (len(out["reduce"]) < sum(x > EPS for x in w.w_reduce)
+              or len(out["broadcast"]) < sum(a + b > EPS for a, b in zip(w.w_k, w.w_j)))
+    new_w = solve_weights(caps, forest.roots, out["reduce"], out["broadcast"], forest.overlap, shallow=shallow)
+    stats = dict(forest.stats, pruned=pruned, objective_before_prune=w.objective, objective=new_w.objective,
+                 reduce_trees=len(out["reduce"]), broadcast_trees=len(out["broadcast"]))
+    return Forest(forest.overlap, forest.roots, out["reduce"], out["broadcast"], new_w, stats)
+
+
+def link_loads(forest: Forest) -> dict[tuple[str, str], dict[str, float]]:
+    """Per directed edge: the LP load of the concurrent stage (reduce [+ K]) and of the
+    pure broadcast stage (J, or all broadcast trees without overlap)."""
+    w = forest.weights
+    load: dict = defaultdict(lambda: {"stage1": 0.0, "stage2": 0.0})
+    for t, x in zip(forest.reduce, w.w_reduce):
+        for e in t.edges:
+            load[e]["stage1"] += x
+    for t, k, j in zip(forest.broadcast, w.w_k, w.w_j):
+        for e in t.edges:
+            load[e]["stage1"] += k
+            load[e]["stage2"] += j
+    return dict(load)
+
+
+# ---------------------------------------------------------------------------
+# Plan
+# ---------------------------------------------------------------------------
+def _tree_order(t: SteinerTree) -> list[tuple[str, int]]:
+    return sorted(t.to_tree().depth().items(), key=lambda kv: (-kv[1], kv[0]))
+
+
+def compile_forest(forest: Forest, nodes: list[str], length: int, active: list[str], *, chunks: int,
+                   scheme: str = "forest") -> tuple[Plan, list[dict]]:
+    """Compile a weighted forest into the plan IR (TopoAdapt Sec. III-C/V; the static
+    piece assignment is ours, see the module doc).  Returns the plan and the flow table
+    (one entry per tree and stage: kind, stage, tree, rate, elements)."""
+    w = forest.weights
+    roots = [v for v in forest.roots if w.chi[v] > EPS]
+    b = ProgramBuilder(nodes)
+    flows: list[dict] = []
+
+    def flow(tree: SteinerTree, stage: str, rate: float) -> int:
+        flows.append({"tree": tree, "stage": stage, "rate_mbps": rate, "elements": 0})
+        return len(flows) - 1
+
+    red_flows = {v: [(flow(t, "reduce", x), t, x) for t, x in zip(forest.reduce, w.w_reduce)
+                     if t.root == v and x > EPS] for v in roots}
+    k_flows = {v: [(flow(t, "overlap", x), t, x) for t, x in zip(forest.broadcast, w.w_k)
+                   if t.root == v and x > EPS] for v in roots}
+    j_flows = {v: [(flow(t, "pure", x), t, x) for t, x in zip(forest.broadcast, w.w_j)
+                   if t.root == v and x > EPS] for v in roots}
+    sizes = split_lengths(length, [w.chi[v] for v in roots]) if roots and length else [0] * len(roots)
+    # rounds[v] = list of (reduce pieces, broadcast pieces); a piece = (flow, tree, off, len)
+    plan_pieces: dict[str, list[tuple[list, list]]] = {}
+    off = 0
+    for v, size in zip(roots, sizes):
+        rounds = []
+        o = off
+        for rs in (split_lengths(size, [1] * chunks) if size else []):
+            if rs == 0:
+                continue
+            rp, bp = [], []
+            q = o
+            for (fi, t, x), part in zip(red_flows[v], split_lengths(rs, [x for _, _, x in red_flows[v]])):
+                if part:
+                    rp.append((fi, t, q, part))
+                    q += part
+            bfl = k_flows[v] + j_flows[v]
+            q = o
+            for (fi, t, x), part in zip(bfl, split_lengths(rs, [x for _, _, x in bfl])):
+                if part:
+                    bp.append((fi, t, q, part))
+                    q += part
+            rounds.append((rp, bp))
+            o += rs
+        plan_pieces[v] = rounds
+        off += size
+    up_send: dict[tuple[int, int], dict[str, int]] = {}  # (flow, offset) -> node -> send id
+    at_root: dict[tuple[int, int], list[int]] = {}  # (flow, offset) -> recv ids at the root
+    all_at_root: dict[str, list[int]] = defaultdict(list)
+    nrounds = max((len(r) for r in plan_pieces.values()), default=0)
+    # reduce stage, round-major so that program order follows time
+    for r in range(nrounds):
+        for v in roots:
+            if r >= len(plan_pieces[v]):
+                continue
+            for fi, t, o, ln in plan_pieces[v][r][0]:
+                par = t.parent()
+                got: dict[str, list[int]] = defaultdict(list)
+                sends: dict[str, int] = {}
+                for n, _ in _tree_order(t):
+                    p = par[n]
+                    if p is None:
+                        continue
+                    s, rid = b.transfer(n, p, o, ln, reduce=True, send_deps=got[n], channel=fi, flow=fi,
+                                        chunk=r, phase="reduce")
+                    sends[n] = s
+                    got[p].append(rid)
+                up_send[(fi, o)] = sends
+                at_root[(fi, o)] = got[v]
+                all_at_root[v] += got[v]
+                flows[fi]["elements"] += ln
+    # broadcast: overlapped (K) pieces first, then pure (J) pieces
+    for stage in ("overlap", "pure"):
+        for r in range(nrounds):
+            for v in roots:
+                if r >= len(plan_pieces[v]):
+                    continue
+                rp, bp = plan_pieces[v][r]
+                for fi, t, o, ln in bp:
+                    if flows[fi]["stage"] != stage:
+                        continue
+                    over = [(rf, ro) for rf, _, ro, rl in rp if ro < o + ln and o < ro + rl]
+                    root_deps = [i for key in over for i in at_root[key]]
+                    if stage == "pure":
+                        root_deps = root_deps + all_at_root[v]
+                    have = {v: root_deps}
+                    children = t.to_tree().children()
+                    for n, _ in sorted(_tree_order(t), key=lambda kv: (kv[1], kv[0])):
+                        for c in children[n]:
+                            mine = [up_send[key][c] for key in over if c in up_send[key]]
+                            _, rid = b.transfer(n, c, o, ln, reduce=False, send_deps=have[n], recv_deps=mine,
+                                                channel=fi, flow=fi, chunk=r,
+                                                phase="bcast" if stage == "pure" else "bcast-overlap")
+                            have[c] = [rid]
+                    flows[fi]["elements"] += ln
+    plan = Plan(scheme, list(nodes), length, b.programs, participants=list(active), receivers=list(active))
+    return plan, flows
+
+
+def _bad(param: str, message: str) -> ConfigError:
+    return ConfigError(message, key=f"params.{param}")
+
+
+@planner(
+    "forest",
+    overlap=Param(str, "partial", "reduce/broadcast overlap: none = LP (4), broadcast after reduce; partial = "
+                                  "LP (8), overlapped broadcast trees share links with reduce (paper default)",
+                  choices=OVERLAPS),
+    active=Param((list, type(None)), None, "active workers (participants and receivers); null = all nodes. "
+                                           "Inactive nodes may relay inside Steiner trees"),
+    relays=Param(bool, True, "let inactive workers relay (Steiner trees); false = trees over the active "
+                             "workers' induced subgraph only"),
+    max_trees=Param(int, 32, "keep at most this many reduce and this many broadcast trees (largest weight "
+                             "first, every root keeps its best tree) and re-solve the weights; 0 = no limit"),
+    chunks=Param(int, 4, "pipelined sub-chunks (rounds) per root's data (Property 2 pipelining)"),
+    oracle=Param(str, "auto", "minimum Steiner tree oracle A: auto/heuristic = Edmonds when all nodes are "
+                              "terminals (exact), else best of shortest-path heuristic and pruned arborescence; "
+                              "exact = MILP (small graphs)", choices=ORACLES),
+    max_iters=Param(int, 200, "column generation rounds at most"),
+    shallow=Param(bool, True, "among LP-optimal weightings prefer shallow trees (secondary LP minimising "
+                              "weight x height; our tie-break, the LP is bandwidth-only)"),
+)
+def plan_forest(graph: nx.DiGraph, length: int, *, elem_bytes: int = 4, overlap: str = "partial",
+                active: list | None = None, relays: bool = True, max_trees: int = 32, chunks: int = 4,
+                oracle: str = "auto", max_iters: int = 200, shallow: bool = True) -> Plan:
+    """Topology-adaptive Steiner forest packing (TopoAdapt, INFOCOM'21): reduce and
+    broadcast trees rooted at every active worker, packed by column generation with a
+    minimum-Steiner-tree oracle, weighted by LP (4) or (8), each tree carrying a share of
+    its root's data proportional to its weight; inactive workers may relay."""
+    t0 = time.perf_counter()
+    nodes = list(graph.nodes)
+    if not nodes:
+        raise ConfigError("the topology has no nodes")
+    if overlap not in OVERLAPS:
+        raise _bad("overlap", f"must be one of {list(OVERLAPS)}, got {overlap!r}")
+    if oracle not in ORACLES:
+        raise _bad("oracle", f"must be one of {list(ORACLES)}, got {oracle!r}")
+    for name, val, lo in (("chunks", chunks, 1), ("max_trees", max_trees, 0), ("max_iters", max_iters, 0)):
+        if isinstance(val, bool) or not isinstance(val, int) or val < lo:
+            raise _bad(name, f"must be an integer >= {lo}, got {val!r}")
+    for u, v, d in graph.edges(data=True):
+        if not d.get("rate_mbps", 0) > 0:
+            raise ConfigError(f"link {u}->{v} has no positive rate_mbps")
+    if active is None:
+        act = nodes
+    else:
+        if not isinstance(active, (list, tuple)) or not active:
+            raise _bad("active", "must be a non-empty list of node names")
+        unknown = [a for a in active if a not in graph]
+        if unknown:
+            raise _bad("active", f"unknown node(s) {unknown}")
+        act = [n for n in nodes if n in set(active)]  # graph order, no duplicates
+    g = graph if relays else graph.subgraph(act).copy()
+    if len(act) > 1:
+        for v in act:
+            reach = nx.descendants(g, v)
+            if not set(act) - {v} <= reach:
+                raise _bad("active", f"active workers unreachable from {v}"
+                           + ("" if relays else " without relays"))
+    meta: dict = {"reference": REFERENCE, "overlap": overlap, "active": act, "relays_allowed": relays,
+                  "chunks": chunks, "max_trees": max_trees, "shallow": shallow}
+    if len(act) == 1:
+        plan = Plan("forest", nodes, length, {n: [] for n in nodes}, participants=act, receivers=act)
+        meta.update(trees=[], roots={act[0]: {"chi_mbps": None, "share": 1.0}}, planner_s=time.perf_counter() - t0)
+        plan.meta.update(meta)
+        return plan
+    all_terminals = set(act) == set(g.nodes)
+    forest = pack_forest(g, act, overlap=overlap, oracle=oracle, max_iters=max_iters, shallow=shallow)
+    caps = capacities(g)
+    forest = prune_forest(forest, caps, max_trees, shallow=shallow)
+    if forest.weights.objective <= EPS:
+        raise RuntimeError("forest LP found no bandwidth")
+    plan, flows = compile_forest(forest, nodes, length, act, chunks=chunks)
+    w = forest.weights
+    total = w.objective
+    trees_meta = []
+    for fi, f in enumerate(flows):
+        t: SteinerTree = f["tree"]
+        d = t.to_tree(share=f["rate_mbps"] / total, chunks=chunks, rate_mbps=f["rate_mbps"]).to_dict()
+        d.update({"flow": fi, "kind": t.kind, "stage": f["stage"], "elements": f["elements"],
+                  "edges": [list(e) for e in t.edges],
+                  "relays": sorted(t.nodes() - set(act))})
+        trees_meta.append(d)
+    used = set().union(*(t.nodes() for t in forest.reduce + forest.broadcast)) if flows else set()
+    loads = link_loads(forest)
+    meta.update({
+        "oracle": ("edmonds (exact, all nodes active)" if all_terminals else
+                   "milp (exact)" if oracle == "exact" else "shortest-path heuristic / pruned arborescence"),
+        "oracle_alpha": 1 if (all_terminals or oracle == "exact") else f"<= {len(act)} (heuristic)",
+        "tree_generation": "column generation on LP (4)/(8) (replaces the ellipsoid method of Alg. 1)",
+        "roots": {v: {"chi_mbps": w.chi[v], "share": w.chi[v] / total} for v in act},
+        "sum_chi_mbps": total,
+        "predicted_time_s": 2 * length * elem_bytes * 8 / (total * 1e6),
+        "trees": trees_meta,
+        "relays_used": sorted(used - set(act)),
+        "link_load_mbps": [{"edge": list(e), "capacity": caps[e], **l} for e, l in sorted(loads.items())],
+        "lp": forest.stats,
+        "planner_s": time.perf_counter() - t0,
+    })
+    plan.meta.update(meta)
+    return plan

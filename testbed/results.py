@@ -1,0 +1,107 @@
+"""results.json: atomic writing, environment facts, summaries."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from importlib import metadata
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def write_json_atomic(path: Path, data) -> None:
+    """Write ``data`` so that readers only ever see the old file or the complete new one."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f, indent=1, default=_jsonable)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _jsonable(o):
+    if hasattr(o, "tolist"):
+        return o.tolist()
+    if hasattr(o, "to_dict"):
+        return o.to_dict()
+    if isinstance(o, (set, tuple)):
+        return list(o)
+    return str(o)
+
+
+def new_run_dir(base: str | Path, name: str) -> Path:
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    d = Path(base) / f"{stamp}-{name}"
+    k = 1
+    while d.exists():
+        d = Path(base) / f"{stamp}-{name}-{k}"
+        k += 1
+    d.mkdir(parents=True)
+    return d
+
+
+def git_commit() -> str:
+    try:
+        out = subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5)
+        dirty = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain"], capture_output=True, text=True, timeout=5)
+        return out.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "") if out.returncode == 0 else "unknown"
+    except (OSError, subprocess.TimeoutExpired):
+        return "unknown"
+
+
+def environment(caps=None) -> dict:
+    pkgs = {}
+    for name in ("numpy", "networkx", "scipy", "mininet", "PyYAML", "paramiko"):
+        try:
+            pkgs[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            pkgs[name] = None
+    return {
+        "kernel": platform.release(),
+        "python": sys.version.split()[0],
+        "host": platform.node(),
+        "cpus": os.cpu_count(),
+        "packages": pkgs,
+        "git_commit": git_commit(),
+        "capabilities": caps.to_dict() if caps is not None else None,
+    }
+
+
+def stats(values: list[float]) -> dict:
+    if not values:
+        return {"mean": None, "min": None, "max": None, "n": 0}
+    return {"mean": statistics.fmean(values), "min": min(values), "max": max(values),
+            "stdev": statistics.stdev(values) if len(values) > 1 else 0.0, "n": len(values)}
+
+
+class CpuMeter:
+    """Whole-machine CPU utilisation between start() and stop(), from /proc/stat."""
+
+    @staticmethod
+    def _read() -> tuple[int, int]:
+        with open("/proc/stat") as f:
+            vals = [int(x) for x in f.readline().split()[1:]]
+        idle = vals[3] + vals[4]
+        return sum(vals), idle
+
+    def start(self) -> "CpuMeter":
+        self._t = self._read()
+        return self
+
+    def stop(self) -> float:
+        total, idle = self._read()
+        dt, di = total - self._t[0], idle - self._t[1]
+        return 1.0 - di / dt if dt else 0.0

@@ -1,0 +1,192 @@
+"""``testbed run``: experiment -> plan -> emulated WAN -> agents -> checked results.json."""
+
+from __future__ import annotations
+
+import os
+import random
+import secrets
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+from testbed.results import REPO, CpuMeter, environment, stats, write_json_atomic
+
+DATA_PORT = 7100
+CPU_BUSY = 0.95  # whole-machine utilisation above which the emulator may not keep up
+
+
+class Progress:
+    """Prints ``[  12.3s] message`` lines so long runs show where they are."""
+
+    def __init__(self, quiet: bool = False, stream=sys.stderr):
+        self.t0, self.quiet, self.stream = time.monotonic(), quiet, stream
+
+    def __call__(self, msg: str) -> None:
+        if not self.quiet:
+            print(f"[{time.monotonic() - self.t0:7.1f}s] {msg}", file=self.stream, flush=True)
+
+
+def compute_times(spec, nodes: list[str], iterations: int, seed: int) -> dict[str, list[float]]:
+    """Per-worker compute seconds per iteration from the ``workload.compute_s`` spec."""
+    rng = random.Random(seed)
+    out: dict[str, list[float]] = {}
+    for n in nodes:
+        if isinstance(spec, (int, float)):
+            out[n] = [float(spec)] * iterations
+        elif "per_worker" in spec:
+            out[n] = [float(spec["per_worker"].get(n, 0.0))] * iterations
+        elif "uniform" in spec:
+            lo, hi = spec["uniform"]
+            out[n] = [rng.uniform(lo, hi) for _ in range(iterations)]
+        else:
+            mean, std = spec["normal"]
+            out[n] = [max(0.0, rng.gauss(mean, std)) for _ in range(iterations)]
+    return out
+
+
+def build_plan(exp: dict):
+    """(topology scaled, graph, plan, prediction, bound) for a validated experiment — no network."""
+    from testbed import costmodel
+    from testbed.planners import make_plan
+    from testbed.planners.bound import optimum
+    from testbed.topology import load_topology, validate_connected
+
+    topo = load_topology(exp["topology"]).scaled(exp["scale"])
+    validate_connected(topo, source=exp["name"], key="topology")
+    graph = topo.graph()
+    params = {k: v for k, v in exp["scheme"].items() if k != "name"}
+    elem_bytes = 4 if exp["workload"]["dtype"] == "float32" else 8
+    t = time.perf_counter()
+    plan = make_plan(exp["scheme"]["name"], graph, exp["workload"]["length"], params, elem_bytes=elem_bytes)
+    plan.meta.setdefault("planner_s", time.perf_counter() - t)
+    plan.validate()
+    prediction = costmodel.predict(plan, graph, elem_bytes=elem_bytes,
+                                   stop_and_wait=exp["agents"]["stop_and_wait"])
+    bound = optimum(graph, exp["workload"]["bytes"])
+    return topo, graph, plan, prediction, bound
+
+
+def run_agents(net, plan, out_dir: Path, *, iterations: int = 1, seed: int = 0, dtype: str = "float32",
+               compute_s: dict | None = None, stop_and_wait: bool = False, timeout_s: float = 120.0,
+               progress: Callable[[str], None] = lambda m: None) -> dict:
+    """Start a coordinator (root namespace, control network) and one agent per datacenter
+    of ``net``, run ``plan`` ``iterations`` times, and return the coordinator's results.
+    Agents are stopped (killed if need be) before returning, also on error."""
+    from agents.coordinator import Coordinator
+    from testbed.emulator.network import CONTROL_IP
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    secret_file = out_dir / "secret"
+    if not secret_file.exists():
+        secret_file.touch(mode=0o600)
+        secret_file.write_text(secrets.token_hex(32))
+    coord = Coordinator(plan, addresses=net.address_map(), data_port=DATA_PORT, secret=secret_file.read_text(),
+                        iterations=iterations, seed=seed, dtype=dtype, compute_s=compute_s,
+                        stop_and_wait=stop_and_wait, timeout_s=timeout_s, bind=(CONTROL_IP, 0), progress=progress)
+    coord.start()
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    try:
+        for dc in plan.nodes:
+            cfg = out_dir / "agents" / f"{dc}.json"
+            cfg.parent.mkdir(exist_ok=True)
+            write_json_atomic(cfg, {"name": dc, "coordinator": f"{coord.address[0]}:{coord.address[1]}",
+                                    "data_port": DATA_PORT, "bind": "0.0.0.0",
+                                    "secret_file": str(secret_file.resolve()),
+                                    "log_file": str((out_dir / "agents" / f"{dc}.log").resolve())})
+            net.popen(dc, [sys.executable, "-m", "agents.agent", "--config", str(cfg.resolve())],
+                      cwd=str(REPO), env=env)
+        return coord.run()
+    finally:
+        coord.close()
+        net.stop_processes()
+
+
+def run_experiment(exp: dict, out_dir: Path, progress: Callable[[str], None]) -> dict:
+    from testbed.emulator.capabilities import probe
+    from testbed.emulator.dynamics import Scheduler
+    from testbed.emulator.network import WanNetwork
+
+    progress(f"planning {exp['scheme']['name']} for {exp['workload']['bytes'] / 1e6:.3g} MB")
+    topo, graph, plan, prediction, bound = build_plan(exp)
+    progress(f"plan: {sum(len(p) for p in plan.programs.values())} ops; predicted CCT "
+             f"{prediction['cct_s']:.3f}s, bound {bound['cct_s']:.3f}s")
+    caps = probe()
+    results: dict = {"experiment": exp, "environment": environment(caps), "runs": []}
+    runs = results["runs"]
+    w, a = exp["workload"], exp["agents"]
+    with WanNetwork(topo, method=exp["emulator"]["method"], relay_procs=exp["emulator"]["relay_procs"],
+                    seed=exp["seed"], log=progress, caps=caps) as net:
+        results["links"] = net.link_report()
+        sched = Scheduler(net, exp["dynamics"], exp["faults"], scale=exp["scale"], log=progress).start()
+        cpu = CpuMeter().start()
+        try:
+            for rep in range(exp["repetitions"]):
+                progress(f"repetition {rep + 1}/{exp['repetitions']}: starting {len(topo.nodes)} agents")
+                seed = exp["seed"] * 1000 + rep
+                result = run_agents(net, plan, out_dir, iterations=w["iterations"], seed=seed, dtype=w["dtype"],
+                                    compute_s=compute_times(w["compute_s"], topo.nodes, w["iterations"], seed),
+                                    stop_and_wait=a["stop_and_wait"], timeout_s=a["timeout_s"], progress=progress)
+                runs.append(_summarise_run(rep, result))
+                r = runs[-1]
+                progress(f"repetition {rep + 1}: CCT {r['cct_s']:.3f}s, correct={r['correct']}")
+                if not r["correct"]:  # results are still written; the CLI exits 1
+                    progress(f"repetition {rep + 1}: WRONG RESULT at {', '.join(r['incorrect']) or 'digest mismatch'}")
+        finally:
+            sched.stop()
+            cpu_util = cpu.stop()
+            results["events"] = net.events + [{"error": e} for e in sched.errors]
+            relay = net.relay_stats()
+            results["emulation"] = _emulation_health(net.method, relay, cpu_util)
+    results["plan"] = {"scheme": plan.scheme, "ops": sum(len(p) for p in plan.programs.values()),
+                       "bytes_sent": plan.bytes_sent(4 if w["dtype"] == "float32" else 8), "meta": plan.meta}
+    results["prediction"], results["bound"] = prediction, bound
+    results["summary"] = _summary(runs, prediction, bound)
+    return results
+
+
+def _summarise_run(rep: int, result: dict) -> dict:
+    its = result["iterations"]
+    incorrect = sorted({n for it in its for n, wk in it["workers"].items() if not wk.get("correct", True)})
+    return {"repetition": rep, "cct_s": stats([it["cct_s"] for it in its])["mean"],
+            "iterations": its, "correct": all(it["correct"] for it in its) and not incorrect,
+            "incorrect": incorrect, "transfers": result.get("transfers"), "links": _per_link(result.get("transfers"))}
+
+
+def _per_link(transfers: dict | None) -> list[dict]:
+    """Bytes and busy time per (src, dst) pair from the per-chunk transfer records."""
+    if not transfers or not transfers.get("rows"):
+        return []
+    col = {c: i for i, c in enumerate(transfers["columns"])}
+    agg: dict[tuple, list] = {}
+    for row in transfers["rows"]:
+        key = (row[col["src"]], row[col["dst"]])
+        start, end = row[col["send_start_ns"]], row[col["recv_end_ns"]]
+        a = agg.setdefault(key, [0, start, end, 0])
+        a[0] += row[col["bytes"]]
+        a[1], a[2], a[3] = min(a[1], start), max(a[2], end), a[3] + 1
+    return [{"src": s, "dst": d, "bytes": b, "transfers": n, "span_s": (e - t) / 1e9,
+             "goodput_mbps": b * 8 / max(e - t, 1) * 1e3}
+            for (s, d), (b, t, e, n) in sorted(agg.items())]
+
+
+def _emulation_health(method: str, relay: list[dict], cpu_util: float) -> dict:
+    from testbed.emulator import relay as relay_mod
+
+    warnings = []
+    for i, st in enumerate(relay):
+        ok, why = relay_mod.kept_up(st)
+        if not ok:
+            warnings.append(f"relay {i}: {why}")
+    if cpu_util > CPU_BUSY:
+        warnings.append(f"machine CPU {cpu_util:.0%} busy: link emulation and agents may be CPU-bound")
+    return {"method": method, "kept_up": not warnings, "warnings": warnings,
+            "cpu_util": cpu_util, "relay": relay}
+
+
+def _summary(runs: list[dict], prediction: dict, bound: dict) -> dict:
+    cct = stats([r["cct_s"] for r in runs])
+    return {"cct_s": cct, "correct": all(r["correct"] for r in runs) and bool(runs),
+            "predicted_cct_s": prediction["cct_s"], "bound_cct_s": bound["cct_s"],
+            "efficiency": bound["cct_s"] / cct["mean"] if cct["mean"] else None,
+            "prediction_ratio": cct["mean"] / prediction["cct_s"] if cct["mean"] and prediction["cct_s"] else None}

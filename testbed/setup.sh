@@ -1,0 +1,66 @@
+#!/usr/bin/env bash
+# One-step, idempotent set-up for testbed on Debian 12 / Ubuntu 22.04 / 24.04 (run as root).
+#   sudo bash testbed/setup.sh
+# Installs the system tools (Mininet's mnexec, iperf3, iproute2, ethtool, bridge-utils, ping,
+# gcc for the user-space delay relay), the Python dependencies for the python3 on PATH, sets
+# the sysctls a Linux bridge needs, and builds the delay relay.  A second run changes nothing.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+
+if [ "$(id -u)" -ne 0 ]; then
+  echo "setup.sh: run as root (sudo bash testbed/setup.sh)" >&2
+  exit 2
+fi
+
+APT_PKGS="mininet iperf3 iproute2 ethtool bridge-utils iputils-ping net-tools procps psmisc gcc libc6-dev python3 python3-pip python3-venv"
+missing=""
+for p in $APT_PKGS; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing="$missing $p"
+done
+if [ -n "$missing" ]; then
+  echo "setup: installing system packages:$missing"
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get update -qq
+  apt-get install -y -qq --no-install-recommends $missing >/dev/null
+else
+  echo "setup: system packages present"
+fi
+
+# Python packages for the interpreter that will run `python3 -m testbed`
+if ! "$PY" - <<'PYEOF' 2>/dev/null
+import importlib.metadata as m, sys
+need = {"numpy": "1.24", "networkx": "2.8", "scipy": "1.10", "PyYAML": "6.0", "pytest": "7.0",
+        "paramiko": "2.0", "mininet": "2.3"}
+for name in need:
+    m.version(name)
+import mininet.nodelib, numpy, networkx, scipy.optimize, yaml  # noqa
+PYEOF
+then
+  echo "setup: installing Python packages for $("$PY" -c 'import sys; print(sys.executable)')"
+  PIP=("$PY" -m pip install -q --disable-pip-version-check --root-user-action=ignore)
+  REQS=(numpy networkx scipy pyyaml pytest paramiko mininet)
+  # Debian/Ubuntu mark the system interpreter "externally managed" (PEP 668); this is a
+  # root tool on a dedicated machine/VM, so install beside apt's packages there.
+  "${PIP[@]}" "${REQS[@]}" 2>/dev/null || "${PIP[@]}" --break-system-packages "${REQS[@]}"
+else
+  echo "setup: Python packages present"
+fi
+
+# Linux bridge must not pass frames through iptables (Mininet's LinuxBridge needs this)
+conf=/etc/sysctl.d/90-testbed.conf
+want="net.bridge.bridge-nf-call-iptables = 0
+net.bridge.bridge-nf-call-ip6tables = 0
+net.bridge.bridge-nf-call-arptables = 0"
+if [ "$(cat $conf 2>/dev/null)" != "$want" ]; then
+  echo "$want" > $conf
+fi
+for t in ip ip6 arp; do
+  f=/proc/sys/net/bridge/bridge-nf-call-${t}tables
+  [ -e "$f" ] && [ "$(cat "$f")" != 0 ] && echo 0 > "$f"
+done
+
+# the user-space delay relay (used where the kernel has no netem)
+"$PY" -c "from testbed.emulator.relay import build; print('setup: relay', build())"
+"$PY" -m testbed doctor || true
+echo "setup: done"

@@ -1,0 +1,26 @@
+import os
+import shutil
+
+import pytest
+
+
+def _can_emulate() -> str | None:
+    if os.geteuid() != 0:
+        return "needs root (network namespaces, tc)"
+    if not shutil.which("mnexec"):
+        return "mnexec missing (run testbed/setup.sh)"
+    return None
+
+
+@pytest.fixture
+def netenv():
+    """Skip unless this machine can build emulated networks; afterwards assert that
+    nothing (processes, interfaces, namespaces) was left behind."""
+    why = _can_emulate()
+    if why:
+        pytest.skip(why)
+    from testbed.emulator.cleanup import leftovers
+
+    yield
+    left = leftovers()
+    assert not any(left.values()), f"left behind: {left}"

@@ -1,0 +1,93 @@
+"""`validate` and `run` reject broken experiment files with one clear line and exit 2."""
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+GOOD = """\
+name: t
+topology: small-3
+scheme: {name: ring}
+workload: {size: 64KB}
+"""
+
+BROKEN = {
+    "yaml_syntax": ("name: t\ntopology: [small-3\n", "invalid YAML"),
+    "unknown_top_key": (GOOD + "colour: blue\n", "colour: unknown key"),
+    "unknown_scheme": (GOOD.replace("ring", "warp-drive"), "scheme.name: unknown scheme 'warp-drive'"),
+    "wrong_type": (GOOD + "repetitions: three\n", "repetitions: expected an integer"),
+    "missing_topology": ("name: t\nscheme: {name: ring}\n", "topology: missing"),
+    "unknown_node": (GOOD.replace("{name: ring}", "{name: ps, hub: h9}"), "scheme.hub: unknown datacenter 'h9'"),
+    "unknown_param": (GOOD.replace("{name: ring}", "{name: ring, speed: 3}"), "scheme.speed"),
+    "bad_size": (GOOD.replace("64KB", "lots"), "workload.size"),
+    "bad_topology_link": (textwrap.dedent("""\
+        name: t
+        scheme: {name: ring}
+        topology:
+          name: inline
+          datacenters: [a, b]
+          links: [{between: [a, c], rate_mbps: 10}]
+        """), "links[0]"),
+    "unknown_topology": (GOOD.replace("small-3", "no-such-topology"), "no-such-topology"),
+    "dynamics_bad_link": (GOOD + "dynamics: [{at_s: 1, link: [h1, h7], rate_mbps: 5}]\n", "dynamics[0].link"),
+    "fault_bad_kind": (GOOD + "faults: [{at_s: 1, explode: h1}]\n", "faults[0]"),
+}
+
+
+def _cli(*args):
+    return subprocess.run([sys.executable, "-m", "testbed", *args], cwd=REPO, capture_output=True, text=True,
+                          timeout=60)
+
+
+def test_good_file_validates(tmp_path):
+    f = tmp_path / "good.yaml"
+    f.write_text(GOOD)
+    res = _cli("validate", str(f))
+    assert res.returncode == 0, res.stderr
+    assert "ok" in res.stdout
+
+
+@pytest.mark.parametrize("case", sorted(BROKEN))
+def test_broken_file_is_rejected_clearly(tmp_path, case):
+    text, expected = BROKEN[case]
+    f = tmp_path / f"{case}.yaml"
+    f.write_text(text)
+    res = _cli("validate", str(f))
+    assert res.returncode == 2, (res.stdout, res.stderr)
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1, res.stderr  # one line, no traceback
+    assert lines[0].startswith("error: ") and str(f) in lines[0]
+    assert expected in lines[0]
+
+
+def test_run_rejects_broken_file_before_starting_anything(tmp_path):
+    f = tmp_path / "bad.yaml"
+    f.write_text(BROKEN["unknown_scheme"][0])
+    res = _cli("run", str(f), "--out", str(tmp_path / "out"))
+    assert res.returncode == 2
+    assert not (tmp_path / "out").exists()
+
+
+def test_set_overrides_are_validated(tmp_path):
+    f = tmp_path / "good.yaml"
+    f.write_text(GOOD)
+    assert _cli("validate", str(f), "--set", "scheme.name=ps").returncode == 0
+    res = _cli("validate", str(f), "--set", "workload.iterations=0")
+    assert res.returncode == 2 and "workload.iterations" in res.stderr
+
+
+def test_every_shipped_experiment_validates():
+    for f in sorted((REPO / "experiments").glob("*.yaml")):
+        res = _cli("validate", str(f))
+        assert res.returncode == 0, f"{f.name}: {res.stderr}"
+
+
+def test_help_on_every_verb():
+    for verb in ("run", "validate", "plan", "doctor", "clean", "linkcheck", "bench"):
+        res = _cli(verb, "--help")
+        assert res.returncode == 0 and "usage" in res.stdout.lower(), verb

@@ -1,0 +1,299 @@
+"""Cost model: flow-level max-min fair simulation and the α-β estimate (testbed/costmodel.py)."""
+
+from __future__ import annotations
+
+import time
+
+import networkx as nx
+import pytest
+
+from testbed.costmodel import alpha_beta, max_min_rates, predict
+from testbed.plan import Op, Plan, PlanError, ProgramBuilder
+from testbed.planners import make_plan
+from testbed.routing import shortest_paths
+
+
+def build(edges, rate=100.0, delay=10.0) -> nx.DiGraph:
+    g = nx.DiGraph()
+    for u, v in edges:
+        g.add_edge(u, v, rate_mbps=rate, delay_ms=delay)
+        g.add_edge(v, u, rate_mbps=rate, delay_ms=delay)
+    return g
+
+
+def ring_graph(n, rate=100.0, delay=10.0):
+    return build([(f"n{i}", f"n{(i + 1) % n}") for i in range(n)], rate, delay)
+
+
+def path_graph(n, rate=100.0, delay=10.0):
+    return build([(f"n{i}", f"n{i + 1}") for i in range(n - 1)], rate, delay)
+
+
+def Bps(mbps):
+    return mbps * 1e6 / 8
+
+
+def manual(nodes, transfers, length=1000):
+    """Plan from (src, dst, channel) triples, all independent."""
+    b = ProgramBuilder(nodes)
+    for src, dst, ch in transfers:
+        b.transfer(src, dst, 0, length, reduce=False, channel=ch)
+    return Plan("manual", list(nodes), length, b.programs)
+
+
+def test_single_transfer_is_delay_plus_size_over_rate():
+    g = build([("a", "b")], rate=80, delay=10)
+    r = predict(manual(["a", "b"], [("a", "b", 0)], 1000), g, elem_bytes=4)
+    assert r["cct_s"] == pytest.approx(0.010 + 4000 / Bps(80), rel=1e-12)
+    assert r["model"] == "flow-level max-min fair"
+    assert r["per_link_bytes"] == {"a->b": 4000}
+    assert r["bottleneck"] == "a->b"
+
+
+def test_multi_hop_transfer_uses_routed_path():
+    g = build([("a", "b"), ("b", "c")], rate=100, delay=5)
+    g["b"]["c"]["rate_mbps"] = 20
+    r = predict(manual(["a", "b", "c"], [("a", "c", 0)], 10_000), g)
+    assert r["cct_s"] == pytest.approx(0.010 + 40_000 / Bps(20), rel=1e-12)
+    assert r["per_link_bytes"] == {"a->b": 40_000, "b->c": 40_000}
+    assert r["bottleneck"] == "b->c"
+
+
+def test_two_flows_on_one_link_take_twice_as_long():
+    g = build([("a", "b")], rate=100, delay=10)
+    one = predict(manual(["a", "b"], [("a", "b", 0)], 10_000), g)["cct_s"]
+    two = predict(manual(["a", "b"], [("a", "b", 0), ("a", "b", 1)], 10_000), g)["cct_s"]
+    xfer = 40_000 / Bps(100)
+    assert one == pytest.approx(0.01 + xfer)
+    assert two == pytest.approx(0.01 + 2 * xfer)
+    # two different sources converging on one link b->c
+    g3 = build([("a", "b"), ("b", "c")], rate=100, delay=10)
+    conv = predict(manual(["a", "b", "c"], [("a", "c", 0), ("b", "c", 0)], 10_000), g3)
+    assert conv["node_finish_s"]["c"] == pytest.approx(0.02 + 2 * xfer)
+
+
+def test_fifo_connection_serialises_transfers():
+    g = build([("a", "b")], rate=100, delay=10)
+    plan = manual(["a", "b"], [("a", "b", 0), ("a", "b", 0)], 10_000)
+    r = predict(plan, g)
+    xfer = 40_000 / Bps(100)
+    assert r["cct_s"] == pytest.approx(0.01 + 2 * xfer)
+    # the α-β estimate keeps the stream order but no cross-connection contention
+    assert alpha_beta(plan, g)["cct_s"] == pytest.approx(0.01 + 2 * xfer)
+    par = manual(["a", "b"], [("a", "b", 0), ("a", "b", 1)], 10_000)
+    assert alpha_beta(par, g)["cct_s"] == pytest.approx(0.01 + xfer)
+
+
+def test_max_min_fairness_progressive_filling():
+    # link 0 (cap 10) carries f1 and f2, link 1 (cap 100) carries f2 and f3
+    rates = max_min_rates({(0,): 1, (0, 1): 1, (1,): 1}, [10.0, 100.0])
+    assert rates == {(0,): 5.0, (0, 1): 5.0, (1,): 95.0}
+    rates = max_min_rates({(0,): 3}, [9.0])
+    assert rates == {(0,): 3.0}
+
+
+@pytest.mark.parametrize("n", [4, 6, 9])
+def test_ring_matches_textbook(n):
+    alpha, rate, length = 0.015, 100.0, 300_000
+    g = ring_graph(n, rate=rate, delay=alpha * 1000)
+    plan = make_plan("ring", g, length)
+    S = length * 4
+    textbook = 2 * (n - 1) * (alpha + S / (n * Bps(rate)))
+    r = predict(plan, g)
+    assert r["cct_s"] == pytest.approx(textbook, rel=0.01)
+    assert alpha_beta(plan, g)["cct_s"] == pytest.approx(textbook, rel=0.01)
+    # each ring link carries 2(n-1) blocks of S/n
+    assert sum(r["per_link_bytes"].values()) == pytest.approx(n * 2 * (n - 1) * S / n, rel=1e-3)
+
+
+def test_pipelined_tree_beats_unpipelined_on_path():
+    g = path_graph(6, rate=100, delay=5)
+    length = 1_000_000
+    t1 = predict(make_plan("mst", g, length, {"chunks": 1}), g)["cct_s"]
+    t8 = predict(make_plan("mst", g, length, {"chunks": 8}), g)["cct_s"]
+    assert t8 < 0.5 * t1
+    # unpipelined reduce+broadcast over a height-l tree: 2l(α + S/B)  (MTREE §I)
+    plan = make_plan("mst", g, length, {"chunks": 1, "root": "n0"})
+    assert predict(plan, g)["cct_s"] == pytest.approx(2 * 5 * (0.005 + 4e6 / Bps(100)), rel=1e-9)
+    # pipelined along the path, uniform links: (2l + λ − 1)(α + βμ) is an upper bound,
+    # streaming transport (link busy βμ, not α + βμ) beats it
+    lam = 8
+    bound = (2 * 5 + lam - 1) * (0.005 + 4e6 / lam / Bps(100))
+    t = predict(make_plan("mst", g, length, {"chunks": lam, "root": "n0"}), g)["cct_s"]
+    assert t <= bound * (1 + 1e-9)
+
+
+def test_stop_and_wait_is_slower():
+    g = build([("a", "b")], rate=100, delay=10)
+    one = manual(["a", "b"], [("a", "b", 0)], 10_000)
+    r = predict(one, g, stop_and_wait=True)
+    xfer = 40_000 / Bps(100)
+    assert r["result_s"] == pytest.approx(0.01 + xfer)  # data arrives as usual
+    assert r["cct_s"] == pytest.approx(0.02 + xfer)  # the send completes on the ACK
+    g9 = ring_graph(9, delay=20)
+    plan = make_plan("ring", g9, 90_000, {"chunks": 4})
+    assert predict(plan, g9, stop_and_wait=True)["cct_s"] > 1.2 * predict(plan, g9)["cct_s"]
+
+
+def test_pipelined_ps_beats_plain_ps():
+    g = build([("hub", f"w{i}") for i in range(5)], rate=100, delay=10)
+    plain = predict(make_plan("ps", g, 1_000_000, {"hub": "hub"}), g)["cct_s"]
+    piped = predict(make_plan("ps", g, 1_000_000, {"hub": "hub", "shards": 8}), g)["cct_s"]
+    assert plain == pytest.approx(2 * (0.01 + 4e6 / Bps(100)))
+    assert piped < 0.7 * plain
+
+
+def test_contention_makes_predict_slower_than_alpha_beta():
+    g = build([("c", f"l{i}") for i in range(5)], rate=100, delay=10)  # star; alltoall routes via c
+    plan = make_plan("alltoall", g, 500_000)
+    assert predict(plan, g)["cct_s"] > 1.5 * alpha_beta(plan, g)["cct_s"]
+
+
+def test_deadlock_is_reported():
+    b = ProgramBuilder(["a", "b"])
+    # each node waits for the other's data before sending its own
+    b.programs["a"].append(Op(0, "recv", "b", 1, 0, 1))
+    b.programs["a"].append(Op(1, "send", "b", 0, 0, 1, deps=(0,)))
+    b.programs["b"].append(Op(0, "recv", "a", 0, 0, 1))
+    b.programs["b"].append(Op(1, "send", "a", 1, 0, 1, deps=(0,)))
+    plan = Plan("dead", ["a", "b"], 1, b.programs)
+    g = build([("a", "b")])
+    with pytest.raises(PlanError, match="deadlock"):
+        predict(plan, g)
+    with pytest.raises(PlanError, match="deadlock"):
+        alpha_beta(plan, g)
+
+
+def test_ten_thousand_transfers_under_two_seconds():
+    g = ring_graph(9, rate=100, delay=10)
+    plan = make_plan("ring", g, 9 * 70 * 100, {"chunks": 70})
+    n = sum(1 for _ in plan.transfers())
+    assert n >= 10_000
+    t0 = time.perf_counter()
+    r = predict(plan, g)
+    assert time.perf_counter() - t0 < 2.0
+    assert r["transfers"] == n and r["cct_s"] > 0
+
+
+def test_netstorm_schemes_run_and_report():
+    import random
+    rnd = random.Random(1)
+    edges = [("h1", "h2"), ("h1", "h3"), ("h2", "h3"), ("h2", "h5"), ("h3", "h4"), ("h4", "h5"), ("h4", "h6"),
+             ("h5", "h7"), ("h6", "h7"), ("h6", "h8"), ("h6", "h9"), ("h7", "h8"), ("h8", "h9")]
+    g = nx.DiGraph()
+    for u, v in edges:
+        for a, b in ((u, v), (v, u)):
+            g.add_edge(a, b, rate_mbps=rnd.randint(20, 155), delay_ms=30.0)
+    for scheme in ("ps", "ring", "alltoall", "bkt", "mst"):
+        plan = make_plan(scheme, g, 250_000)
+        r = predict(plan, g)
+        ab = alpha_beta(plan, g)
+        assert r["cct_s"] >= ab["cct_s"] * (1 - 1e-9)
+        assert set(r["node_finish_s"]) == set(g.nodes)
+        assert r["bottleneck"] in r["per_link_bytes"]
+        paths = shortest_paths(g)
+        total = sum(op.length * 4 * (len(paths[(n, op.peer)]) - 1) for n, op in plan.transfers())
+        assert sum(r["per_link_bytes"].values()) == pytest.approx(total)
+
+
+
+# --- cross-check against a deliberately naive simulator ----------------------------
+def naive_predict(plan, graph, elem_bytes=4):
+    """Same semantics as predict, written the obvious way: recompute every flow's max-min
+    rate from scratch at every event and advance every flow (reference for tests only)."""
+    import heapq
+    from collections import deque
+
+    from testbed.costmodel import _Ops, _Routes
+
+    ops, routes = _Ops(plan), _Routes(graph)
+    n = len(ops.ops)
+    links, alpha, size, conn, cid = [()] * n, [0.0] * n, [0.0] * n, [0] * n, {}
+    for i, op in enumerate(ops.ops):
+        if ops.is_send[i]:
+            links[i], alpha[i], _ = routes.get(ops.node[i], op.peer)
+            size[i] = op.length * elem_bytes
+            conn[i] = cid.setdefault((ops.node[i], op.peer, op.channel), len(cid))
+    queues, busy = [deque() for _ in cid], [False] * len(cid)
+    done, arrived, ready, unmet = [-1.0] * n, [False] * n, [False] * n, list(ops.unmet)
+    events, active, t, seq = [], {}, 0.0, 0
+    work = deque(i for i in range(n) if unmet[i] == 0)
+
+    def complete(i):
+        done[i] = t
+        for u in ops.users[i]:
+            unmet[u] -= 1
+            if unmet[u] == 0:
+                work.append(u)
+
+    def pump(c):
+        if not busy[c] and queues[c]:
+            busy[c] = True
+            active[queues[c].popleft()] = None
+
+    while True:
+        while work:
+            i = work.popleft()
+            if ops.is_send[i]:
+                queues[conn[i]].append(i)
+                pump(conn[i])
+            else:
+                ready[i] = True
+                if arrived[i]:
+                    complete(i)
+        for i in active:
+            if active[i] is None:
+                active[i] = size[i]
+        # progressive filling over individual flows
+        rem = {l: routes.cap[l] for i in active for l in links[i]}
+        rate, left = {}, set(active)
+        while left:
+            share = {l: rem[l] / sum(1 for i in left if l in links[i]) for l in rem
+                     if any(l in links[i] for i in left)}
+            lmin = min(share, key=share.get)
+            for i in [i for i in left if lmin in links[i]]:
+                rate[i] = share[lmin]
+                left.discard(i)
+                for l in links[i]:
+                    rem[l] -= share[lmin]
+        dt = min((active[i] / rate[i] for i in active), default=float("inf"))
+        te = events[0][0] if events else float("inf")
+        if dt == float("inf") and te == float("inf"):
+            break
+        step = min(dt, te - t)
+        finished = []
+        for i in active:
+            active[i] -= rate[i] * step
+            if active[i] <= 1e-9 * size[i]:
+                finished.append(i)
+        t += step
+        for i in finished:
+            del active[i]
+            seq += 1
+            heapq.heappush(events, (t + alpha[i], seq, ops.partner[i]))
+            complete(i)
+            busy[conn[i]] = False
+            pump(conn[i])
+        while events and events[0][0] <= t + 1e-12 * (1 + t):
+            _, _, r = heapq.heappop(events)
+            arrived[r] = True
+            if ready[r]:
+                complete(r)
+    return max(done)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_predict_matches_naive_simulator(seed):
+    import random
+    rnd = random.Random(seed)
+    n = 3 + seed % 4
+    base = nx.gnm_random_graph(n, n + 2, seed=seed)
+    base.add_edges_from((i, i + 1) for i in range(n - 1))  # connected
+    g = nx.DiGraph()
+    for u, v in base.edges:
+        for a, b in ((u, v), (v, u)):
+            g.add_edge(f"d{a}", f"d{b}", rate_mbps=rnd.randint(20, 155), delay_ms=rnd.uniform(1, 50))
+    for scheme, params in [("alltoall", {}), ("ps", {"shards": 2}), ("ring", {"chunks": 2}),
+                           ("bkt", {"chunks": 2}), ("mst", {"chunks": 3})]:
+        plan = make_plan(scheme, g, 5000, params)
+        assert predict(plan, g)["cct_s"] == pytest.approx(naive_predict(plan, g), rel=1e-9), scheme

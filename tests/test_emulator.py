@@ -1,0 +1,93 @@
+"""Real Mininet networks with shaped links (small and short)."""
+
+import json
+import subprocess
+import time
+
+import pytest
+
+from testbed.emulator.linkcheck import run_linkcheck
+from testbed.emulator.network import WanNetwork
+from testbed.topology import load_topology
+
+pytestmark = pytest.mark.net
+
+
+def _two(rate=50, delay=10):
+    return load_topology({"name": "two", "datacenters": ["a", "b"],
+                          "links": [{"between": ["a", "b"], "rate_mbps": rate, "delay_ms": delay}]})
+
+
+def test_small3_rates_and_delays_within_tolerance(netenv):
+    res = run_linkcheck(load_topology("small-3"), seconds=3, phases=("single",), progress=lambda m: None)
+    assert len(res["directions"]) == 6
+    bad = [(d["src"], d["dst"], d["rate_ratio"], d["measured_owd_ms"], d["expected_owd_ms"])
+           for d in res["directions"] if not d["ok"]]
+    assert not bad, bad
+    assert all(d["method"] in ("htb+netem", "htb+user-space-relay") for d in res["directions"])
+
+
+def test_rate_change_is_visible_within_one_second(netenv):
+    with WanNetwork(_two(rate=50, delay=5)) as net:
+        srv = net.popen("b", ["iperf3", "-s", "-1", "-J", "-i", "0.25", "-p", "5301"],
+                        stdout=subprocess.PIPE, text=True)
+        time.sleep(0.5)
+        cli = net.popen("a", ["iperf3", "-c", net.peer_address("a", "b"), "-p", "5301", "-t", "5"])
+        time.sleep(2.5)
+        net.set_rate("a", "b", 10)
+        t_change = time.time()
+        cli.wait(timeout=30)
+        out, _ = srv.communicate(timeout=30)
+        events = net.events
+    rep = json.loads(out)
+    start = rep["start"]["timestamp"]["timesecs"]
+    ivals = [(start + i["sum"]["start"], start + i["sum"]["end"], i["sum"]["bits_per_second"] / 1e6)
+             for i in rep["intervals"]]
+    before = [m for s, e, m in ivals if e < t_change - 0.3 and s > start + 1]
+    after = [m for s, e, m in ivals if s >= t_change + 1.0]
+    assert before and after
+    assert min(before) > 40, before
+    assert max(after) < 12.5, after
+    assert events and events[0]["event"] == "rate" and events[0]["rate_mbps"] == 10
+
+
+def _ping_ok(net, src, dst) -> bool:
+    p = net.popen(src, ["ping", "-n", "-q", "-c", "3", "-i", "0.2", "-W", "1", net.peer_address(src, dst)],
+                  stdout=subprocess.PIPE, text=True)
+    out, _ = p.communicate(timeout=20)
+    return p.returncode == 0
+
+
+def test_link_down_and_up(netenv):
+    topo = load_topology("small-3")
+    a, b = topo.links[0].a, topo.links[0].b
+    with WanNetwork(topo) as net:
+        assert _ping_ok(net, a, b)
+        net.set_link(a, b, up=False)
+        assert not _ping_ok(net, a, b)
+        net.set_link(a, b, up=True)
+        assert _ping_ok(net, a, b)
+        kinds = [e["event"] for e in net.events]
+    assert kinds == ["link_down", "link_up"]
+
+
+def test_non_adjacent_datacenters_are_routed(netenv):
+    line = load_topology({"name": "line", "datacenters": ["a", "b", "c"],
+                          "links": [{"between": ["a", "b"], "rate_mbps": 50, "delay_ms": 5},
+                                    {"between": ["b", "c"], "rate_mbps": 50, "delay_ms": 5}]})
+    with WanNetwork(line) as net:
+        assert net.peer_address("a", "c") == net.node_address("c")
+        p = net.popen("a", ["ping", "-n", "-c", "3", "-i", "0.2", net.node_address("c")],
+                      stdout=subprocess.PIPE, text=True)
+        out, _ = p.communicate(timeout=20)
+    assert p.returncode == 0, out
+    rtt = float(out.rsplit("=", 1)[1].split("/")[1])
+    assert 19 <= rtt <= 23, rtt  # two hops of 5 ms each way
+
+
+def test_bad_topology_fails_validation_clearly(tmp_path):
+    f = tmp_path / "bad.yaml"
+    f.write_text("name: bad\ndatacenters: [a, b]\nlinks: [{between: [a, zz], rate_mbps: 10}]\n")
+    res = subprocess.run(["python3", "-m", "testbed", "linkcheck", str(f)], capture_output=True, text=True)
+    assert res.returncode == 2
+    assert "zz" in res.stderr and "links[0]" in res.stderr

@@ -1,0 +1,117 @@
+"""End to end: real Mininet WAN, real agent processes, real TCP, exact results."""
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from testbed import config
+from testbed.emulator.cleanup import leftovers
+from testbed.emulator.network import WanNetwork
+from testbed.planners import make_plan
+from testbed.runner import run_agents
+from testbed.topology import load_topology
+
+pytestmark = pytest.mark.net
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _run_cli(*args, timeout=300):
+    return subprocess.run([sys.executable, "-m", "testbed", *args], cwd=REPO, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def test_quickstart_smoke(netenv, tmp_path):
+    res = _run_cli("run", "experiments/quickstart.yaml", "--out", str(tmp_path))
+    assert res.returncode == 0, res.stderr[-3000:]
+    out = json.loads((tmp_path / "results.json").read_text())
+    assert out["summary"]["correct"] is True
+    assert len(out["runs"]) == out["experiment"]["repetitions"]
+    assert all(r["correct"] and r["cct_s"] > 0 for r in out["runs"])
+    assert out["summary"]["cct_s"]["mean"] > 0 and out["summary"]["predicted_cct_s"] > 0
+    assert {l["method"] for l in out["links"]} <= {"htb+netem", "htb+user-space-relay"}
+    assert any(l["delay_ms"] > 0 for l in out["links"])
+    assert out["environment"]["git_commit"]
+    assert "kept_up" in out["emulation"]
+    assert out["runs"][0]["transfers"]["rows"]
+
+
+SCHEMES_ON_QUICK5 = ["ps", "ring", "alltoall", "bkt", "mst", "mtree", "blink", "forest", "topoadopt", "plink", "psld"]
+
+
+def test_every_scheme_gives_exact_results_on_a_real_network(netenv, tmp_path):
+    from testbed.planners import schemes
+
+    topo = load_topology("quick-5")
+    graph = topo.graph()
+    names = [s for s in SCHEMES_ON_QUICK5 if s in schemes()]
+    with WanNetwork(topo) as net:
+        for name in names:
+            plan = make_plan(name, graph, 50_000)
+            plan.validate()
+            res = run_agents(net, plan, tmp_path / name, timeout_s=60)
+            assert all(it["correct"] for it in res["iterations"]), name
+            assert res["iterations"][0]["cct_s"] > 0
+
+
+def test_multitree_on_mesh(netenv, tmp_path):
+    from testbed.planners import schemes
+
+    if "multitree" not in schemes():
+        pytest.skip("multitree planner not available")
+    topo = load_topology("mesh-2x2")
+    with WanNetwork(topo) as net:
+        plan = make_plan("multitree", topo.graph(), 40_000)
+        res = run_agents(net, plan, tmp_path, timeout_s=60)
+    assert all(it["correct"] for it in res["iterations"])
+
+
+def _long_experiment(tmp_path, extra=""):
+    f = tmp_path / "long.yaml"
+    f.write_text("name: long\ntopology: small-3\nscheme: {name: ring}\nrepetitions: 50\n"
+                 "workload: {size: 4MB, iterations: 3}\n" + extra)
+    return f
+
+
+def test_sigint_tears_everything_down(netenv, tmp_path):
+    f = _long_experiment(tmp_path)
+    p = subprocess.Popen([sys.executable, "-m", "testbed", "run", str(f), "--out", str(tmp_path / "o")],
+                         cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 60
+    while time.time() < deadline and not list((tmp_path / "o" / "agents").glob("*.json")):
+        time.sleep(0.2)
+    time.sleep(1.0)  # agents running
+    p.send_signal(signal.SIGINT)
+    _, err = p.communicate(timeout=60)
+    assert p.returncode == 130, err[-2000:]
+    assert "interrupted" in err
+    assert not any(leftovers().values()), leftovers()
+    assert not (tmp_path / "o" / "results.json").exists()
+
+
+def test_sigkill_then_clean_leaves_nothing(netenv, tmp_path):
+    f = _long_experiment(tmp_path)
+    p = subprocess.Popen([sys.executable, "-m", "testbed", "run", str(f), "--out", str(tmp_path / "o")],
+                         cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 60
+    while time.time() < deadline and not list((tmp_path / "o" / "agents").glob("*.json")):
+        time.sleep(0.2)
+    time.sleep(1.0)
+    p.kill()
+    p.wait()
+    assert any(leftovers().values())  # a killed run cannot clean up after itself ...
+    res = _run_cli("clean")
+    assert res.returncode == 0
+    assert not any(leftovers().values()), leftovers()  # ... but `clean` removes it all
+
+
+def test_crashed_datacenter_fails_the_run_naming_it(netenv, tmp_path):
+    f = _long_experiment(tmp_path, "faults: [{at_s: 3, crash: h2}]\nagents: {timeout_s: 10}\n")
+    res = _run_cli("run", str(f), "--out", str(tmp_path / "o"), timeout=120)
+    assert res.returncode == 1, res.stderr[-2000:]
+    last = res.stderr.strip().splitlines()[-1]
+    assert last.startswith("error:") and "h2" in last, last
