@@ -42,6 +42,9 @@ SEND_COLUMNS = ["xfer", "send_start_ns", "send_end_ns"]
 RECV_COLUMNS = ["xfer", "send_ts_ns", "recv_start_ns", "recv_end_ns", "apply_ns"]
 
 
+SO_MAX_PACING_RATE = getattr(socket, "SO_MAX_PACING_RATE", 47)  # Linux value
+
+
 class ExecError(Exception):
     """The program could not complete: timeout, a peer connection closed, an abort."""
 
@@ -103,6 +106,10 @@ class Executor:
 
     def attach_outgoing(self, peer: str, channel: int, sock: socket.socket) -> None:
         key = (peer, channel)
+        rate = max((op.rate_mbps for op in self.prog if op.kind == SEND and (op.peer, op.channel) == key),
+                   default=0.0)
+        if rate > 0:  # TCP paces internally (no fq needed) once a maximum rate is set
+            sock.setsockopt(socket.SOL_SOCKET, SO_MAX_PACING_RATE, int(rate * 1e6 / 8))
         with self._lock:
             if key not in self._out_keys or key in self._senders:
                 raise ProtocolError(f"no (further) data connection to {peer} channel {channel} expected")

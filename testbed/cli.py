@@ -43,13 +43,13 @@ def cmd_run(args) -> int:
 
 
 def _print_summary(results: dict) -> None:
-    s = results["summary"]
-    c = s["cct_s"]
-    print(f"scheme {results['experiment']['scheme']['name']}: CCT mean {c['mean']:.3f}s "
-          f"(min {c['min']:.3f}, max {c['max']:.3f}, n={c['n']}); predicted {s['predicted_cct_s']:.3f}s; "
-          f"bound {s['bound_cct_s']:.3f}s; efficiency {s['efficiency']:.2f}; correct={s['correct']}")
-    emu = results.get("emulation", {})
-    for w in emu.get("warnings", []):
+    print(f"{'variant':24} {'CCT mean':>9} {'min':>8} {'max':>8} {'predicted':>9} {'bound':>8} {'effic.':>6}  "
+          f"{'vs first':>8}  correct")
+    for v, cmp in zip(results["variants"], results["summary"]["comparison"]):
+        s, c = v["summary"], v["summary"]["cct_s"]
+        print(f"{v['label'][:24]:24} {c['mean']:9.3f} {c['min']:8.3f} {c['max']:8.3f} {s['predicted_cct_s']:9.3f} "
+              f"{s['bound_cct_s']:8.3f} {s['efficiency']:6.2f}  {cmp['cct_ratio_to_first']:7.2f}x  {s['correct']}")
+    for w in results.get("emulation", {}).get("warnings", []):
         print(f"WARNING: emulation did not keep up: {w}", file=sys.stderr)
 
 
@@ -66,14 +66,27 @@ def cmd_validate(args) -> int:
 
 def cmd_plan(args) -> int:
     from testbed import config
-    from testbed.runner import build_plan
+    from testbed.runner import variants
 
     exp = config.load_experiment(args.experiment, args.overrides)
-    topo, graph, plan, prediction, bound = build_plan(exp)
+    chosen = [v for v in variants(exp) if args.variant in (None, v["label"])]
+    if not chosen:
+        raise ConfigError(f"no variant {args.variant!r} (have: {', '.join(v['label'] for v in variants(exp))})",
+                          source=args.experiment, key="variants")
+    for v in chosen:
+        _print_plan(exp, v, args)
+    return 0
+
+
+def _print_plan(exp: dict, variant: dict, args) -> None:
+    from testbed.runner import build_plan
+
+    topo, graph, plan, prediction, bound = build_plan(exp, variant["scheme"])
     if args.json:
-        print(json.dumps({"plan": plan.to_dict() if args.full else plan.meta, "prediction": prediction,
-                          "bound": bound}, indent=1, default=str))
-        return 0
+        print(json.dumps({"label": variant["label"], "plan": plan.to_dict() if args.full else plan.meta,
+                          "prediction": prediction, "bound": bound}, indent=1, default=str))
+        return
+    print(f"== {variant['label']}")
     print(f"scheme {plan.scheme} on {topo.name} (scale {topo.scale:g}): {exp['workload']['bytes']} bytes, "
           f"{sum(len(p) for p in plan.programs.values())} ops, {plan.bytes_sent(1) * (4 if exp['workload']['dtype'] == 'float32' else 8) / 1e6:.3g} MB on the wire")
     for i, t in enumerate(plan.meta.get("trees", [])):
@@ -90,7 +103,6 @@ def cmd_plan(args) -> int:
             print(f"  {k}: {v}")
     print(f"predicted CCT {prediction['cct_s']:.4f}s ({prediction.get('model', '')}); "
           f"bound: rate {bound['rate_mbps']:.1f} Mbit/s, CCT {bound['cct_s']:.4f}s")
-    return 0
 
 
 def cmd_doctor(args) -> int:
@@ -161,6 +173,7 @@ def build_parser() -> argparse.ArgumentParser:
     _experiment_args(pl)
     pl.add_argument("--json", action="store_true", help="print JSON (plan meta, prediction, bound)")
     pl.add_argument("--full", action="store_true", help="with --json: the whole plan including every op")
+    pl.add_argument("--variant", help="only this variant (label); default: every scheme of the experiment")
     pl.set_defaults(func=cmd_plan)
 
     d = sub.add_parser("doctor", help="report what this machine can do and which link shaping run will use")

@@ -21,6 +21,8 @@ Format (YAML; every key but ``name``, ``topology`` and ``scheme.name`` is option
     agents: {timeout_s: 120, stop_and_wait: false}
     dynamics: []                 # live rate changes, see testbed/emulator/dynamics.py
     faults: []                   # link down/up, datacenter crash/restart
+    variants:                    # optional: more schemes run on the SAME network, compared
+      - {label: ps, scheme: {name: ps}}     # in one results.json (the main scheme runs first)
     output: {dir: results}
 """
 
@@ -45,6 +47,7 @@ DEFAULTS: dict[str, Any] = {
     "agents": {"timeout_s": 120.0, "stop_and_wait": False},
     "dynamics": [],
     "faults": [],
+    "variants": [],
     "output": {"dir": "results"},
 }
 TOP_KEYS = {"name", "topology", "scheme", *DEFAULTS}
@@ -143,7 +146,6 @@ def validate(data: dict, source: str = "<experiment>") -> dict:
     """Check an experiment mapping and return it fully resolved (defaults filled in,
     ``topology`` resolved to its mapping, ``workload.bytes`` computed)."""
     from testbed import workloads
-    from testbed.planners import schemes
     from testbed.topology import load_topology
 
     c = _Checker(source)
@@ -170,32 +172,21 @@ def validate(data: dict, source: str = "<experiment>") -> dict:
     nodes = list(topo.nodes)
     exp["topology"] = topo.to_dict()
 
-    scheme = c.mapping(exp["scheme"], "scheme")
-    name = scheme.get("name")
-    known = schemes()
-    if name not in known:
-        c.fail("scheme.name", f"unknown scheme {name!r} (known: {', '.join(sorted(known))})")
-    spec = known[name]
-    params = {k: v for k, v in scheme.items() if k != "name"}
-    for k, v in params.items():
-        key = f"scheme.{k}"
-        if k not in spec.params:
-            c.fail(key, f"scheme {name!r} has no parameter {k!r} (parameters: {', '.join(spec.params) or 'none'})")
-        p = spec.params[k]
-        types = p.type if isinstance(p.type, tuple) else (p.type,)
-        if float in types and isinstance(v, int) and not isinstance(v, bool):
-            v = params[k] = float(v)
-        if not isinstance(v, types) or (isinstance(v, bool) and bool not in types):
-            c.fail(key, f"expected {' or '.join(t.__name__ for t in types)}, got {v!r}")
-        if p.choices:
-            c.choice(v, key, p.choices)
-        if k in NODE_PARAMS and v:
-            c.node(v, key, nodes)
-        if k in NODE_LIST_PARAMS:
-            for i, n in enumerate(v):
-                c.node(n, f"{key}[{i}]", nodes)
-    exp["scheme"] = {"name": name, **{k: p.default for k, p in spec.params.items()}, **params}
-
+    exp["scheme"] = _scheme(c, exp["scheme"], "scheme", nodes)
+    if not isinstance(exp["variants"], list):
+        c.fail("variants", "expected a list of {label, scheme} mappings")
+    labels = {exp["scheme"]["name"]}  # the main scheme's label
+    for i, v in enumerate(exp["variants"]):
+        key = f"variants[{i}]"
+        c.mapping(v, key, {"label", "scheme"})
+        if "scheme" not in v:
+            c.fail(f"{key}.scheme", "missing (required)")
+        c.mapping(v["scheme"], f"{key}.scheme")
+        label = v.get("label") or v["scheme"].get("name", "")
+        if not isinstance(label, str) or not label or label in labels:
+            c.fail(f"{key}.label", f"expected a unique non-empty label, got {label!r}")
+        labels.add(label)
+        exp["variants"][i] = {"label": label, "scheme": _scheme(c, v["scheme"], f"{key}.scheme", nodes)}
     w = exp["workload"]
     c.choice(w["dtype"], "workload.dtype", ("float32", "float64"))
     c.number(w["iterations"], "workload.iterations", integer=True, minimum=1)
@@ -229,6 +220,40 @@ def validate(data: dict, source: str = "<experiment>") -> dict:
     exp["dynamics"] = validate_dynamics(exp["dynamics"], topo, c, source)
     exp["faults"] = validate_faults(exp["faults"], topo, c)
     return exp
+
+
+def _scheme(c: _Checker, scheme, key: str, nodes: list[str]) -> dict:
+    """Validate ``{name: ..., <param>: ...}`` against the planner's parameter table and
+    return it with every default filled in."""
+    from testbed.planners import schemes
+
+    c.mapping(scheme, key)
+    name = scheme.get("name")
+    known = schemes()
+    if name not in known:
+        c.fail(f"{key}.name", f"unknown scheme {name!r} (known: {', '.join(sorted(known))})")
+    spec = known[name]
+    params = {k: v for k, v in scheme.items() if k != "name"}
+    for k, v in params.items():
+        pkey = f"{key}.{k}"
+        if k not in spec.params:
+            c.fail(pkey, f"scheme {name!r} has no parameter {k!r} (parameters: {', '.join(spec.params) or 'none'})")
+        p = spec.params[k]
+        types = p.type if isinstance(p.type, tuple) else (p.type,)
+        if float in types and isinstance(v, int) and not isinstance(v, bool):
+            v = params[k] = float(v)
+        if list in types and isinstance(v, tuple):
+            v = params[k] = list(v)
+        if not isinstance(v, types) or (isinstance(v, bool) and bool not in types):
+            c.fail(pkey, f"expected {' or '.join(t.__name__ for t in types)}, got {v!r}")
+        if p.choices:
+            c.choice(v, pkey, p.choices)
+        if k in NODE_PARAMS and v:
+            c.node(v, pkey, nodes)
+        if k in NODE_LIST_PARAMS:
+            for i, n in enumerate(v):
+                c.node(n, f"{pkey}[{i}]", nodes)
+    return {"name": name, **{k: p.default for k, p in spec.params.items()}, **params}
 
 
 def _check_compute(c: _Checker, spec, nodes: list[str]) -> None:

@@ -23,7 +23,7 @@ from itertools import count
 import networkx as nx
 
 from testbed.plan import SEND, Plan, PlanError
-from testbed.routing import shortest_paths
+from testbed.routing import data_paths
 
 MODEL = "flow-level max-min fair"
 
@@ -71,7 +71,7 @@ class _Routes:
 
     def __init__(self, graph: nx.DiGraph):
         self.graph = graph
-        self.paths = shortest_paths(graph)
+        self.paths = data_paths(graph)
         self.link_id: dict[tuple[str, str], int] = {}
         self.cap: list[float] = []
         self.names: list[str] = []
@@ -143,6 +143,9 @@ def max_min_rates(classes: dict[tuple[int, ...], int], cap: list[float]) -> dict
     return rate
 
 
+PACE_PREFIX = "pace "  # names of the virtual links that model paced connections
+
+
 def predict(plan: Plan, graph: nx.DiGraph, *, elem_bytes: int = 4, stop_and_wait: bool = False) -> dict:
     """Flow-level, max-min fair discrete-event simulation of ``plan`` on ``graph``.
 
@@ -151,9 +154,10 @@ def predict(plan: Plan, graph: nx.DiGraph, *, elem_bytes: int = 4, stop_and_wait
       in the order they became ready (one ordered byte stream, as the executor's TCP
       connection).
     * A transmitting transfer is a flow on the latency-shortest route
-      (:func:`testbed.routing.shortest_paths`); flows sharing a directed link share its
+      (:func:`testbed.routing.data_paths`: the direct link between neighbours, else latency-shortest); flows sharing a directed link share its
       rate max-min fairly (progressive filling, recomputed whenever the set of flows
-      changes).
+      changes).  A paced send (``Op.rate_mbps``) also crosses a virtual link of that
+      rate private to its connection.
     * The send completes when its last byte has left (``stop_and_wait``: one route RTT
       later, when the acknowledgement is back, and only then can the connection send
       again — TSEngine-style stop-and-wait, NetStorm App. B).  The data arrives at the
@@ -177,11 +181,19 @@ def predict(plan: Plan, graph: nx.DiGraph, *, elem_bytes: int = 4, stop_and_wait
     size = [0.0] * n_ops
     conn = [0] * n_ops
     conn_id: dict[tuple[str, str, int], int] = {}
+    paced: dict[tuple[str, str, int], int] = {}  # connection -> its virtual pacing link
     for i, op in enumerate(ops.ops):
         if not ops.is_send[i]:
             continue
         src = ops.node[i]
         links[i], alpha[i], _ = routes.get(src, op.peer)
+        if op.rate_mbps > 0:  # a paced connection: a private virtual link at its rate
+            key = (src, op.peer, op.channel)
+            if key not in paced:
+                paced[key] = len(routes.cap)
+                routes.cap.append(op.rate_mbps * 1e6 / 8)
+                routes.names.append(PACE_PREFIX + f"{src}->{op.peer}#{op.channel}")
+            links[i] = links[i] + (paced[key],)
         if stop_and_wait:
             rtt[i] = alpha[i] + routes.get(op.peer, src)[1]
         size[i] = float(op.length * elem_bytes)
@@ -339,16 +351,17 @@ def _report(plan: Plan, ops: _Ops, routes: _Routes, done: list[float], per_link:
         if not ops.is_send[i]:
             result = max(result, done[i])
             phase_end[op.phase] = max(phase_end.get(op.phase, 0.0), done[i])
-    busy = [b / c for b, c in zip(per_link, routes.cap)]
-    bott = max(range(len(busy)), key=lambda l: (busy[l], routes.names[l]), default=None)
+    real = [l for l, name in enumerate(routes.names) if not name.startswith(PACE_PREFIX)]
+    busy = {l: per_link[l] / routes.cap[l] for l in real}
+    bott = max(real, key=lambda l: (busy[l], routes.names[l]), default=None)
     return {
         "cct_s": max(node_finish.values(), default=0.0),
         "result_s": result,
         "model": MODEL,
         "stop_and_wait": stop_and_wait,
         "compute": "reduction compute time ignored",
-        "per_link_bytes": {routes.names[l]: per_link[l] for l in range(len(per_link))},
-        "link_busy_s": {routes.names[l]: busy[l] for l in range(len(busy))},
+        "per_link_bytes": {routes.names[l]: per_link[l] for l in real},
+        "link_busy_s": {routes.names[l]: busy[l] for l in real},
         "bottleneck": routes.names[bott] if bott is not None else "",
         "node_finish_s": node_finish,
         "phase_end_s": phase_end,

@@ -25,6 +25,10 @@ Semantics (the agent executor and :func:`interpret` implement exactly this):
 * ``channel`` picks the connection between a pair of nodes (e.g. one per tree): ops on
   one channel share one ordered byte stream, different channels do not block each
   other.  ``flow``, ``chunk`` and ``phase`` label transfers for timing reports.
+* ``rate_mbps`` (sends; 0 = unpaced) caps the sending rate of that connection (the
+  executor sets the socket's pacing rate to the largest rate of its sends).  Planners
+  that allocate rates to trees (MTREE, BLINK, forest packing) use it so trees sharing a
+  link get their planned rates instead of TCP's equal shares.
 * After the program, every node in ``plan.receivers`` must hold the sum of the inputs of
   ``plan.participants``.
 """
@@ -60,6 +64,7 @@ class Op:
     flow: int = 0
     chunk: int = 0
     phase: str = ""
+    rate_mbps: float = 0.0
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -332,13 +337,13 @@ class ProgramBuilder:
     def transfer(self, src: str, dst: str, offset: int, length: int, *, reduce: bool,
                  send_deps: Iterable[int] = (), recv_deps: Iterable[int] = (),
                  src_buf: str = "x", dst_buf: str = "x", channel: int = 0, flow: int = 0,
-                 chunk: int = 0, phase: str = "") -> tuple[int, int]:
+                 chunk: int = 0, phase: str = "", rate_mbps: float = 0.0) -> tuple[int, int]:
         """Add a matched send (at src) and recv (at dst); return (send_id, recv_id)."""
         xfer = self._next_xfer
         self._next_xfer += 1
         label = dict(channel=channel, flow=flow, chunk=chunk, phase=phase)
         s = Op(len(self.programs[src]), SEND, dst, xfer, offset, length, src_buf,
-               deps=tuple(sorted(set(send_deps))), **label)
+               deps=tuple(sorted(set(send_deps))), rate_mbps=rate_mbps, **label)
         self.programs[src].append(s)
         r = Op(len(self.programs[dst]), RECV, src, xfer, offset, length, dst_buf, reduce=reduce,
                deps=tuple(sorted(set(recv_deps))), **label)
@@ -413,7 +418,8 @@ class Tree:
 
 
 def trees_plan(scheme: str, nodes: list[str], length: int, trees: list[Tree], *,
-               participants: list[str] | None = None, meta: dict | None = None) -> Plan:
+               participants: list[str] | None = None, meta: dict | None = None,
+               pace: bool = False) -> Plan:
     """Compile concurrent reduce-then-broadcast over several trees into a plan.
 
     The vector is split among trees by ``share``; each tree's slice into ``chunks``
@@ -423,6 +429,7 @@ def trees_plan(scheme: str, nodes: list[str], length: int, trees: list[Tree], *,
     k+1 (pipelining); each tree uses its own channel so trees never block each other.
     Every tree must contain all ``nodes`` that finish with the result (Steiner trees may
     omit non-participants only if they are neither participants nor receivers).
+    With ``pace`` every transfer of a tree is paced at the tree's ``rate_mbps``.
     """
     for t in trees:
         t.check(participants if participants is not None else nodes)
@@ -435,7 +442,7 @@ def trees_plan(scheme: str, nodes: list[str], length: int, trees: list[Tree], *,
         for ci, csize in enumerate(split_lengths(size, [1] * t.chunks) if size else []):
             if csize == 0:
                 continue
-            label = dict(channel=ti, flow=ti, chunk=ci)
+            label = dict(channel=ti, flow=ti, chunk=ci, rate_mbps=t.rate_mbps if pace else 0.0)
             got: dict[str, list[int]] = defaultdict(list)  # node -> recv ids of children's sums
             up_send: dict[str, int] = {}
             for n, _ in order:  # reduce, bottom-up

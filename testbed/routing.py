@@ -33,3 +33,13 @@ def shortest_paths(graph: nx.DiGraph) -> dict[tuple[str, str], list[str]]:
             if dst != src:
                 paths[(src, dst)] = path
     return paths
+
+
+def data_paths(graph: nx.DiGraph) -> dict[tuple[str, str], list[str]]:
+    """The path data between two datacenters takes in the emulator: the direct WAN link
+    for neighbours (agents address a neighbour by its link address), the latency-shortest
+    path otherwise (agents use the node address, which is routed)."""
+    paths = shortest_paths(graph)
+    for u, v in graph.edges:
+        paths[(u, v)] = [u, v]
+    return paths

@@ -45,20 +45,27 @@ def compute_times(spec, nodes: list[str], iterations: int, seed: int) -> dict[st
     return out
 
 
-def build_plan(exp: dict):
-    """(topology scaled, graph, plan, prediction, bound) for a validated experiment — no network."""
+def variants(exp: dict) -> list[dict]:
+    """The schemes an experiment compares: the main ``scheme`` first, then ``variants``."""
+    return [{"label": exp["scheme"]["name"], "scheme": exp["scheme"]}] + list(exp["variants"])
+
+
+def build_plan(exp: dict, scheme: dict | None = None):
+    """(topology scaled, graph, plan, prediction, bound) for a validated experiment and one of
+    its schemes (default: the main one) — pure planning, no network."""
     from testbed import costmodel
     from testbed.planners import make_plan
     from testbed.planners.bound import optimum
     from testbed.topology import load_topology, validate_connected
 
+    scheme = scheme or exp["scheme"]
     topo = load_topology(exp["topology"]).scaled(exp["scale"])
     validate_connected(topo, source=exp["name"], key="topology")
     graph = topo.graph()
-    params = {k: v for k, v in exp["scheme"].items() if k != "name"}
+    params = {k: v for k, v in scheme.items() if k != "name"}
     elem_bytes = 4 if exp["workload"]["dtype"] == "float32" else 8
     t = time.perf_counter()
-    plan = make_plan(exp["scheme"]["name"], graph, exp["workload"]["length"], params, elem_bytes=elem_bytes)
+    plan = make_plan(scheme["name"], graph, exp["workload"]["length"], params, elem_bytes=elem_bytes)
     plan.meta.setdefault("planner_s", time.perf_counter() - t)
     plan.validate()
     prediction = costmodel.predict(plan, graph, elem_bytes=elem_bytes,
@@ -103,18 +110,23 @@ def run_agents(net, plan, out_dir: Path, *, iterations: int = 1, seed: int = 0, 
 
 
 def run_experiment(exp: dict, out_dir: Path, progress: Callable[[str], None]) -> dict:
+    """Plan every variant, build the WAN once, run every variant ``repetitions`` times on it
+    (interleaved, so slow drifts hit all variants alike), tear down, return results."""
     from testbed.emulator.capabilities import probe
     from testbed.emulator.dynamics import Scheduler
     from testbed.emulator.network import WanNetwork
 
-    progress(f"planning {exp['scheme']['name']} for {exp['workload']['bytes'] / 1e6:.3g} MB")
-    topo, graph, plan, prediction, bound = build_plan(exp)
-    progress(f"plan: {sum(len(p) for p in plan.programs.values())} ops; predicted CCT "
-             f"{prediction['cct_s']:.3f}s, bound {bound['cct_s']:.3f}s")
+    w, a = exp["workload"], exp["agents"]
+    elem_bytes = 4 if w["dtype"] == "float32" else 8
+    planned = []
+    for v in variants(exp):
+        progress(f"planning {v['label']} ({v['scheme']['name']}) for {w['bytes'] / 1e6:.3g} MB")
+        topo, graph, plan, prediction, bound = build_plan(exp, v["scheme"])
+        progress(f"  {sum(len(p) for p in plan.programs.values())} ops; predicted CCT {prediction['cct_s']:.3f}s, "
+                 f"bound {bound['cct_s']:.3f}s")
+        planned.append((v, plan, prediction, bound))
     caps = probe()
     results: dict = {"experiment": exp, "environment": environment(caps), "runs": []}
-    runs = results["runs"]
-    w, a = exp["workload"], exp["agents"]
     with WanNetwork(topo, method=exp["emulator"]["method"], relay_procs=exp["emulator"]["relay_procs"],
                     seed=exp["seed"], log=progress, caps=caps) as net:
         results["links"] = net.link_report()
@@ -122,33 +134,51 @@ def run_experiment(exp: dict, out_dir: Path, progress: Callable[[str], None]) ->
         cpu = CpuMeter().start()
         try:
             for rep in range(exp["repetitions"]):
-                progress(f"repetition {rep + 1}/{exp['repetitions']}: starting {len(topo.nodes)} agents")
-                seed = exp["seed"] * 1000 + rep
-                result = run_agents(net, plan, out_dir, iterations=w["iterations"], seed=seed, dtype=w["dtype"],
-                                    compute_s=compute_times(w["compute_s"], topo.nodes, w["iterations"], seed),
-                                    stop_and_wait=a["stop_and_wait"], timeout_s=a["timeout_s"], progress=progress)
-                runs.append(_summarise_run(rep, result))
-                r = runs[-1]
-                progress(f"repetition {rep + 1}: CCT {r['cct_s']:.3f}s, correct={r['correct']}")
-                if not r["correct"]:  # results are still written; the CLI exits 1
-                    progress(f"repetition {rep + 1}: WRONG RESULT at {', '.join(r['incorrect']) or 'digest mismatch'}")
+                for v, plan, _, _ in planned:
+                    progress(f"repetition {rep + 1}/{exp['repetitions']} of {v['label']}: "
+                             f"starting {len(topo.nodes)} agents")
+                    seed = exp["seed"] * 1000 + rep
+                    result = run_agents(net, plan, out_dir, iterations=w["iterations"], seed=seed, dtype=w["dtype"],
+                                        compute_s=compute_times(w["compute_s"], topo.nodes, w["iterations"], seed),
+                                        stop_and_wait=a["stop_and_wait"], timeout_s=a["timeout_s"],
+                                        progress=progress)
+                    r = _summarise_run(rep, v["label"], result)
+                    results["runs"].append(r)
+                    progress(f"repetition {rep + 1} of {v['label']}: CCT {r['cct_s']:.3f}s, correct={r['correct']}")
+                    if not r["correct"]:  # results are still written; the CLI exits 1
+                        progress(f"WRONG RESULT at {', '.join(r['incorrect']) or 'some workers (digests differ)'}")
         finally:
             sched.stop()
             cpu_util = cpu.stop()
             results["events"] = net.events + [{"error": e} for e in sched.errors]
-            relay = net.relay_stats()
-            results["emulation"] = _emulation_health(net.method, relay, cpu_util)
-    results["plan"] = {"scheme": plan.scheme, "ops": sum(len(p) for p in plan.programs.values()),
-                       "bytes_sent": plan.bytes_sent(4 if w["dtype"] == "float32" else 8), "meta": plan.meta}
-    results["prediction"], results["bound"] = prediction, bound
-    results["summary"] = _summary(runs, prediction, bound)
+            results["emulation"] = _emulation_health(net.method, net.relay_stats(), cpu_util)
+    results["variants"] = []
+    for v, plan, prediction, bound in planned:
+        runs = [r for r in results["runs"] if r["variant"] == v["label"]]
+        results["variants"].append({
+            "label": v["label"], "scheme": v["scheme"], "summary": _summary(runs, prediction, bound),
+            "plan": {"scheme": plan.scheme, "ops": sum(len(p) for p in plan.programs.values()),
+                     "bytes_sent": plan.bytes_sent(elem_bytes), "meta": plan.meta},
+            "prediction": prediction, "bound": bound})
+    main = results["variants"][0]["summary"]
+    results["summary"] = {**main, "correct": all(r["correct"] for r in results["runs"]) and bool(results["runs"]),
+                          "comparison": _comparison(results["variants"])}
     return results
 
 
-def _summarise_run(rep: int, result: dict) -> dict:
+def _comparison(variants: list[dict]) -> list[dict]:
+    """Mean CCT of every variant and its ratio to the first variant's (the reference)."""
+    ref = variants[0]["summary"]["cct_s"]["mean"]
+    return [{"label": v["label"], "cct_s": v["summary"]["cct_s"]["mean"],
+             "predicted_cct_s": v["summary"]["predicted_cct_s"], "efficiency": v["summary"]["efficiency"],
+             "cct_ratio_to_first": (v["summary"]["cct_s"]["mean"] / ref) if ref else None}
+            for v in variants]
+
+
+def _summarise_run(rep: int, label: str, result: dict) -> dict:
     its = result["iterations"]
     incorrect = sorted({n for it in its for n, wk in it["workers"].items() if not wk.get("correct", True)})
-    return {"repetition": rep, "cct_s": stats([it["cct_s"] for it in its])["mean"],
+    return {"variant": label, "repetition": rep, "cct_s": stats([it["cct_s"] for it in its])["mean"],
             "iterations": its, "correct": all(it["correct"] for it in its) and not incorrect,
             "incorrect": incorrect, "transfers": result.get("transfers"), "links": _per_link(result.get("transfers"))}
 

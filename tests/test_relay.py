@@ -73,6 +73,21 @@ def test_config_text_and_partition():
     assert groups == [[0], [1, 2, 3]]  # largest first: 155 | 100+50+20
 
 
+def test_kept_up_verdict():
+    def d(**kw):
+        base = dict(link=0, dir="ab", **{"in": "p", "out": "q"}, frames_out=10, drop_ring=0,
+                    drop_queue=0, late_p99_us=120.0, late_max_us=900.0)
+        return {**base, **kw}
+
+    assert kept_up({"dirs": [d(), d(dir="ba")]}) == (True, "ok")
+    ok, why = kept_up({"dirs": [d(), d(dir="ba", drop_ring=3)]})
+    assert not ok and "link 0 ba" in why and "buffer was full" in why
+    ok, why = kept_up({"dirs": [d(late_p99_us=1500.0)]})
+    assert not ok and "p99 lateness 1.50 ms" in why
+    assert kept_up({"dirs": [d(late_p99_us=1500.0)]}, max_p99_late_ms=2)[0]
+    assert kept_up({"dirs": [d(drop_ring=3)]}, max_ring_drops=5)[0]
+
+
 @pytest.mark.skipif(shutil.which("gcc") is None, reason="gcc not installed")
 def test_build_is_cached_and_reports_missing_gcc(monkeypatch):
     path = build()
@@ -255,6 +270,16 @@ def test_jitter_keeps_fifo_order(clean_lab):
     assert mdev > 1.0, rtt  # jitter is there
     assert rmin >= 40 - 3 * 4 - 0.05 and rmax <= 40 + 3 * 4 + 3, rtt  # truncated at 3 sigma (+ FIFO)
     assert st["dirs"][0]["jitter_us"] == 4000
+
+
+@net
+def test_reorder_mode_lets_jitter_reorder(clean_lab):
+    r = clean_lab.relay(RelayDirection(20, jitter_ms=4), RelayDirection(20), seed=3, reorder=True)
+    sent, recv, rtt = clean_lab.ping(100, 0.005)
+    st = r.stop()
+    assert st["reorder"] == 1 and recv == sent
+    rmin, _, rmax, mdev = rtt
+    assert mdev > 1.0 and rmin >= 40 - 12 - 0.05 and rmax <= 40 + 12 + 3, rtt
 
 
 @net

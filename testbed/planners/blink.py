@@ -38,9 +38,10 @@ from scipy.optimize import linprog
 
 from testbed.plan import Plan, Tree, split_lengths, trees_plan
 from testbed.planners import Param, planner
-from testbed.planners.bound import (WanView, center_root, mwu_packing, parents_from_edges,
-                                    simple_bound, tree_roundtrip_s, wan_view)
-from testbed.planners.mtree import select_trees
+from testbed.planners.bound import (WanView, center_root, check_wan, mwu_packing,
+                                    parents_from_edges, require, simple_bound, tree_roundtrip_s,
+                                    wan_view)
+from testbed.planners.mtree import chunk_time, select_trees, tree_paths
 
 REFERENCE = ("BLINK-style packing after G. Wang et al., MLSys 2020, as described by the MTREE "
              "(000) and CREW (002) papers; not BLINK's code")
@@ -76,20 +77,22 @@ def select_subset(wv: WanView, flow: dict[tuple[int, ...], float], max_trees: in
     chunk_bytes=Param(int, 0, "if > 0: fixed chunk size in bytes (BLINK-style pipelining); "
                       "overrides chunks"),
     milp_time_limit=Param((int, float), 5.0, "HiGHS time limit for the subset MILP, seconds"),
+    pace=Param(bool, True, "pace each tree's transfers at its packed rate; false = TCP sharing"),
 )
 def blink(graph: nx.DiGraph, length: int, *, elem_bytes: int, max_trees: int = 5,
           epsilon: float = 0.2, candidates: int = 20, chunks: int = 1, chunk_bytes: int = 0,
-          milp_time_limit: float = 5.0) -> Plan:
+          milp_time_limit: float = 5.0, pace: bool = True) -> Plan:
     """BLINK-style: MWU fractional spanning-tree packing, best subset of <= max_trees
     trees with re-solved rates, shares by rate, no height limit (approximation of BLINK
     from the MTREE/CREW descriptions)."""
     t0 = time.perf_counter()
+    check_wan(graph, "blink")
+    require(max_trees >= 1, "max_trees", f"must be >= 1, got {max_trees}")
+    require(0 < epsilon < 1, "epsilon", f"must be in (0, 1), got {epsilon}")
+    require(chunks >= 1, "chunks", f"must be >= 1, got {chunks}")
+    require(chunk_bytes >= 0, "chunk_bytes", f"must be >= 0, got {chunk_bytes}")
     wv = wan_view(graph)
-    if wv.n < 2:
-        raise ValueError("blink needs at least two datacenters")
     flow, pack_info = mwu_packing(wv, epsilon)
-    if not flow:
-        raise ValueError("blink: the WAN is disconnected")
     pack_s = time.perf_counter() - t0
     keys, rates, milp_info = select_subset(wv, flow, max_trees, candidates, milp_time_limit)
     total = sum(rates)
@@ -107,8 +110,13 @@ def blink(graph: nx.DiGraph, length: int, *, elem_bytes: int, max_trees: int = 5
         t = Tree(root, parent, share=rate / total, chunks=lam, rate_mbps=rate)
         trees.append(t)
         d = t.to_dict()
+        paths = tree_paths(graph, parent, "roundtrip")
+        beta_v = length * elem_bytes * 8.0 / (total * 1e6)
         d.update({"max_fanout": max(len(c) for c in t.children().values()),
-                  "packed_rate_mbps": flow[key], "roundtrip_s": tree_roundtrip_s(graph, parent)})
+                  "packed_rate_mbps": flow[key], "roundtrip_s": tree_roundtrip_s(graph, parent),
+                  # MTREE's Eq. (4) on the tree's worst leaf->root->leaf' path (information)
+                  "model_t_s": float(chunk_time(lam, paths[:, 0], paths[:, 1], paths[:, 2],
+                                                beta_v).max())})
         infos.append(d)
     simple = simple_bound(graph)
     meta = {
@@ -123,9 +131,11 @@ def blink(graph: nx.DiGraph, length: int, *, elem_bytes: int, max_trees: int = 5
         "simple_bound_mbps": simple,
         "normalised_throughput": total / simple,
         "milp": milp_info,
+        "model_cct_s": max(d["model_t_s"] for d in infos),
+        "model_cct_kind": "MTREE Eq. (4), worst tree, leaf->root->leaf' paths, tree at rate r_i",
         "avg_height": float(np.mean([t.height() for t in trees])),
         "avg_max_fanout": float(np.mean([d["max_fanout"] for d in infos])),
         "timing_s": {"packing_s": pack_s, "milp_s": milp_info.get("solve_s", 0.0)},
     }
     meta["planner_s"] = time.perf_counter() - t0
-    return trees_plan("blink", list(wv.nodes), length, trees, meta=meta)
+    return trees_plan("blink", list(wv.nodes), length, trees, meta=meta, pace=pace)

@@ -44,9 +44,30 @@ import networkx as nx
 import numpy as np
 from scipy.optimize import linprog
 
+from testbed.errors import ConfigError
 from testbed.plan import Tree
 
 INF = float("inf")
+
+
+# ---------------------------------------------------------------------------
+# Input checks shared by the tree planners (errors name the parameter, as the CLI expects).
+# ---------------------------------------------------------------------------
+def require(ok: bool, param: str, message: str) -> None:
+    """Raise ``ConfigError`` keyed ``params.<param>`` unless ``ok``."""
+    if not ok:
+        raise ConfigError(message, key=f"params.{param}")
+
+
+def check_wan(graph: nx.DiGraph, scheme: str) -> None:
+    """The WAN must have >= 2 nodes, every pair routable, and positive link rates."""
+    if graph.number_of_nodes() < 2:
+        raise ConfigError(f"{scheme} needs at least two datacenters")
+    if not nx.is_strongly_connected(graph):
+        raise ConfigError(f"{scheme}: the topology is not connected")
+    for u, v, d in graph.edges(data=True):
+        if not d.get("rate_mbps", 0) > 0:
+            raise ConfigError(f"{scheme}: link {u}->{v} has no positive rate_mbps")
 
 
 # ---------------------------------------------------------------------------
@@ -353,7 +374,7 @@ def pack_spanning_trees(wv: WanView, *, tol: float = 1e-7, max_iter: int = 20000
         cols.append(t)
     used = [(sorted(cols[c]), float(r[c])) for c in range(len(cols)) if r[c] > 1e-9]
     return value, used, {"status": status, "iterations": it, "columns": len(cols),
-                         "upper_bound": ub}
+                         "upper_bound": ub if math.isfinite(ub) else None}
 
 
 def optimum(graph: nx.DiGraph, size_bytes: float, *, nodes: Iterable[str] | None = None,

@@ -128,15 +128,72 @@ def _prune(parent: dict[str, str], root: str, terminals: set[str]) -> dict[str, 
             del parent[n]
 
 
+def min_arborescence(n: int, edges: list[tuple[int, int, float]], root: int) -> list[int]:
+    """Chu-Liu/Edmonds minimum spanning out-arborescence, O(n * |edges|).
+
+    Nodes are 0..n-1; ``edges`` are (u, v, weight).  Returns the indices of the chosen
+    edges (one entering every node but the root); ties go to the lower edge index, so the
+    result is deterministic.  Raises ValueError if some node is unreachable from the root.
+    (networkx's implementation copies graphs at every step and is ~50x slower here.)
+    """
+    E = [(u, v, float(w), i) for i, (u, v, w) in enumerate(edges) if u != v and v != root]
+    return [E[j][3] for j in _cle(n, E, root)] if n > 1 else []
+
+
+def _cle(n: int, E: list[tuple[int, int, float, int]], root: int) -> list[int]:
+    in_w = [float("inf")] * n
+    in_e = [-1] * n
+    for i, (u, v, w, _) in enumerate(E):
+        if u != v and v != root and w < in_w[v]:
+            in_w[v], in_e[v] = w, i
+    for v in range(n):
+        if v != root and in_e[v] < 0:
+            raise ValueError("node unreachable from the root")
+    cyc = [-1] * n
+    mark = [-1] * n
+    k = 0
+    for v in range(n):
+        x = v
+        while x != root and mark[x] == -1 and cyc[x] == -1:
+            mark[x] = v
+            x = E[in_e[x]][0]
+        if x != root and mark[x] == v and cyc[x] == -1:
+            y = x
+            while True:
+                cyc[y] = k
+                y = E[in_e[y]][0]
+                if y == x:
+                    break
+            k += 1
+    if k == 0:
+        return [in_e[v] for v in range(n) if v != root]
+    ncyc = k
+    for v in range(n):
+        if cyc[v] == -1:
+            cyc[v] = k
+            k += 1
+    E2 = []
+    for i, (u, v, w, _) in enumerate(E):
+        if cyc[u] != cyc[v]:
+            E2.append((cyc[u], cyc[v], w - in_w[v], i))
+    chosen = [E2[j][3] for j in _cle(k, E2, cyc[root])]
+    entered = {E[i][1] for i in chosen if cyc[E[i][1]] < ncyc}
+    for v in range(n):
+        if cyc[v] < ncyc and v not in entered:
+            chosen.append(in_e[v])
+    return chosen
+
+
 def _edmonds(H: nx.DiGraph, w: dict, root: str) -> dict[str, str]:
     """Exact minimum spanning out-arborescence of H rooted at ``root`` (Edmonds)."""
-    A = nx.DiGraph()
-    A.add_nodes_from(H.nodes)
-    for u, v in H.edges:
-        if v != root:
-            A.add_edge(u, v, w=w[(u, v)])
-    arb = nx.minimum_spanning_arborescence(A, attr="w")
-    return {v: u for u, v in arb.edges}
+    nodes = list(H.nodes)
+    idx = {x: i for i, x in enumerate(nodes)}
+    elist = list(H.edges)
+    try:
+        chosen = min_arborescence(len(nodes), [(idx[u], idx[v], w[(u, v)]) for u, v in elist], idx[root])
+    except ValueError as exc:
+        raise nx.NetworkXException(str(exc)) from exc
+    return {elist[i][1]: elist[i][0] for i in chosen}
 
 
 def _shortest_path_heuristic(H: nx.DiGraph, w: dict, root: str, terminals: set[str]) -> dict[str, str]:
@@ -432,8 +489,14 @@ class Forest:
     stats: dict = field(default_factory=dict)
 
 
+def _mix(a: dict, b: dict, alpha: float) -> dict:
+    """alpha * a + (1 - alpha) * b for the nested dual dicts of :func:`solve_weights`."""
+    return {k: {e: alpha * a[k][e] + (1 - alpha) * b[k][e] for e in a[k]} for k in a}
+
+
 def pack_forest(graph: nx.DiGraph, active: list[str], *, overlap: str = "partial", oracle: str = "auto",
-                max_iters: int = 200, tol: float = 1e-7, shallow: bool = True) -> Forest:
+                max_iters: int = 200, gap: float = 1e-3, tol: float = 1e-7, shallow: bool = True,
+                smoothing: float = 0.5, drop_after: int = 10) -> Forest:
     """Generate reduce and broadcast Steiner trees and their weights by column
     generation on LP (4)/(8) (our replacement of TopoAdapt Alg. 1, see the module doc).
 
@@ -442,7 +505,18 @@ def pack_forest(graph: nx.DiGraph, active: list[str], *, overlap: str = "partial
     tree type price a new tree with the oracle under the edge duals of the rows the type
     occupies -- reduce trees: (4c)/(8d); broadcast: (4d), or, with overlap, both (8d)
     (as a K tree) and (8e) (as a J tree) -- and add it if its y-weight is below the
-    root's threshold (reduced cost < 0).  Stop when nothing prices out.
+    root's threshold (reduced cost < 0).
+
+    Dual bound: for any dual point pi satisfying the chi rows, with rho = min over roots
+    and types of (oracle tree weight / threshold), y / min(1, rho) is feasible for the
+    full dual, so OPT <= sum_e b_e (y1_e + y2_e) / min(1, rho) (exact when the oracle is,
+    i.e. alpha = 1; otherwise up to alpha, as in Theorem 1).  Pricing uses Wentges dual
+    smoothing (``smoothing`` = weight of the best-bound dual point; 0 disables it): the
+    LP duals are degenerate and make the oracle return zero-weight trees, which slows
+    plain column generation badly.  Stop when nothing prices out at the LP duals or the
+    bound proves the restricted LP within ``gap`` of the optimum.  To keep the master
+    small, a non-initial column with zero weight and non-negative reduced cost in
+    ``drop_after`` consecutive solves is removed (0 = never; it may come back).
     """
     caps = capacities(graph)
     terminals = set(active)
@@ -451,51 +525,87 @@ def pack_forest(graph: nx.DiGraph, active: list[str], *, overlap: str = "partial
     red: list[SteinerTree] = []
     bc: list[SteinerTree] = []
     seen: set[SteinerTree] = set()
+    idle: dict[SteinerTree, int] = {}
+    protected: set[SteinerTree] = set()
 
     def add(t: SteinerTree) -> bool:
         if t in seen:
             return False
         seen.add(t)
+        idle[t] = 0
         (red if t.kind == "reduce" else bc).append(t)
         return True
+
+    def prices(d: dict, v: str, kind: str) -> list[tuple[dict, float]]:
+        if kind == "reduce":
+            return [(d["y1"], -d["A"][v])]
+        if overlap == "partial":
+            return [(d["y1"], -d["B"][v] + d["C"][v]), (d["y2"], -d["B"][v])]  # as K, as J
+        return [(d["y2"], -d["B"][v])]
 
     y0 = {e: 1.0 / caps[e] for e in caps}
     for v in roots:
         for kind in ("reduce", "broadcast"):
-            add(_shortest_path_tree(graph, v, terminals, kind))
-            add(steiner_oracle(graph, y0, v, terminals, kind=kind, method=method))
+            for t in (_shortest_path_tree(graph, v, terminals, kind),
+                      steiner_oracle(graph, y0, v, terminals, kind=kind, method=method)):
+                add(t)
+                protected.add(t)
     it = 0
     converged = False
     oracle_calls = 0
+    dropped = 0
+    best_bound, center = float("inf"), None
     while True:
         wts = solve_weights(caps, roots, red, bc, overlap)
-        if it >= max_iters:
+        if it >= max_iters or wts.objective <= EPS and it > 0:
             break
         it += 1
-        d = wts.duals
+        d_out = wts.duals
         added = 0
-        for v in roots:
-            # reduce tree: reduced cost = y1(T) - (-lambda_A)
-            pricing = [("reduce", d["y1"], -d["A"][v])]
-            if overlap == "partial":
-                pricing.append(("broadcast", d["y1"], -d["B"][v] + d["C"][v]))  # as a K tree
-                pricing.append(("broadcast", d["y2"], -d["B"][v]))  # as a J tree
-            else:
-                pricing.append(("broadcast", d["y2"], -d["B"][v]))
-            for kind, y, thr in pricing:
-                if thr <= tol:
-                    continue
-                t = steiner_oracle(graph, y, v, terminals, kind=kind, method=method)
-                oracle_calls += 1
-                if tree_weight(t, y) < thr - tol * max(1.0, thr) and add(t):
-                    added += 1
+        for alpha in ((smoothing, 0.0) if center is not None and smoothing > 0 else (0.0,)):
+            d_sep = _mix(center, d_out, alpha) if alpha > 0 else d_out
+            rho = float("inf")
+            for v in roots:
+                for kind in ("reduce", "broadcast"):
+                    for (y, thr), (y_out, thr_out) in zip(prices(d_sep, v, kind), prices(d_out, v, kind)):
+                        if thr <= tol and thr_out <= tol:
+                            continue
+                        t = steiner_oracle(graph, y, v, terminals, kind=kind, method=method)
+                        oracle_calls += 1
+                        if thr > tol:
+                            rho = min(rho, tree_weight(t, y) / thr)
+                        if tree_weight(t, y_out) < thr_out - tol * max(1.0, thr_out) and add(t):
+                            added += 1
+            dual_obj = sum(caps[e] * (d_sep["y1"][e] + d_sep["y2"][e]) for e in caps)
+            bound = dual_obj / min(1.0, rho) if rho > 0 else float("inf")
+            if bound < best_bound:
+                best_bound, center = bound, d_sep
+            if added:
+                break  # otherwise: mispricing at the smoothed point, retry at the LP duals
         if not added:
             converged = True
             break
+        if best_bound <= wts.objective * (1 + gap):
+            break
+        if drop_after:
+            for trees, weights in ((red, wts.w_reduce), (bc, [a + b for a, b in zip(wts.w_k, wts.w_j)])):
+                keep = []
+                for t, x in zip(trees, weights):
+                    useless = x <= EPS and all(tree_weight(t, y) >= thr - tol for y, thr in prices(d_out, t.root, t.kind))
+                    idle[t] = idle[t] + 1 if useless else 0
+                    if idle[t] >= drop_after and t not in protected:
+                        seen.discard(t)
+                        dropped += 1
+                    else:
+                        keep.append(t)
+                keep += trees[len(weights):]  # columns added in this round
+                trees[:] = keep
     if shallow:
         wts = solve_weights(caps, roots, red, bc, overlap, shallow=True)
     stats = {"iterations": it, "converged": converged, "oracle_calls": oracle_calls,
-             "reduce_columns": len(red), "broadcast_columns": len(bc), "objective": wts.objective}
+             "reduce_columns": len(red), "broadcast_columns": len(bc), "dropped_columns": dropped,
+             "objective": wts.objective, "dual_bound": best_bound,
+             "gap_bound": (best_bound / wts.objective - 1) if wts.objective > EPS else None}
     return Forest(overlap, roots, red, bc, wts, stats)
 
 

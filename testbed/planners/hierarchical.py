@@ -29,8 +29,8 @@ encapsulate all the data into a single message", Sec. IV-D).
   As trees: one tree per leader ``L``: ``L`` is the root, other leaders are its
   children, members hang under their own leader.  Tree edges are *logical* (routed
   over latency-shortest paths, as the emulator routes).  *Approximation*: PLink's probing
-  and plan fitting are replaced by the pairwise model; the group count (auto) is chosen
-  by the fair-share estimate.
+  and plan fitting are replaced by the pairwise model; the group count (auto, at least
+  2 so that there are two levels) is chosen by the fair-share estimate.
 * ``psld`` -- PSLD (Y. Chen et al., SoCC 2020, ref. [24]).  MTREE: "multi-aggregator
   algorithm"; "if multiple parameter servers are available, training workers could
   consistently distribute their aggregation workloads into them for load balance".
@@ -65,9 +65,10 @@ import numpy as np
 from scipy.cluster.hierarchy import fcluster, linkage
 from scipy.spatial.distance import squareform
 
-from testbed.plan import Plan, Tree, split_lengths, trees_plan
+from testbed.plan import Plan, Tree, trees_plan
 from testbed.planners import Param, planner
-from testbed.planners.bound import path_delay_s, simple_bound, tree_roundtrip_s
+from testbed.planners.bound import (check_wan, path_delay_s, require, simple_bound,
+                                    tree_roundtrip_s)
 from testbed.routing import shortest_paths
 
 REFERENCES = {
@@ -204,6 +205,7 @@ def _finish(scheme: str, graph: nx.DiGraph, length: int, elem_bytes: int, parent
         "shares": [t.share for t in trees],
         "chunks": [1] * len(trees),
         "model_cct_s": float(times.max()) if len(times) else 0.0,
+        "model_cct_kind": "static fair-share store-and-forward estimate (fs_linear_model)",
         "logical_tree_edges": logical,
         "avg_height": float(np.mean([t.height() for t in trees])),
         "avg_max_fanout": float(np.mean([d["max_fanout"] for d in infos])),
@@ -351,8 +353,12 @@ def topoadopt(graph: nx.DiGraph, length: int, *, elem_bytes: int, trees: int = 4
     """TOPOADOPT-style (approximation): simulated annealing over aggregator trees and
     their parameter shares; unpipelined (one chunk per tree)."""
     start = time.perf_counter()
+    check_wan(graph, "topoadopt")
+    require(trees >= 1, "trees", f"must be >= 1, got {trees}")
+    require(iters >= 0, "iters", f"must be >= 0, got {iters}")
+    require(t0 > 0, "t0", f"must be > 0, got {t0}")
     S = float(length * elem_bytes)
-    k = max(1, min(trees, graph.number_of_nodes()))
+    k = min(trees, graph.number_of_nodes())
     parents, x, info = anneal_trees(graph, S, k, iters, seed, t0)
     return _finish("topoadopt", graph, length, elem_bytes, parents, x, {},
                    {"annealing": {**info, "search_s": time.perf_counter() - start}}, start)
@@ -386,6 +392,8 @@ def psld(graph: nx.DiGraph, length: int, *, elem_bytes: int, servers: int = 0) -
     """PSLD-style (approximation): multiple parameter servers (stars over latency-
     shortest routes) with load shares balanced on pairwise performance; unpipelined."""
     start = time.perf_counter()
+    check_wan(graph, "psld")
+    require(servers >= 0, "servers", f"must be >= 0 (0 = auto), got {servers}")
     nodes = sorted(graph.nodes)
     S = float(length * elem_bytes)
     paths, lat, bw = pairwise_performance(graph)
@@ -454,8 +462,8 @@ def plink_trees(nodes: list[str], groups: list[list[str]], leaders: list[str]) -
 
 @planner(
     "plink",
-    groups=Param(int, 0, "number of locality groups; 0 = auto (the count with the smallest "
-                 "fair-share estimate, up to ceil(sqrt(2n)))"),
+    groups=Param(int, 0, "number of locality groups; 0 = auto (the count in 2..ceil(sqrt(2n)) "
+                 "with the smallest fair-share estimate)"),
     shard=Param(str, "balanced", "inter-group shares among leaders: 'balanced' (pairwise "
                 "model) or 'equal'", ("balanced", "equal")),
 )
@@ -464,11 +472,14 @@ def plink(graph: nx.DiGraph, length: int, *, elem_bytes: int, groups: int = 0,
     """PLINK-style (approximation): latency-locality groups aggregate at a leader, the
     leaders aggregate shards among themselves, results return down; unpipelined."""
     start = time.perf_counter()
+    check_wan(graph, "plink")
+    require(groups >= 0, "groups", f"must be >= 0 (0 = auto), got {groups}")
     nodes = sorted(graph.nodes)
     S = float(length * elem_bytes)
     paths, lat, bw = pairwise_performance(graph)
     n = len(nodes)
-    ks = [min(groups, n)] if groups > 0 else list(range(1, max(1, math.ceil(math.sqrt(2 * n))) + 1))
+    # auto: 2..ceil(sqrt(2n)) groups (two levels need >= 2 groups; one group = one PS)
+    ks = [min(groups, n)] if groups > 0 else list(range(min(2, n), max(2, math.ceil(math.sqrt(2 * n))) + 1))
     tried, best = [], None
     for k in ks:
         grp = latency_groups(nodes, lat, k)

@@ -23,13 +23,17 @@ Paper ambiguities and the choices made (each a parameter where it changes result
 
 * GBST Line 22, ``r_* <- min{b_j > 0 : e_j in E(G)}`` "globally smallest"
   (``rate_rule="global"``, the literal text) vs the tree's bottleneck
-  (``rate_rule="bottleneck"``, standard greedy packing).  Default: ``"bottleneck"``,
-  because only it reproduces the paper's own claims: on seeded 20-node/141-link and
-  40-node/231-link graphs (sk = 0.7) the literal rule yields 34-59 GBST trees of
-  ~10 Mbit/s, MILP (1) then needs > 10 s with K = 10 and reaches 0.65-0.80 normalised
-  throughput, whereas the bottleneck rule yields 10-24 trees, solves in < 1 s (Sec.
-  IV-H) and reaches 0.72-0.86 with K = 10 (Fig. 13: "70% to 85% ... with K not
-  exceeding 10"; Fig. 11: about 10 trees before the residual network disconnects).
+  (``rate_rule="bottleneck"``, standard greedy packing).  Default: ``"bottleneck"``.
+  Evidence (seeded graphs, sk = 0.7, K = 10): on dense 20-node/141-link and
+  40-node/231-link graphs the literal rule yields 34-59 GBST trees of ~10 Mbit/s,
+  MILP (1) then needs > 10 s in HiGHS and reaches 0.65-0.80 normalised throughput,
+  while the bottleneck rule yields 10-24 trees, solves in < 1 s (the paper's Sec. IV-H
+  claim) and reaches 0.72-0.86 (Fig. 13: "70% to 85% ... with K not exceeding 10").
+  On sparse WANs (GScale-like 12/19, Internet2-like 9/13) the literal rule's many
+  small trees give the MILP more freedom and a higher rate (e.g. 0.84 vs 0.69), so
+  sweep both when reproducing Fig. 6.
+* r_bar (never given; the note suggests 10 Mbit/s for rates in multiples of 10): by
+  default 1/20 of the smallest link capacity, so it scales with scaled topologies.
 * Quantised latency ``L`` for weighted heights (never defined): ``quantum_ms=0`` means
   hop counts (``L = 1``; the paper's "2H round trip" and Figs. 11-12's H = 4..6 read
   like hops); ``quantum_ms > 0`` gives ``L = max(1, ceil(delay_ms / quantum_ms))``.
@@ -41,7 +45,16 @@ Paper ambiguities and the choices made (each a parameter where it changes result
   always yields the same trees, whatever path ITH's binary search takes.
 * Identical trees (same edge set) returned by GBST are merged (rates added) before the
   MILP -- lossless, as they have identical columns ``a_ij``.
-* b_j in (1b) = the original capacities; big-M = the largest capacity.
+* b_j in (1b) = the original capacities; big-M per tree = its smallest link capacity
+  (same feasible set as one large M, tighter relaxation; :func:`select_trees`).
+* ITH judges an H by the GBST total ``sum R`` (i.e. K = infinity, as in Fig. 13's
+  set-up).  With a small K the tightened H can lower the MILP rate (many small trees
+  at small H): e.g. 0.75 vs 0.90 normalised on the equinix-like-20 topology with
+  K = 10; ``ith=False`` or ``rho=1`` trade height for rate.
+* Height guarantee [derived]: with hop lengths (``quantum_ms=0``) the trees' heights
+  are <= H: the diameter test bounds the diameter by 2H, and GRTH's quirk only misses
+  1-hop distances, so ``argmin D_*`` is a tree centre.  With weighted lengths only the
+  diameter (<= 2H) is guaranteed (note Sec. 2.3).
 * Eqs. (7)-(8) as printed are dimensionally inconsistent; we use the corrected
   ``mu* = sqrt(v A / ((l-1) beta))``, ``lambda* = sqrt((l-1) beta v / A)`` (note
   Sec. 2.8) and minimise Eq. (4) over integer ``lambda`` directly.  For AllReduce with
@@ -64,10 +77,11 @@ import networkx as nx
 import numpy as np
 from scipy.optimize import Bounds, LinearConstraint, milp
 
+from testbed.errors import ConfigError
 from testbed.plan import Plan, Tree, split_lengths, trees_plan
 from testbed.planners import Param, planner
-from testbed.planners.bound import (WanView, parents_from_edges, simple_bound,
-                                    tree_roundtrip_s, wan_view)
+from testbed.planners.bound import (WanView, check_wan, parents_from_edges, require,
+                                    simple_bound, tree_roundtrip_s, wan_view)
 
 PAPER = ("S. Luo, R. Wang, H. Xing, 'Efficient Inter-Datacenter AllReduce With Multiple "
          "Trees' (MTREE), seed 000")
@@ -137,7 +151,7 @@ class GostTree:
     diameter: float  # weighted (quantised) diameter when built
 
 
-def gbst(wv: WanView, H: float, r_min: float, L: np.ndarray, *, rate_rule: str = "global",
+def gbst(wv: WanView, H: float, r_min: float, L: np.ndarray, *, rate_rule: str = "bottleneck",
          seed: int = 0, grth_fix: bool = False, max_trees: int = 200
          ) -> tuple[list[GostTree], list[float]]:
     """GBST, Alg. 1: generate basic spanning trees with weighted diameter <= d = 2H.
@@ -386,6 +400,11 @@ def optimal_chunks(paths: np.ndarray, beta_v: float, max_chunks: int) -> dict:
 # ---------------------------------------------------------------------------
 # The scheme
 # ---------------------------------------------------------------------------
+def _finite(x: float) -> float | None:
+    """JSON-safe number (None for inf, e.g. lambda* with zero-latency links)."""
+    return float(x) if math.isfinite(x) else None
+
+
 def _tree_info(graph: nx.DiGraph, t: Tree, wv: WanView, L: np.ndarray) -> dict:
     """Structure metrics of a rooted tree (hop and weighted heights, fan-outs)."""
     eidx = wv.edge_index()
@@ -431,20 +450,29 @@ def _tree_info(graph: nx.DiGraph, t: Tree, wv: WanView, L: np.ndarray) -> dict:
     max_chunks=Param(int, 256, "upper limit on chunks per tree"),
     milp_time_limit=Param((int, float), 10.0, "HiGHS time limit for MILP (1), seconds"),
     max_gbst_trees=Param(int, 200, "safety cap on trees per GBST call (not in the paper)"),
+    pace=Param(bool, True, "pace each tree's transfers at its MILP rate (the paper's rate "
+               "allocation); false = trees share links as TCP flows do"),
 )
 def mtree(graph: nx.DiGraph, length: int, *, elem_bytes: int, K: int = 10, H: float = 0,
           ith: bool = True, rho: float = 0.95, min_rate_mbps: float = 0,
           rate_rule: str = "bottleneck", quantum_ms: float = 0, grth_fix: bool = False,
           seed: int = 0, pipelined: bool = True, chunks: int = 0, chunk_delta: int = 0,
           chunk_path: str = "roundtrip", max_chunks: int = 256, milp_time_limit: float = 10.0,
-          max_gbst_trees: int = 200) -> Plan:
+          max_gbst_trees: int = 200, pace: bool = True) -> Plan:
     """MTREE (paper 000): GOST trees (Algs. 1-3), MILP (1) selection of <= K trees with
     rates r_i and shares r_i / sum r, per-tree pipelined chunk counts from Eqs. (2)-(8);
     compiled to concurrent reduce-then-broadcast over the trees (trees_plan)."""
     t_start = time.perf_counter()
+    check_wan(graph, "mtree")
+    require(K >= 0, "K", f"must be >= 0 (0 = unlimited), got {K}")
+    require(H >= 0, "H", f"must be >= 0 (0 = unbounded), got {H}")
+    require(0 < rho <= 1, "rho", f"must be in (0, 1], got {rho}")
+    require(min_rate_mbps >= 0, "min_rate_mbps", f"must be >= 0, got {min_rate_mbps}")
+    require(quantum_ms >= 0, "quantum_ms", f"must be >= 0, got {quantum_ms}")
+    require(chunks >= 0, "chunks", f"must be >= 0 (0 = model optimum), got {chunks}")
+    require(max_chunks >= 1, "max_chunks", f"must be >= 1, got {max_chunks}")
+    require(max_gbst_trees >= 1, "max_gbst_trees", f"must be >= 1, got {max_gbst_trees}")
     wv = wan_view(graph)
-    if wv.n < 2:
-        raise ValueError("mtree needs at least two datacenters")
     L = quantized_lengths(wv, quantum_ms)
     r_min = float(min_rate_mbps) if min_rate_mbps > 0 else float(wv.cap.min()) / 20.0
     H_in = float(H) if H > 0 else float((wv.n - 1) * L.max())
@@ -457,7 +485,8 @@ def mtree(graph: nx.DiGraph, length: int, *, elem_bytes: int, K: int = 10, H: fl
         H_used, trace = H_in, [{"H": H_in, "trees": len(cand), "total_rate": float(sum(gb_rates))}]
     gost_s = time.perf_counter() - t0
     if not cand:
-        raise ValueError(f"GBST found no spanning tree (H={H_in}, r_bar={r_min} Mbit/s)")
+        raise ConfigError(f"mtree: GBST found no spanning tree with weighted height <= H={H_in:g} "
+                          f"and rate >= r_bar={r_min:g} Mbit/s", key="params.H")
     merged = merge_duplicates(cand)
     A = np.zeros((wv.m, len(merged)))
     for i, t in enumerate(merged):
@@ -493,8 +522,8 @@ def mtree(graph: nx.DiGraph, length: int, *, elem_bytes: int, K: int = 10, H: fl
         info = t.to_dict()
         info.update(_tree_info(graph, t, wv, L))
         info.update({"gbst_rate_mbps": g.rate, "weighted_diameter": g.diameter,
-                     "lambda_star": model["lambda_star"], "lambda_opt": model["lambda"],
-                     "lambda_hash": model["lambda_hash"], "model_t_s": model["t_s"],
+                     "lambda_star": _finite(model["lambda_star"]), "lambda_opt": model["lambda"],
+                     "lambda_hash": _finite(model["lambda_hash"]), "model_t_s": model["t_s"],
                      "model_t_unpipelined_s": model["t1_s"],
                      "model_t_used_s": float(chunk_time(lam, paths[:, 0], paths[:, 1],
                                                         paths[:, 2], beta_v).max()),
@@ -517,10 +546,11 @@ def mtree(graph: nx.DiGraph, length: int, *, elem_bytes: int, K: int = 10, H: fl
                  "rates_mbps": [float(x) for x in gb_rates], "total_rate_mbps": float(sum(gb_rates))},
         "milp": milp_info,
         "model_cct_s": max((i["model_t_used_s"] for i in infos), default=0.0),
+        "model_cct_kind": "MTREE Eq. (4), worst tree, chunk_path critical paths, tree at rate r_i",
         "avg_height": float(np.mean([i["hop_height"] for i in infos])),
         "avg_max_fanout": float(np.mean([i["max_fanout"] for i in infos])),
         "timing_s": {"gost_s": gost_s, "milp_s": milp_info.get("solve_s", 0.0)},
     }
     meta["planner_s"] = time.perf_counter() - t_start
-    return trees_plan("mtree", list(wv.nodes), length, trees, meta=meta)
+    return trees_plan("mtree", list(wv.nodes), length, trees, meta=meta, pace=pace)
 

@@ -21,6 +21,7 @@ import argparse
 import json
 import os
 import resource
+import signal
 import statistics
 import subprocess
 import sys
@@ -106,6 +107,7 @@ def bench(args: argparse.Namespace) -> int:
         print("bench needs root (network namespaces)", file=sys.stderr)
         return 2
     build()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # clean up on kill, too
     lab = Lab(f"tbrb{os.getpid() % 10000}")
     relays: list[Relay] = []
     try:

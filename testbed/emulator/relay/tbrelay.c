@@ -29,18 +29,29 @@
  *     to CLOCK_MONOTONIC), so it is exact however late user space looks at
  *     the ring.  Because of that the relay does not have to wake up per
  *     frame: in "poll" mode (all delays >= 4 ms) it only wakes for due times
- *     and at least every rx_poll_us; with small delays the RX sockets are
- *     also in epoll (edge-triggered, one wakeup per retired block).
+ *     and at least every rx_poll_us (auto: delay/4 - tov, 1..10 ms); with
+ *     small delays the RX sockets are also in epoll (edge-triggered, one
+ *     wakeup per retired block).  See apply_rx_mode().
  *   - Transmission: sendmmsg() straight from the ring memory (batch of up to
  *     `batch` frames, one syscall), PACKET_QDISC_BYPASS (no qdisc on the
  *     relay side), PACKET_IGNORE_OUTGOING (never re-read what we sent).
  *   - One epoll_pwait2() with a nanosecond timeout = earliest pending due
- *     time; timer slack is set small (slack_us).  All frames due at wakeup are
- *     sent round-robin over the directions.  Lateness (send time - due time)
- *     is measured per frame (interpolated inside a sendmmsg batch) and kept in
- *     a histogram.  Note: the TPACKET_V3 block-retire timeout (tov_ms, 1-4 ms)
- *     bounds how soon a frame becomes visible, so delays below ~1-2 ms are
- *     emulated late; this relay targets WAN delays (ms to 100s of ms).
+ *     time.  A halted vCPU wakes up ~50-100 us late, so the relay sleeps
+ *     until due - early and spins the rest, where `early` tracks the measured
+ *     wakeup overshoot (capped by spin_us) and spinning is paid from a budget
+ *     of spin_pct % of wall time, so a busy relay sleeps instead of burning
+ *     CPU.  All frames due at wakeup are sent round-robin over directions.
+ *   - Lateness (hand-over to sendmmsg - due time) is measured per frame
+ *     (interpolated inside a batch) and kept in a histogram (p50/p99/p99.9).
+ *   - Note: sendmmsg() also runs the receivers' network stack (veth ->
+ *     netif_rx -> softirq) in the relay's context, so the relay's "sys" CPU
+ *     is mostly the TCP receive work of the hosts, not relay overhead.  Run
+ *     the relay SCHED_FIFO (rtprio, the Python wrapper's default) when the
+ *     TCP endpoints share the cores: with CFS the relay waits behind them
+ *     and lateness grows to milliseconds.
+ *   - The TPACKET_V3 block-retire timeout (tov_ms, auto = delay/10 within
+ *     1-4 ms) bounds how soon a frame becomes visible, so delays below ~2 ms
+ *     are emulated late; this relay targets WAN delays (ms to 100s of ms).
  *
  * JITTER / ORDER
  *   due = arrival + delay + J, J ~ Normal(0, jitter) truncated at +-3 sigma
@@ -65,7 +76,10 @@
  *   vnet 1 (default): PACKET_VNET_HDR on every socket; each frame carries a
  *   virtio_net_hdr, so GSO super-frames (up to 64 KB) and partial checksums
  *   pass through unchanged and offloads may stay ON -- far fewer frames per
- *   second.  Loss stays per-MTU-segment correct: each super-frame of N
+ *   second: with TSO/GSO on at the hosts, 26 x 90 Mbit/s flows need ~30k
+ *   frames/s instead of ~250k.  GRO on the veths (ethtool -K dev gro on:
+ *   veth NAPI mode) is also fine in vnet mode and coalesces MTU frames into
+ *   super-frames before the relay sees them.  Loss stays per-MTU-segment correct: each super-frame of N
  *   segments draws N Bernoulli samples; if some (not all) segments are lost,
  *   a TCP super-frame is segmented in user space (headers rebuilt, checksums
  *   recomputed) and only the surviving segments are sent.  Non-TCP GSO
@@ -907,6 +921,38 @@ static void emit_stats(const char *event)
     free(buf);
 }
 
+/* -------------------------------------------------------------- rx mode */
+
+static int epfd = -1, rx_poll_auto, rx_in_epoll;
+
+/* How we learn about received frames.  They carry kernel timestamps, so it is
+ * enough to look at the rings well before the smallest delay has passed:
+ * "poll" mode wakes up every rx_poll_us (auto: min delay / 4 - tov, within
+ * 1..10 ms; no wakeups per frame or block).  With a delay below 4 ms the
+ * sockets also go into epoll (edge triggered: a retired block that we keep
+ * owning would otherwise stay "readable"), one wakeup per retired block. */
+static void apply_rx_mode(void)
+{
+    int64_t min_delay = INT64_MAX;
+    uint32_t max_tov = 1;
+    for (int i = 0; i < ndirs; i++)
+        if (dirs[i].delay < min_delay) min_delay = dirs[i].delay;
+    for (int i = 0; i < nports; i++)
+        if (ports[i].tov_ms > max_tov) max_tov = ports[i].tov_ms;
+    if (rx_poll_auto) {
+        int64_t us = min_delay / 4000 - max_tov * 1000LL;
+        cfg.rx_poll_us = us < 1000 ? 1000 : us > 10000 ? 10000 : (int)us;
+    }
+    int want_events = cfg.rx_poll_us == 0 || min_delay < 4000000;
+    if (want_events && !rx_in_epoll && epfd >= 0) {
+        for (int i = 0; i < nports; i++) {
+            struct epoll_event pe = {.events = EPOLLIN | EPOLLET, .data.u64 = (uint64_t)i};
+            epoll_ctl(epfd, EPOLL_CTL_ADD, ports[i].fd, &pe);
+        }
+        rx_in_epoll = 1;
+    }
+}
+
 /* -------------------------------------------------------------- control */
 
 static void control_line(char *line)
@@ -919,6 +965,7 @@ static void control_line(char *line)
     } else if (sscanf(line, "set %d %7s %lf %lf %lf", &link, which, &dl, &jt, &ls) == 5 &&
                link >= 0 && link < nlinks && (!strcmp(which, "ab") || !strcmp(which, "ba"))) {
         set_dir_params(&dirs[2 * link + (which[0] == 'b')], dl, jt, ls);
+        apply_rx_mode();
     } else if (*line) {
         fprintf(stderr, "tbrelay: bad control line: %s\n", line);
     }
@@ -976,12 +1023,7 @@ int main(int argc, char **argv)
     }
     prctl(PR_SET_TIMERSLACK, (unsigned long)(cfg.slack_us > 0 ? cfg.slack_us * 1000L : 1L));
 
-    int64_t min_delay = INT64_MAX;
-    for (int i = 0; i < ndirs; i++)
-        if (dirs[i].delay < min_delay) min_delay = dirs[i].delay;
-    if (cfg.rx_poll_us < 0) /* auto: event driven RX only when some delay is small */
-        cfg.rx_poll_us = min_delay < 4000000 ? 0 : 1000;
-
+    rx_poll_auto = cfg.rx_poll_us < 0;
     for (int i = 0; i < ndirs; i++) setup_port(dirs[i].in, &dirs[i]);
 
     sigset_t ss;
@@ -998,12 +1040,8 @@ int main(int argc, char **argv)
     fcntl(0, F_SETFL, fcntl(0, F_GETFL) | O_NONBLOCK);
     ev.data.u64 = (uint64_t)-2;
     if (epoll_ctl(ep, EPOLL_CTL_ADD, 0, &ev)) stdin_open = 0; /* e.g. /dev/null */
-    if (cfg.rx_poll_us == 0)
-        for (int i = 0; i < nports; i++) {
-            /* edge triggered: a retired block we keep owning stays "readable" */
-            struct epoll_event pe = {.events = EPOLLIN | EPOLLET, .data.u64 = (uint64_t)i};
-            epoll_ctl(ep, EPOLL_CTL_ADD, ports[i].fd, &pe);
-        }
+    epfd = ep;
+    apply_rx_mode();
     t_start = mono_ns();
     emit_stats("ready");
 
