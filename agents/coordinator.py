@@ -237,7 +237,8 @@ class Coordinator:
             except queue.Empty:
                 ev = None
             if ev == "registered":
-                self.progress(f"registered {node} ({len(self._idents)}/{len(self.plan.nodes)})")
+                if len(self._idents) == len(self.plan.nodes):
+                    self.progress(f"all {len(self._idents)} agents registered")
             elif ev == "lost":
                 self._failed(f"{node}: {data}")
             elif ev == "msg" and data.get("msg") == "error":

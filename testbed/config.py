@@ -16,7 +16,7 @@ Format (YAML; every key but ``name``, ``topology`` and ``scheme.name`` is option
       dtype: float32             # float32 | float64
       iterations: 1
       compute_s: 0               # seconds per iteration: a number, {uniform: [lo, hi]},
-                                 # {normal: [mean, std]}, or {per_worker: {dc: s}}
+                                 # {normal: [mean, std]}, or {per_worker: {dc: s or [s per iteration]}}
     emulator: {method: auto, relay_procs: 0}
     agents: {timeout_s: 120, stop_and_wait: false}
     dynamics: []                 # live rate changes, see testbed/emulator/dynamics.py
@@ -250,7 +250,7 @@ def _scheme(c: _Checker, scheme, key: str, nodes: list[str]) -> dict:
             c.choice(v, pkey, p.choices)
         if k in NODE_PARAMS and v:
             c.node(v, pkey, nodes)
-        if k in NODE_LIST_PARAMS:
+        if k in NODE_LIST_PARAMS and v is not None:
             for i, n in enumerate(v):
                 c.node(n, f"{pkey}[{i}]", nodes)
     return {"name": name, **{k: p.default for k, p in spec.params.items()}, **params}
@@ -269,7 +269,8 @@ def _check_compute(c: _Checker, spec, nodes: list[str]) -> None:
         c.mapping(arg, f"{key}.per_worker")
         for dc, s in arg.items():
             c.node(dc, f"{key}.per_worker", nodes)
-            c.number(s, f"{key}.per_worker.{dc}", minimum=0)
+            for v in (s if isinstance(s, list) and s else [s]):  # seconds, or a per-iteration trace
+                c.number(v, f"{key}.per_worker.{dc}", minimum=0)
     elif not (isinstance(arg, list) and len(arg) == 2 and all(isinstance(x, (int, float)) for x in arg)):
         c.fail(f"{key}.{kind}", "expected a list of two numbers")
 

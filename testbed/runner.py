@@ -34,8 +34,9 @@ def compute_times(spec, nodes: list[str], iterations: int, seed: int) -> dict[st
     for n in nodes:
         if isinstance(spec, (int, float)):
             out[n] = [float(spec)] * iterations
-        elif "per_worker" in spec:
-            out[n] = [float(spec["per_worker"].get(n, 0.0))] * iterations
+        elif "per_worker" in spec:  # a number per worker, or a per-iteration trace (cycled)
+            v = spec["per_worker"].get(n, 0.0)
+            out[n] = [float(v[i % len(v)]) for i in range(iterations)] if isinstance(v, list) else [float(v)] * iterations
         elif "uniform" in spec:
             lo, hi = spec["uniform"]
             out[n] = [rng.uniform(lo, hi) for _ in range(iterations)]

@@ -18,8 +18,15 @@ def _two(rate=50, delay=10):
                           "links": [{"between": ["a", "b"], "rate_mbps": rate, "delay_ms": delay}]})
 
 
-def test_small3_rates_and_delays_within_tolerance(netenv):
-    res = run_linkcheck(load_topology("small-3"), seconds=3, phases=("single",), progress=lambda m: None)
+@pytest.mark.parametrize("method", ["relay", "netem"])
+def test_small3_rates_and_delays_within_tolerance(netenv, method):
+    from testbed.emulator.capabilities import probe
+
+    if method == "netem" and not probe().netem:
+        pytest.skip("this kernel has no netem: the netem shaping path cannot be tested here")
+    res = run_linkcheck(load_topology("small-3"), seconds=3, phases=("single",), method=method,
+                        progress=lambda m: None)
+    assert res["method"] == method
     assert len(res["directions"]) == 6
     bad = [(d["src"], d["dst"], d["rate_ratio"], d["measured_owd_ms"], d["expected_owd_ms"])
            for d in res["directions"] if not d["ok"]]

@@ -16,6 +16,7 @@ from testbed.planners import make_plan, schemes
 from testbed.planners.forest import (
     SteinerTree,
     capacities,
+    min_arborescence,
     pack_forest,
     solve_weights,
     steiner_oracle,
@@ -111,9 +112,12 @@ def test_all_active_column_generation_is_optimal(name, overlap):
     if not nx.is_strongly_connected(g):
         pytest.skip("not strongly connected")
     act = sorted(g.nodes)
-    f = pack_forest(g, act, overlap=overlap)
+    f = pack_forest(g, act, overlap=overlap, gap=0.0)
+    opt = brute_force_optimum(g, act, overlap)
     assert f.stats["converged"]
-    assert f.weights.objective == pytest.approx(brute_force_optimum(g, act, overlap), rel=REL)
+    assert f.weights.objective == pytest.approx(opt, rel=REL)
+    # the dual bound used as stopping rule is a valid upper bound (exact oracle)
+    assert f.stats["dual_bound"] >= opt * (1 - REL)
 
 
 def test_overlap_lp8_beats_lp4_on_asymmetric_triangle():
@@ -209,6 +213,49 @@ def test_partial_active_exact_oracle_is_optimal(seed):
         assert exact.weights.objective == pytest.approx(opt, rel=REL)
         # Theorem 1/2: (1/alpha) OPT <= ours <= OPT, alpha <= #terminals for the heuristic
         assert opt / len(act) - 1e-9 <= heur.weights.objective <= opt * (1 + REL)
+
+
+def test_min_arborescence_matches_brute_force():
+    """Our Chu-Liu/Edmonds (the exact oracle when all workers are active) against
+    enumeration of every parent choice on small random digraphs (ties, zero weights)."""
+    rng = np.random.default_rng(1)
+    checked = 0
+    for _ in range(300):
+        n = int(rng.integers(1, 7))
+        edges = [(u, v, float(rng.choice([0, 0.5, 1, 2, 3.3])))
+                 for u, v in itertools.permutations(range(n), 2) if rng.random() < 0.6]
+        root = int(rng.integers(0, n))
+        inc = {v: [i for i, (a, b, _) in enumerate(edges) if b == v] for v in range(n)}
+        best = None
+        others = [v for v in range(n) if v != root]
+        for combo in itertools.product(*[inc[v] for v in others]):
+            par = {edges[i][1]: edges[i][0] for i in combo}
+            ok = True
+            for v in others:
+                seen, x = set(), v
+                while ok and x != root:
+                    ok = x not in seen
+                    seen.add(x)
+                    x = par[x]
+            if ok:
+                wsum = sum(edges[i][2] for i in combo)
+                best = wsum if best is None else min(best, wsum)
+        if best is None:
+            with pytest.raises(ValueError):
+                min_arborescence(n, edges, root)
+            continue
+        chosen = min_arborescence(n, edges, root)
+        par = {edges[i][1]: edges[i][0] for i in chosen}
+        assert len(par) == len(chosen) == n - 1 and root not in par
+        for v in par:  # reaches the root without cycles
+            seen, x = set(), v
+            while x != root:
+                assert x not in seen
+                seen.add(x)
+                x = par[x]
+        assert sum(edges[i][2] for i in chosen) == pytest.approx(best)
+        checked += 1
+    assert checked > 200
 
 
 def test_steiner_oracle_directions():

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
 import math
 
 import networkx as nx
@@ -143,7 +142,7 @@ def test_trees_span_and_links_contention_free(name, opts):
     assert len(s.trees) == n and {t.root for t in s.trees} == set(g.nodes)
     for t in s.trees:
         assert set(t.parent) == set(g.nodes)  # spans all nodes
-        assert len(Tree_depths(t)) == n  # connected, acyclic
+        assert len(_tree_nodes(t)) == n  # connected, acyclic
         for c in t.order:
             p = t.parent[c]
             if p is None:
@@ -165,7 +164,7 @@ def test_trees_span_and_links_contention_free(name, opts):
         assert s.tot_t >= math.ceil(n * (n - 1) / g.number_of_edges())
 
 
-def Tree_depths(t):
+def _tree_nodes(t):
     ch = t.children()
     seen, stack = {t.root}, [t.root]
     while stack:
@@ -339,3 +338,24 @@ def test_bad_params():
     h.add_edge("c", "d", rate_mbps=1, delay_ms=1)
     with pytest.raises(ConfigError):
         make_plan("multitree", h, 10, {})
+
+
+def test_bfs_variant_on_switch_network():
+    """Sec. III-C 3: switch-based networks.  A star whose hub is a switch (not an
+    endpoint): every tree edge is leaf->switch->leaf and reserves both links; each leaf
+    has one NIC link, so at most one message leaves it per step -> 12 tree edges need
+    tot_t = 3 steps, every link busy in every step."""
+    g = topogen.star(5).graph()
+    g.nodes["n0"]["switch"] = True
+    s = build_trees(g, variant="bfs")
+    assert s.tot_t == 3 and {t.root for t in s.trees} == {"n1", "n2", "n3", "n4"}
+    assert all(len(t.path[c]) == 3 and t.path[c][1] == "n0" for t in s.trees for c in t.order if t.parent[c])
+    use = s.link_use()
+    assert all(len(d) == 8 and max(d.values()) == 1 for d in use.values())
+    plan = make_plan("multitree", g, 40, {"variant": "bfs", "lockstep": True})
+    assert plan.participants == plan.receivers == ["n1", "n2", "n3", "n4"]
+    assert not plan.programs["n0"]
+    run_check(plan, g, 40)
+    from testbed.errors import ConfigError
+    with pytest.raises(ConfigError):
+        make_plan("multitree", g, 40, {})  # the direct variant needs endpoints everywhere

@@ -22,7 +22,7 @@ import pytest
 
 from testbed.emulator import relay as relay_mod
 from testbed.emulator.relay import Relay, RelayDirection, RelayLink, build, kept_up, partition_links
-from testbed.errors import ConfigError
+from testbed.errors import ConfigError, RunError
 
 IS_ROOT = os.geteuid() == 0
 TOOLS = [t for t in ("ip", "tc", "ping", "iperf3", "ethtool", "gcc") if shutil.which(t) is None]
@@ -241,6 +241,14 @@ def test_ping_rtt_is_twice_the_delay(clean_lab, delay_ms):
     assert ab["delay_us"] == delay_ms * 1000
     ok, why = kept_up(st, max_p99_late_ms=5)  # generous: the CI machine may be busy
     assert ok, why
+
+
+@net
+def test_start_reports_relay_errors(clean_lab):
+    r = Relay([RelayLink("nosuchif0", clean_lab.if_q, RelayDirection(1), RelayDirection(1), 10)])
+    clean_lab.relays.append(r)
+    with pytest.raises(RunError, match="no such interface nosuchif0"):
+        r.start(clean_lab.popen(clean_lab.ns_r))
 
 
 @net

@@ -28,16 +28,20 @@ Pipeline of this module (Sec. IV-V, end-to-end procedure of the note Sec. 3.7):
    has negative reduced cost and joins the master.  This uses the same oracle and the
    same separation argument as Theorem 1 (the final duals scaled by alpha are feasible),
    prices the coupled LP (4)/(8) directly instead of the broadcast-only LP (5), and stops
-   when no tree prices out (or after ``max_iters`` rounds, reported in the meta).
+   when no tree prices out, when a dual bound proves the packing within ``gap`` of the
+   LP optimum over all trees, or after ``max_iters`` rounds (all reported in the meta).
+   Starting columns: latency-shortest-path trees and fattest trees per root.  Among
+   LP-optimal weightings a secondary LP prefers shallow trees (``shallow``).
 3. :func:`solve_weights` -- LP (4) (non-overlap: reduce and broadcast trees never share
    bandwidth) or LP (8) (partial overlap: overlapped broadcast trees K^(v) share links
    with the reduce trees, pure broadcast trees J^(v) run after reduce; the same
    broadcast tree set serves as K and J, Sec. V).  Equalities (4a)/(4b)/(8a)/(8b) are
    solved as "chi_v <= sum w" and the surplus weight is scaled down afterwards, as the
    proof of Theorem 2 does.  (8c) is written as sum_K w_k <= chi_v, equivalent under (8a).
-4. :func:`prune_forest` -- ``max_trees``: keep at most that many reduce trees and that many
-   broadcast trees (largest weight first, each root keeping its best tree of each kind
-   while it has one) and re-solve the LP on the kept trees.
+4. :func:`prune_forest` -- ``max_trees`` (our addition, an execution budget): keep at most
+   that many reduce trees and that many broadcast trees -- heaviest first, each root
+   keeping its best tree of each kind while the budget allows -- halving the surplus per
+   round and re-solving the LP after each round.
 5. :func:`compile_forest` -- the plan IR.  Root v's range is cut into ``chunks`` rounds
    (pipelined sub-chunks, Property 2); every round is split among v's reduce trees by
    w_i and, independently, among its broadcast flows by weight (K flows by w_k, J flows
@@ -56,6 +60,7 @@ from __future__ import annotations
 
 import heapq
 import time
+import warnings
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -241,8 +246,7 @@ def _milp_steiner(H: nx.DiGraph, w: dict, root: str, terminals: set[str]) -> dic
     edges = list(H.edges)
     m = len(edges)
     nodes = list(H.nodes)
-    idx = {n: i for i, n in enumerate(nodes)}
-    terms = [t for t in terminals if t != root]
+    terms = [t for t in nodes if t in terminals and t != root]
     k = len(terms)
     nv = m * (1 + k)
     c = np.zeros(nv)
@@ -370,7 +374,8 @@ class Weights:
 
 
 def solve_weights(caps: dict[tuple[str, str], float], roots: list[str], reduce_trees: list[SteinerTree],
-                  bcast_trees: list[SteinerTree], overlap: str, *, shallow: bool = False) -> Weights:
+                  bcast_trees: list[SteinerTree], overlap: str, *, shallow: bool = False,
+                  central: bool = False) -> Weights:
     """Solve LP (4) (``overlap="none"``) or LP (8) (``"partial"``) of TopoAdapt for the
     given trees (Sec. III-D, Sec. V).
 
@@ -433,7 +438,13 @@ def solve_weights(caps: dict[tuple[str, str], float], roots: list[str], reduce_t
     b[e2:e2 + m] = [caps[e] for e in edges]
     c = np.zeros(nv)
     c[:nr] = -1.0
-    res = linprog(c, A_ub=A, b_ub=b, bounds=(0, None), method="highs")
+    if central:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            res = linprog(c, A_ub=A, b_ub=b, bounds=(0, None), method="highs-ipm",
+                          options={"run_crossover": "off"})
+    else:
+        res = linprog(c, A_ub=A, b_ub=b, bounds=(0, None), method="highs")
     if res.status != 0:
         raise RuntimeError(f"forest LP failed: {res.message}")
     x = res.x
@@ -489,14 +500,8 @@ class Forest:
     stats: dict = field(default_factory=dict)
 
 
-def _mix(a: dict, b: dict, alpha: float) -> dict:
-    """alpha * a + (1 - alpha) * b for the nested dual dicts of :func:`solve_weights`."""
-    return {k: {e: alpha * a[k][e] + (1 - alpha) * b[k][e] for e in a[k]} for k in a}
-
-
 def pack_forest(graph: nx.DiGraph, active: list[str], *, overlap: str = "partial", oracle: str = "auto",
-                max_iters: int = 200, gap: float = 1e-3, tol: float = 1e-7, shallow: bool = True,
-                smoothing: float = 0.5, drop_after: int = 10) -> Forest:
+                max_iters: int = 200, gap: float = 1e-3, tol: float = 1e-7, shallow: bool = True) -> Forest:
     """Generate reduce and broadcast Steiner trees and their weights by column
     generation on LP (4)/(8) (our replacement of TopoAdapt Alg. 1, see the module doc).
 
@@ -507,16 +512,16 @@ def pack_forest(graph: nx.DiGraph, active: list[str], *, overlap: str = "partial
     (as a K tree) and (8e) (as a J tree) -- and add it if its y-weight is below the
     root's threshold (reduced cost < 0).
 
-    Dual bound: for any dual point pi satisfying the chi rows, with rho = min over roots
-    and types of (oracle tree weight / threshold), y / min(1, rho) is feasible for the
-    full dual, so OPT <= sum_e b_e (y1_e + y2_e) / min(1, rho) (exact when the oracle is,
-    i.e. alpha = 1; otherwise up to alpha, as in Theorem 1).  Pricing uses Wentges dual
-    smoothing (``smoothing`` = weight of the best-bound dual point; 0 disables it): the
-    LP duals are degenerate and make the oracle return zero-weight trees, which slows
-    plain column generation badly.  Stop when nothing prices out at the LP duals or the
-    bound proves the restricted LP within ``gap`` of the optimum.  To keep the master
-    small, a non-initial column with zero weight and non-negative reduced cost in
-    ``drop_after`` consecutive solves is removed (0 = never; it may come back).
+    The master is solved by interior point without crossover during the iterations: its
+    central duals avoid the degenerate vertex duals (many y_e = 0) that make the oracle
+    return zero-weight trees and slow plain column generation down by an order of
+    magnitude; the final weights come from a simplex (vertex, few trees) solve.
+
+    Dual bound: with rho = min over roots and types of (oracle tree weight / threshold),
+    y / min(1, rho) is feasible for the dual over *all* trees, so
+    OPT <= sum_e b_e (y1_e + y2_e) / min(1, rho) -- exact when the oracle is (alpha = 1),
+    otherwise up to alpha as in Theorem 1.  Stop when no tree prices out, when this
+    bound proves the master within ``gap`` of the optimum, or after ``max_iters``.
     """
     caps = capacities(graph)
     terminals = set(active)
@@ -525,14 +530,11 @@ def pack_forest(graph: nx.DiGraph, active: list[str], *, overlap: str = "partial
     red: list[SteinerTree] = []
     bc: list[SteinerTree] = []
     seen: set[SteinerTree] = set()
-    idle: dict[SteinerTree, int] = {}
-    protected: set[SteinerTree] = set()
 
     def add(t: SteinerTree) -> bool:
         if t in seen:
             return False
         seen.add(t)
-        idle[t] = 0
         (red if t.kind == "reduce" else bc).append(t)
         return True
 
@@ -546,103 +548,98 @@ def pack_forest(graph: nx.DiGraph, active: list[str], *, overlap: str = "partial
     y0 = {e: 1.0 / caps[e] for e in caps}
     for v in roots:
         for kind in ("reduce", "broadcast"):
-            for t in (_shortest_path_tree(graph, v, terminals, kind),
-                      steiner_oracle(graph, y0, v, terminals, kind=kind, method=method)):
-                add(t)
-                protected.add(t)
+            add(_shortest_path_tree(graph, v, terminals, kind))
+            add(steiner_oracle(graph, y0, v, terminals, kind=kind, method=method))
     it = 0
     converged = False
     oracle_calls = 0
-    dropped = 0
-    best_bound, center = float("inf"), None
-    while True:
-        wts = solve_weights(caps, roots, red, bc, overlap)
-        if it >= max_iters or wts.objective <= EPS and it > 0:
-            break
+    best_bound = float("inf")
+    while it < max_iters:
+        wts = solve_weights(caps, roots, red, bc, overlap, central=True)
         it += 1
-        d_out = wts.duals
+        d = wts.duals
         added = 0
-        for alpha in ((smoothing, 0.0) if center is not None and smoothing > 0 else (0.0,)):
-            d_sep = _mix(center, d_out, alpha) if alpha > 0 else d_out
-            rho = float("inf")
-            for v in roots:
-                for kind in ("reduce", "broadcast"):
-                    for (y, thr), (y_out, thr_out) in zip(prices(d_sep, v, kind), prices(d_out, v, kind)):
-                        if thr <= tol and thr_out <= tol:
-                            continue
-                        t = steiner_oracle(graph, y, v, terminals, kind=kind, method=method)
-                        oracle_calls += 1
-                        if thr > tol:
-                            rho = min(rho, tree_weight(t, y) / thr)
-                        if tree_weight(t, y_out) < thr_out - tol * max(1.0, thr_out) and add(t):
-                            added += 1
-            dual_obj = sum(caps[e] * (d_sep["y1"][e] + d_sep["y2"][e]) for e in caps)
-            bound = dual_obj / min(1.0, rho) if rho > 0 else float("inf")
-            if bound < best_bound:
-                best_bound, center = bound, d_sep
-            if added:
-                break  # otherwise: mispricing at the smoothed point, retry at the LP duals
+        rho = float("inf")
+        for v in roots:
+            for kind in ("reduce", "broadcast"):
+                for y, thr in prices(d, v, kind):
+                    if thr <= tol:
+                        continue
+                    t = steiner_oracle(graph, y, v, terminals, kind=kind, method=method)
+                    oracle_calls += 1
+                    tw = tree_weight(t, y)
+                    rho = min(rho, tw / thr)
+                    if tw < thr - tol * max(1.0, thr) and add(t):
+                        added += 1
+        if rho > 0:
+            best_bound = min(best_bound, sum(caps[e] * (d["y1"][e] + d["y2"][e]) for e in caps) / min(1.0, rho))
         if not added:
             converged = True
             break
         if best_bound <= wts.objective * (1 + gap):
             break
-        if drop_after:
-            for trees, weights in ((red, wts.w_reduce), (bc, [a + b for a, b in zip(wts.w_k, wts.w_j)])):
-                keep = []
-                for t, x in zip(trees, weights):
-                    useless = x <= EPS and all(tree_weight(t, y) >= thr - tol for y, thr in prices(d_out, t.root, t.kind))
-                    idle[t] = idle[t] + 1 if useless else 0
-                    if idle[t] >= drop_after and t not in protected:
-                        seen.discard(t)
-                        dropped += 1
-                    else:
-                        keep.append(t)
-                keep += trees[len(weights):]  # columns added in this round
-                trees[:] = keep
-    if shallow:
-        wts = solve_weights(caps, roots, red, bc, overlap, shallow=True)
+    wts = solve_weights(caps, roots, red, bc, overlap, shallow=shallow)
     stats = {"iterations": it, "converged": converged, "oracle_calls": oracle_calls,
-             "reduce_columns": len(red), "broadcast_columns": len(bc), "dropped_columns": dropped,
-             "objective": wts.objective, "dual_bound": best_bound,
-             "gap_bound": (best_bound / wts.objective - 1) if wts.objective > EPS else None}
+             "reduce_columns": len(red), "broadcast_columns": len(bc), "objective": wts.objective,
+             "dual_bound": best_bound if np.isfinite(best_bound) else None,
+             "gap_bound": (max(0.0, best_bound / wts.objective - 1)
+                           if wts.objective > EPS and np.isfinite(best_bound) else None)}
     return Forest(overlap, roots, red, bc, wts, stats)
 
 
-def prune_forest(forest: Forest, caps: dict, max_trees: int, *, shallow: bool = True) -> Forest:
-    """Keep at most ``max_trees`` reduce trees and ``max_trees`` broadcast trees with
-    positive weight and re-solve the LP on them (execution budget; our addition).
+def _select(trees: list[SteinerTree], weight: list[float], roots: list[str], chi: dict, limit: int) -> list[int]:
+    """Indices of at most ``limit`` positive-weight trees: the heaviest tree of every root
+    first (roots by decreasing chi), then the rest by decreasing weight."""
+    live = sorted((i for i in range(len(trees)) if weight[i] > EPS), key=lambda i: (-weight[i], i))
+    if len(live) <= limit:
+        return sorted(live)
+    keep: list[int] = []
+    for v in sorted(roots, key=lambda r: -chi[r]):
+        best = next((i for i in live if trees[i].root == v), None)
+        if best is not None and len(keep) < limit:
+            keep.append(best)
+    for i in live:
+        if len(keep) >= limit:
+            break
+        if i not in keep:
+            keep.append(i)
+    return sorted(keep)
 
-    Selection per kind: first the heaviest tree of every root (roots by decreasing
-    chi), then the remaining trees by decreasing weight (broadcast: w_k + w_j).  The
-    re-solved LP is feasible (a subset of columns) and never better than before.
+
+def prune_forest(forest: Forest, caps: dict, max_trees: int, *, shallow: bool = True) -> Forest:
+    """Keep at most ``max_trees`` reduce trees and ``max_trees`` broadcast trees (execution
+    budget; our addition, not in the paper) and re-solve the LP on them.
+
+    Trees with zero weight are dropped first.  While a kind still has too many trees,
+    the LP is re-solved and the kind's surplus is halved by keeping the heaviest trees
+    (every root keeps its heaviest tree while the budget allows; broadcast weight is
+    w_k + w_j), so the weights can redistribute between rounds (better than one cut).
+    The result is feasible (a subset of columns) and never better than before.
     """
-    w = forest.weights
-    out = {}
-    for kind, trees, weight in (("reduce", forest.reduce, w.w_reduce),
-                                ("broadcast", forest.broadcast, [a + b for a, b in zip(w.w_k, w.w_j)])):
-        live = [(weight[i], i) for i in range(len(trees)) if weight[i] > EPS]
-        live.sort(key=lambda x: (-x[0], x[1]))
-        keep: list[int] = []
-        if max_trees and len(live) > max_trees:
-            for v in sorted(forest.roots, key=lambda r: -w.chi[r]):
-                best = next((i for _, i in live if trees[i].root == v), None)
-                if best is not None and len(keep) < max_trees:
-                    keep.append(best)
-            for _, i in live:
-                if len(keep) >= max_trees:
-                    break
-                if i not in keep:
-                    keep.append(i)
-        else:
-            keep = [i for _, i in live]
-        out[kind] = [trees[i] for i in sorted(keep)]
-    pruned = (len(out["reduce"]) < sum(x > EPS for x in w.w_reduce)
-              or len(out["broadcast"]) < sum(a + b > EPS for a, b in zip(w.w_k, w.w_j)))
-    new_w = solve_weights(caps, forest.roots, out["reduce"], out["broadcast"], forest.overlap, shallow=shallow)
-    stats = dict(forest.stats, pruned=pruned, objective_before_prune=w.objective, objective=new_w.objective,
-                 reduce_trees=len(out["reduce"]), broadcast_trees=len(out["broadcast"]))
-    return Forest(forest.overlap, forest.roots, out["reduce"], out["broadcast"], new_w, stats)
+    w0 = forest.weights
+    red, bc, w = list(forest.reduce), list(forest.broadcast), w0
+    rounds = 0
+    while True:
+        bw = [a + b for a, b in zip(w.w_k, w.w_j)]
+        nr, nb = sum(x > EPS for x in w.w_reduce), sum(x > EPS for x in bw)
+        target_r = max(max_trees, (nr + max_trees) // 2) if max_trees else nr
+        target_b = max(max_trees, (nb + max_trees) // 2) if max_trees else nb
+        kr = _select(red, w.w_reduce, forest.roots, w.chi, target_r)
+        kb = _select(bc, bw, forest.roots, w.chi, target_b)
+        changed = len(kr) < len(red) or len(kb) < len(bc)
+        red, bc = [red[i] for i in kr], [bc[i] for i in kb]
+        if not changed and rounds:
+            break
+        w = solve_weights(caps, forest.roots, red, bc, forest.overlap, shallow=shallow)
+        rounds += 1
+        if not changed:
+            break
+    pruned = (len(red) < sum(x > EPS for x in w0.w_reduce)
+              or len(bc) < sum(a + b > EPS for a, b in zip(w0.w_k, w0.w_j)))
+    stats = dict(forest.stats, pruned=pruned, prune_rounds=rounds, objective_before_prune=w0.objective,
+                 objective=w.objective, reduce_trees=sum(x > EPS for x in w.w_reduce),
+                 broadcast_trees=sum(a + b > EPS for a, b in zip(w.w_k, w.w_j)))
+    return Forest(forest.overlap, forest.roots, red, bc, w, stats)
 
 
 def link_loads(forest: Forest) -> dict[tuple[str, str], dict[str, float]]:
@@ -779,19 +776,21 @@ def _bad(param: str, message: str) -> ConfigError:
                                            "Inactive nodes may relay inside Steiner trees"),
     relays=Param(bool, True, "let inactive workers relay (Steiner trees); false = trees over the active "
                              "workers' induced subgraph only"),
-    max_trees=Param(int, 32, "keep at most this many reduce and this many broadcast trees (largest weight "
-                             "first, every root keeps its best tree) and re-solve the weights; 0 = no limit"),
+    max_trees=Param(int, 64, "keep at most this many reduce and this many broadcast trees (pruned in rounds, "
+                             "heaviest first, every root keeps its best tree, weights re-solved); 0 = no limit"),
     chunks=Param(int, 4, "pipelined sub-chunks (rounds) per root's data (Property 2 pipelining)"),
     oracle=Param(str, "auto", "minimum Steiner tree oracle A: auto/heuristic = Edmonds when all nodes are "
                               "terminals (exact), else best of shortest-path heuristic and pruned arborescence; "
                               "exact = MILP (small graphs)", choices=ORACLES),
     max_iters=Param(int, 200, "column generation rounds at most"),
+    gap=Param(float, 1e-3, "stop column generation once the dual bound proves the packing within this "
+                           "relative gap of the LP optimum (exact with an exact oracle)"),
     shallow=Param(bool, True, "among LP-optimal weightings prefer shallow trees (secondary LP minimising "
                               "weight x height; our tie-break, the LP is bandwidth-only)"),
 )
 def plan_forest(graph: nx.DiGraph, length: int, *, elem_bytes: int = 4, overlap: str = "partial",
-                active: list | None = None, relays: bool = True, max_trees: int = 32, chunks: int = 4,
-                oracle: str = "auto", max_iters: int = 200, shallow: bool = True) -> Plan:
+                active: list | None = None, relays: bool = True, max_trees: int = 64, chunks: int = 4,
+                oracle: str = "auto", max_iters: int = 200, gap: float = 1e-3, shallow: bool = True) -> Plan:
     """Topology-adaptive Steiner forest packing (TopoAdapt, INFOCOM'21): reduce and
     broadcast trees rooted at every active worker, packed by column generation with a
     minimum-Steiner-tree oracle, weighted by LP (4) or (8), each tree carrying a share of
@@ -807,6 +806,8 @@ def plan_forest(graph: nx.DiGraph, length: int, *, elem_bytes: int = 4, overlap:
     for name, val, lo in (("chunks", chunks, 1), ("max_trees", max_trees, 0), ("max_iters", max_iters, 0)):
         if isinstance(val, bool) or not isinstance(val, int) or val < lo:
             raise _bad(name, f"must be an integer >= {lo}, got {val!r}")
+    if isinstance(gap, bool) or not isinstance(gap, (int, float)) or not gap >= 0:
+        raise _bad("gap", f"must be a number >= 0, got {gap!r}")
     for u, v, d in graph.edges(data=True):
         if not d.get("rate_mbps", 0) > 0:
             raise ConfigError(f"link {u}->{v} has no positive rate_mbps")
@@ -834,7 +835,7 @@ def plan_forest(graph: nx.DiGraph, length: int, *, elem_bytes: int = 4, overlap:
         plan.meta.update(meta)
         return plan
     all_terminals = set(act) == set(g.nodes)
-    forest = pack_forest(g, act, overlap=overlap, oracle=oracle, max_iters=max_iters, shallow=shallow)
+    forest = pack_forest(g, act, overlap=overlap, oracle=oracle, max_iters=max_iters, gap=gap, shallow=shallow)
     caps = capacities(g)
     forest = prune_forest(forest, caps, max_trees, shallow=shallow)
     if forest.weights.objective <= EPS:
@@ -850,7 +851,7 @@ def plan_forest(graph: nx.DiGraph, length: int, *, elem_bytes: int = 4, overlap:
                   "edges": [list(e) for e in t.edges],
                   "relays": sorted(t.nodes() - set(act))})
         trees_meta.append(d)
-    used = set().union(*(t.nodes() for t in forest.reduce + forest.broadcast)) if flows else set()
+    used = set().union(*(f["tree"].nodes() for f in flows)) if flows else set()
     loads = link_loads(forest)
     meta.update({
         "oracle": ("edmonds (exact, all nodes active)" if all_terminals else

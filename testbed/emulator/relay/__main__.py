@@ -98,6 +98,26 @@ def _children_cpu() -> float:
     return ru.ru_utime + ru.ru_stime
 
 
+def _ksoftirqd_cpu() -> dict[str, float]:
+    """CPU seconds used so far by each ksoftirqd thread (softirq work the
+    kernel deferred because it could not run it at interrupt exit)."""
+    out = {}
+    tck = os.sysconf("SC_CLK_TCK")
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                st = f.read()
+        except OSError:
+            continue
+        comm = st[st.index("(") + 1:st.rindex(")")]
+        if comm.startswith("ksoftirqd/"):
+            fields = st[st.rindex(")") + 2:].split()
+            out[comm] = (int(fields[11]) + int(fields[12])) / tck
+    return out
+
+
 def _worst(stats_list: list[dict[str, Any]], key: str) -> float:
     return max((d[key] for s in stats_list for d in s["dirs"]), default=0.0)
 
@@ -174,6 +194,7 @@ def bench(args: argparse.Namespace) -> int:
             before = [r.stats() for r in relays]
             c0 = _cpu_times()
             k0 = _children_cpu()
+            s0 = _ksoftirqd_cpu()
             t0 = time.monotonic()
             clients = []
             for i, d, srv_ns, cli_ns, srv_ip, port, _ in flows:
@@ -191,6 +212,7 @@ def bench(args: argparse.Namespace) -> int:
                 results.append((i, d, bps / 1e6))
             t1 = time.monotonic()
             c1 = _cpu_times()
+            s1 = _ksoftirqd_cpu()
             for *_, srv in flows:  # iperf3 servers exit after their one test
                 srv.communicate(timeout=30)
             iperf_cpu = _children_cpu() - k0  # clients and servers (all reaped by now)
@@ -225,7 +247,8 @@ def bench(args: argparse.Namespace) -> int:
                             for r0, r1 in zip(before, after))
             print(f"machine CPU during load: {100 * busy:.1f}% of {os.cpu_count()} cores; "
                   f"this lab: relays {100 * relay_cpu / wall:.0f}% + iperf3 {100 * iperf_cpu / wall:.0f}% "
-                  f"of one core (the rest: softirq elsewhere, other users' processes)")
+                  f"of one core (the rest: softirq elsewhere, other users' processes); "
+                  + ", ".join(f"{k} {100 * (s1[k] - s0.get(k, 0)) / wall:.0f}%" for k in sorted(s1)))
             print(f"relay lateness over whole run: worst p50 {_worst(after, 'late_p50_us'):.0f} us, "
                   f"worst p99 {_worst(after, 'late_p99_us'):.0f} us, worst p99.9 {_worst(after, 'late_p999_us'):.0f} us, "
                   f"max {_worst(after, 'late_max_us'):.0f} us; "

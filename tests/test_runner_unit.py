@@ -1,0 +1,49 @@
+"""Pure parts of the runner and experiment loader (no network)."""
+
+import pytest
+
+from testbed import config
+from testbed.errors import ConfigError
+from testbed.runner import build_plan, compute_times, variants
+
+BASE = {"name": "t", "topology": "small-3", "scheme": {"name": "ring"}, "workload": {"size": "64KB"}}
+
+
+def test_compute_times_kinds():
+    nodes = ["a", "b"]
+    assert compute_times(0.5, nodes, 2, 0) == {"a": [0.5, 0.5], "b": [0.5, 0.5]}
+    per = compute_times({"per_worker": {"a": 1.0, "b": [0.1, 0.2]}}, nodes, 3, 0)
+    assert per == {"a": [1.0] * 3, "b": [0.1, 0.2, 0.1]}
+    u = compute_times({"uniform": [1, 2]}, nodes, 50, 7)
+    assert all(1 <= x <= 2 for v in u.values() for x in v)
+    assert u == compute_times({"uniform": [1, 2]}, nodes, 50, 7)  # seeded
+    n = compute_times({"normal": [0.1, 1.0]}, nodes, 50, 7)
+    assert min(x for v in n.values() for x in v) >= 0.0  # clipped at zero
+
+
+def test_variants_validated_and_ordered():
+    exp = config.validate({**BASE, "variants": [{"label": "hub", "scheme": {"name": "ps", "hub": "h2"}},
+                                                {"scheme": {"name": "mst"}}]}, "x.yaml")
+    assert [v["label"] for v in variants(exp)] == ["ring", "hub", "mst"]
+    assert variants(exp)[1]["scheme"]["hub_rule"] == "max-bandwidth"  # defaults filled
+
+
+@pytest.mark.parametrize("bad, key", [
+    ([{"label": "ring", "scheme": {"name": "ps"}}], "variants[0].label"),  # clashes with main
+    ([{"scheme": {"name": "nope"}}], "variants[0].scheme.name"),
+    ([{"label": "x"}], "variants[0].scheme"),
+    ([{"label": "x", "scheme": {"name": "ps", "hub": "zz"}}], "variants[0].scheme.hub"),
+])
+def test_bad_variants_name_the_key(bad, key):
+    with pytest.raises(ConfigError) as e:
+        config.validate({**BASE, "variants": bad}, "x.yaml")
+    assert key in str(e.value)
+
+
+def test_scale_multiplies_size_and_rates():
+    exp = config.validate({**BASE, "scale": 0.5, "workload": {"size": "1MB"}}, "x.yaml")
+    assert exp["workload"]["bytes"] == 500_000
+    topo, graph, plan, prediction, bound = build_plan(exp)
+    assert topo.scale == 0.5
+    assert max(d["rate_mbps"] for _, _, d in graph.edges(data=True)) == 40.0  # 80 * 0.5
+    assert prediction["cct_s"] > 0 and bound["cct_s"] > 0 and plan.length == 125_000
