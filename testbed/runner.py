@@ -131,6 +131,7 @@ def run_experiment(exp: dict, out_dir: Path, progress: Callable[[str], None]) ->
     with WanNetwork(topo, method=exp["emulator"]["method"], relay_procs=exp["emulator"]["relay_procs"],
                     seed=exp["seed"], log=progress, caps=caps) as net:
         results["links"] = net.link_report()
+        results["environment"]["host_sysctls"] = net.host_sysctls
         sched = Scheduler(net, exp["dynamics"], exp["faults"], scale=exp["scale"], log=progress).start()
         cpu = CpuMeter().start()
         try:

@@ -90,6 +90,7 @@ class WanNetwork:
         self.relays: list = []
         self._procs: list[tuple[str, subprocess.Popen]] = []  # (datacenter, process)
         self.events: list[dict] = []
+        self.host_sysctls: dict = {}  # what every datacenter host was set to (for results.json)
         self.t0 = time.time()
 
     # -- life cycle ------------------------------------------------------------
@@ -181,8 +182,12 @@ class WanNetwork:
             sysctls = {"net.ipv4.ip_forward": 1, "net.ipv4.conf.all.rp_filter": 0,
                        "net.ipv4.conf.default.rp_filter": 0,
                        "net.ipv4.tcp_rmem": f"4096 131072 {buf}", "net.ipv4.tcp_wmem": f"4096 65536 {buf}",
-                       "net.ipv4.tcp_no_metrics_save": 1}
+                       "net.ipv4.tcp_no_metrics_save": 1,
+                       # long-lived agent connections idle between chunks and iterations; WAN
+                       # deployments keep their window instead of restarting slow start
+                       "net.ipv4.tcp_slow_start_after_idle": 0}
             _exec(h, ["sysctl", "-q", "-w", *(f"{k}={v}" for k, v in sysctls.items())])
+            self.host_sysctls = sysctls
             cmds = ["link set lo up", f"addr add {node_ip(i)}/32 dev lo",
                     f"addr add {control_ip(i)}/16 dev {h.name}-ctl", f"link set {h.name}-ctl up"]
             for (owner, j), intf in self._link_intf.items():

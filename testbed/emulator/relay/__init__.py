@@ -211,7 +211,13 @@ class Relay:
     ``rtprio`` runs it SCHED_FIFO (strongly recommended when the TCP endpoints
     share the cores: it is what keeps lateness in the tens of microseconds;
     0 disables); ``vnet`` relays GSO super-frames (see module doc);
-    ``reorder`` lets jitter reorder frames like netem (default: FIFO).
+    ``reorder`` lets jitter reorder frames like netem (default: FIFO);
+    ``max_ring_mb`` caps each direction's frame buffer (sized automatically
+    from rate * (delay + 3 jitter) + 100 ms of slack); ``extra`` passes raw
+    config keys of tbrelay.c (e.g. ``{"rx_poll_us": 500}``).  Serve many links
+    with one process per core (see :func:`partition_links`): a single relay
+    also runs the receivers' network stack for all its links and its lateness
+    grows when one core carries everything.
     """
 
     def __init__(
