@@ -189,7 +189,8 @@ def build_parser() -> argparse.ArgumentParser:
     lc.add_argument("--scale", type=float, default=1.0, help="multiply every rate by this factor")
     lc.add_argument("--concurrent", action="store_true", help="only the phase with all links loaded at once")
     lc.add_argument("--single", action="store_true", help="only the link-by-link phase")
-    lc.add_argument("--seconds", type=float, default=4.0, help="iperf3 duration per measurement (default 4)")
+    lc.add_argument("--seconds", type=float, default=6.0,
+                    help="iperf3 measuring time per direction after its warm-up (default 6)")
     lc.add_argument("--method", choices=("auto", "netem", "relay"), default="auto", help="link shaping method")
     lc.set_defaults(func=cmd_linkcheck)
 

@@ -17,7 +17,8 @@ Format (YAML; every key but ``name``, ``topology`` and ``scheme.name`` is option
       iterations: 1
       compute_s: 0               # seconds per iteration: a number, {uniform: [lo, hi]},
                                  # {normal: [mean, std]}, or {per_worker: {dc: s or [s per iteration]}}
-    emulator: {method: auto, relay_procs: 0}
+    emulator: {method: auto, relay_procs: 0, max_late_ms: 2}  # relay p99 lateness above
+                                 # which results.json says the emulation did not keep up
     agents: {timeout_s: 120, stop_and_wait: false}
     dynamics: []                 # live rate changes, see testbed/emulator/dynamics.py
     faults: []                   # link down/up, datacenter crash/restart
@@ -43,7 +44,7 @@ DEFAULTS: dict[str, Any] = {
     "seed": 0,
     "repetitions": 1,
     "workload": {"size": "1MB", "model": None, "dtype": "float32", "iterations": 1, "compute_s": 0},
-    "emulator": {"method": "auto", "relay_procs": 0},
+    "emulator": {"method": "auto", "relay_procs": 0, "max_late_ms": 2.0},
     "agents": {"timeout_s": 120.0, "stop_and_wait": False},
     "dynamics": [],
     "faults": [],
@@ -208,6 +209,7 @@ def validate(data: dict, source: str = "<experiment>") -> dict:
     e = exp["emulator"]
     c.choice(e["method"], "emulator.method", ("auto", "netem", "relay"))
     c.number(e["relay_procs"], "emulator.relay_procs", integer=True, minimum=0)
+    c.number(e["max_late_ms"], "emulator.max_late_ms", positive=True)
     a = exp["agents"]
     c.number(a["timeout_s"], "agents.timeout_s", positive=True)
     if not isinstance(a["stop_and_wait"], bool):

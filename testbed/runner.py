@@ -133,6 +133,7 @@ def run_experiment(exp: dict, out_dir: Path, progress: Callable[[str], None]) ->
         results["links"] = net.link_report()
         results["environment"]["host_sysctls"] = net.host_sysctls
         sched = Scheduler(net, exp["dynamics"], exp["faults"], scale=exp["scale"], log=progress).start()
+        net.reset_relay_window()  # judge the emulator on the measured phase only
         cpu = CpuMeter().start()
         try:
             for rep in range(exp["repetitions"]):
@@ -153,7 +154,8 @@ def run_experiment(exp: dict, out_dir: Path, progress: Callable[[str], None]) ->
             sched.stop()
             cpu_util = cpu.stop()
             results["events"] = net.events + [{"error": e} for e in sched.errors]
-            results["emulation"] = _emulation_health(net.method, net.relay_stats(), cpu_util)
+            results["emulation"] = _emulation_health(net.method, net.relay_stats(), cpu_util,
+                                                     exp["emulator"]["max_late_ms"])
     results["variants"] = []
     for v, plan, prediction, bound in planned:
         runs = [r for r in results["runs"] if r["variant"] == v["label"]]
@@ -202,18 +204,18 @@ def _per_link(transfers: dict | None) -> list[dict]:
             for (s, d), (b, t, e, n) in sorted(agg.items())]
 
 
-def _emulation_health(method: str, relay: list[dict], cpu_util: float) -> dict:
+def _emulation_health(method: str, relay: list[dict], cpu_util: float, max_late_ms: float) -> dict:
     from testbed.emulator import relay as relay_mod
 
     warnings = []
     for i, st in enumerate(relay):
-        ok, why = relay_mod.kept_up(st)
+        ok, why = relay_mod.kept_up(st, max_p99_late_ms=max_late_ms)
         if not ok:
             warnings.append(f"relay {i}: {why}")
     if cpu_util > CPU_BUSY:
         warnings.append(f"machine CPU {cpu_util:.0%} busy: link emulation and agents may be CPU-bound")
-    return {"method": method, "kept_up": not warnings, "warnings": warnings,
-            "cpu_util": cpu_util, "relay": relay}
+    return {"method": method, "kept_up": not warnings, "warnings": warnings, "cpu_util": cpu_util,
+            "max_late_ms": max_late_ms, "relay": relay}
 
 
 def _summary(runs: list[dict], prediction: dict, bound: dict) -> dict:

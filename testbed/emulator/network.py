@@ -88,6 +88,8 @@ class WanNetwork:
         self.net = None
         self.hosts: dict = {}
         self.relays: list = []
+        self.relay_final_stats: list[dict] = []
+        self._owns_bridge = False
         self._procs: list[tuple[str, subprocess.Popen]] = []  # (datacenter, process)
         self.events: list[dict] = []
         self.host_sysctls: dict = {}  # what every datacenter host was set to (for results.json)
@@ -118,7 +120,11 @@ class WanNetwork:
         if method == "netem" and not caps.netem:
             raise RunError("shaping method 'netem' requested but this kernel has no netem (try 'relay' or 'auto')")
         self.method = method
+        if subprocess.run(["ip", "link", "show", CONTROL_BRIDGE], capture_output=True).returncode == 0:
+            raise RunError(f"interface {CONTROL_BRIDGE} exists: another run is active, or a crashed run left "
+                           "its network behind (remove it with: python3 -m testbed clean)")
         setLogLevel("error")
+        self._owns_bridge = True  # from here on, stop() removes what this run made
         self.log(f"building {len(self.topo.nodes)} datacenters, {len(self.topo.links)} links "
                  f"(shaping: {method})")
         net = self.net = Mininet(build=False, controller=None, topo=None, autoSetMacs=False,
@@ -161,7 +167,7 @@ class WanNetwork:
         self.stop_processes(grace_s=0)
         for r in self.relays:
             try:
-                self.relay_final_stats = getattr(self, "relay_final_stats", []) + [r.stop()]
+                self.relay_final_stats.append(r.stop())
             except Exception as e:  # teardown must go on
                 self.log(f"relay stop: {e}")
         self.relays = []
@@ -170,7 +176,9 @@ class WanNetwork:
                 self.net.stop()
             finally:
                 self.net = None
-        subprocess.run(["ip", "link", "del", CONTROL_BRIDGE], capture_output=True)
+        if self._owns_bridge:  # a half-built network may have left the bridge
+            subprocess.run(["ip", "link", "del", CONTROL_BRIDGE], capture_output=True)
+            self._owns_bridge = False
 
     # -- configuration -------------------------------------------------------
     def _configure_hosts(self) -> None:
@@ -331,6 +339,11 @@ class WanNetwork:
 
     def relay_stats(self) -> list[dict]:
         return [r.stats() for r in self.relays]
+
+    def reset_relay_window(self) -> None:
+        """Judge the relays' keep-up statistics from now on (e.g. from the measured phase)."""
+        for r in self.relays:
+            r.reset_window()
 
 
 def _check(res: subprocess.CompletedProcess, what: str) -> None:

@@ -403,6 +403,15 @@ class Relay:
                 self.proc.stdin.write(line.encode())
                 self.proc.stdin.flush()
 
+    def reset_window(self) -> None:
+        """Start a new window for the keep-up statistics (lateness histogram and maximum,
+        maximum backlog, overload drops); totals (frames, bytes, loss) keep counting."""
+        if self.running:
+            assert self.proc is not None and self.proc.stdin is not None
+            with self._lock:
+                self.proc.stdin.write(b"reset\n")
+                self.proc.stdin.flush()
+
     def stop(self, timeout: float = 5.0) -> dict[str, Any]:
         """SIGTERM the relay and return its final counters."""
         if self.proc is None:

@@ -993,6 +993,15 @@ static void control_line(char *line)
     double dl, jt, ls;
     if (!strncmp(line, "stats", 5)) {
         emit_stats("stats");
+    } else if (!strncmp(line, "reset", 5)) {
+        /* start a new measurement window for the "did it keep up" statistics */
+        for (int i = 0; i < 2 * nlinks; i++) {
+            stats_t *st = &dirs[i].st;
+            st->max_backlog = st->max_backlog_bytes = 0;
+            st->late_max = st->rxlag_max = 0;
+            st->drop_ring = st->drop_queue = 0;
+            memset(st->hist, 0, sizeof st->hist);
+        }
     } else if (sscanf(line, "set %d %7s %lf %lf %lf", &link, which, &dl, &jt, &ls) == 5 &&
                link >= 0 && link < nlinks && (!strcmp(which, "ab") || !strcmp(which, "ba"))) {
         set_dir_params(&dirs[2 * link + (which[0] == 'b')], dl, jt, ls);
