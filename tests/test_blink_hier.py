@@ -11,34 +11,7 @@ from testbed.planners.bound import mwu_packing
 from testbed.planners.bound import optimum, pack_spanning_trees, tree_link_loads, wan_view
 from testbed.planners.hierarchical import (fs_linear_model, latency_groups, pairwise_performance,
                                            plink, psld, topoadopt, waterfill)
-
-
-def wan(edges, delay=10.0):
-    g = nx.DiGraph()
-    for e in edges:
-        u, v, r = e[:3]
-        d = e[3] if len(e) > 3 else delay
-        g.add_edge(u, v, rate_mbps=float(r), delay_ms=float(d))
-        g.add_edge(v, u, rate_mbps=float(r), delay_ms=float(d))
-    return g
-
-
-def random_wan(n, m, seed, lo=130, hi=270):
-    rng = np.random.default_rng(seed)
-    pairs = set()
-    perm = rng.permutation(n)
-    for k in range(1, n):
-        a, b = perm[k], perm[rng.integers(k)]
-        pairs.add((min(a, b), max(a, b)))
-    while len(pairs) < m:
-        a, b = rng.choice(n, 2, replace=False)
-        pairs.add((min(a, b), max(a, b)))
-    edges = []
-    for a, b in sorted(pairs):
-        r = float(rng.integers(lo // 10, hi // 10 + 1) * 10)
-        d = 50 + 350 * (1 / r - 1 / hi) / (1 / lo - 1 / hi)
-        edges.append((f"n{a}", f"n{b}", r, d))
-    return wan(edges)
+from wan_graphs import random_wan, wan
 
 
 def inputs(plan, seed=0):
