@@ -98,3 +98,15 @@ def test_bad_topology_fails_validation_clearly(tmp_path):
     res = subprocess.run(["python3", "-m", "testbed", "linkcheck", str(f)], capture_output=True, text=True)
     assert res.returncode == 2
     assert "zz" in res.stderr and "links[0]" in res.stderr
+
+
+def test_doctor_reports_what_run_will_use(netenv):
+    from testbed.emulator.capabilities import probe
+
+    caps = probe()
+    res = subprocess.run(["python3", "-m", "testbed", "doctor"], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stdout + res.stderr
+    netem_line = next(l for l in res.stdout.splitlines() if "netem (delay/loss/jitter in kernel)" in l)
+    assert netem_line.split()[0] == ("yes" if caps.netem else "NO")
+    expected = "HTB rate + netem" if caps.netem else "HTB rate + user-space delay relay"
+    assert f"link shaping used by run: {expected}" in res.stdout

@@ -1,0 +1,85 @@
+"""Dynamics and faults: validation and the scheduler's timing, against a recording fake network."""
+
+import time
+
+import pytest
+
+from testbed import config
+from testbed.emulator.dynamics import Scheduler
+from testbed.errors import ConfigError
+from testbed.topology import load_topology
+
+BASE = {"name": "t", "topology": "small-3", "scheme": {"name": "ring"}}
+
+
+class FakeNet:
+    def __init__(self, topo):
+        self.topo = topo
+        self.calls = []
+        self.t0 = time.monotonic()
+
+    def _log(self, *call):
+        self.calls.append((round(time.monotonic() - self.t0, 2), *call))
+
+    def set_rate(self, src, dst, rate):
+        self._log("rate", src, dst, rate)
+
+    def set_link(self, a, b, up):
+        self._log("link", a, b, up)
+
+    def set_host(self, dc, up):
+        self._log("host", dc, up)
+
+
+def test_inline_and_trace_dynamics_are_normalised(tmp_path):
+    trace = tmp_path / "rates.csv"
+    trace.write_text("time_s,src,dst,rate_mbps\n0.5,h1,h2,10\n1.0,h2,h1,20\n")
+    exp_file = tmp_path / "e.yaml"
+    exp = config.validate({**BASE, "dynamics": [{"at_s": 0.2, "link": ["h1", "h3"], "rate_mbps": [5, 6]},
+                                                {"trace": "rates.csv"}]}, str(exp_file))
+    got = sorted((d["at_s"], d["src"], d["dst"], d["rate_mbps"]) for d in exp["dynamics"])
+    assert got == [(0.2, "h1", "h3", 5.0), (0.2, "h3", "h1", 6.0), (0.5, "h1", "h2", 10.0), (1.0, "h2", "h1", 20.0)]
+
+
+@pytest.mark.parametrize("bad, key", [
+    ({"at_s": 1, "link": ["h1", "h9"], "rate_mbps": 5}, "dynamics[0].link[1]"),
+    ({"at_s": -1, "link": ["h1", "h2"], "rate_mbps": 5}, "dynamics[0].at_s"),
+    ({"at_s": 1, "link": ["h1", "h2"], "rate_mbps": 0}, "dynamics[0].rate_mbps"),
+    ({"redraw": {"lo": 50, "hi": 20}}, "dynamics[0].redraw.hi"),
+    ({"trace": "missing.csv"}, "dynamics[0].trace"),
+])
+def test_bad_dynamics_name_the_key(tmp_path, bad, key):
+    with pytest.raises(ConfigError) as e:
+        config.validate({**BASE, "dynamics": [bad]}, str(tmp_path / "e.yaml"))
+    assert key in str(e.value)
+
+
+def test_scheduler_applies_changes_on_time_scaled():
+    topo = load_topology("small-3")
+    net = FakeNet(topo)
+    dyn = [{"at_s": 0.1, "src": "h1", "dst": "h2", "rate_mbps": 40.0}]
+    faults = [{"at_s": 0.2, "link_down": ["h1", "h2"]}, {"at_s": 0.3, "link_up": ["h1", "h2"]},
+              {"at_s": 0.35, "crash": "h3"}]
+    s = Scheduler(net, dyn, faults, scale=0.5).start()
+    time.sleep(0.6)
+    s.stop()
+    kinds = [c[1:] for c in net.calls]
+    assert kinds == [("rate", "h1", "h2", 20.0), ("link", "h1", "h2", False), ("link", "h1", "h2", True),
+                     ("host", "h3", False)]
+    assert [c[0] for c in net.calls] == pytest.approx([0.1, 0.2, 0.3, 0.35], abs=0.05)
+    assert not s.errors
+
+
+def test_netstorm_redraw_is_seeded_and_in_range():
+    topo = load_topology("small-3")
+    runs = []
+    for _ in range(2):
+        net = FakeNet(topo)
+        s = Scheduler(net, [{"redraw": {"lo": 20, "hi": 155, "every_s": 0.1, "seed": 1}}], [], scale=2.0).start()
+        time.sleep(0.35)
+        s.stop()
+        runs.append([c[1:] for c in net.calls][:12])
+    assert runs[0] == runs[1]  # same seed, same draws
+    rates = [c[3] for c in runs[0]]
+    assert len(rates) == 12 and all(40 <= r <= 310 and r % 2 == 0 for r in rates)  # integers in [20,155], x2
+    assert {(c[1], c[2]) for c in runs[0][:6]} == {(l.a, l.b) for l in topo.links} | {(l.b, l.a) for l in topo.links}
