@@ -30,6 +30,7 @@ import socket
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -169,12 +170,18 @@ class Agent:
             wire.close_quietly(sock)
 
     def _connect_peers(self) -> None:
-        for peer, ch in self.ex.outgoing():
+        """Open every outgoing data connection at once: on long-RTT paths each handshake
+        costs several round trips, so one after another would take seconds."""
+        def connect(peer: str, ch: int) -> None:
             addr = self.job.peers[peer]
             sock = wire.connect(addr, self.secret, {"role": "data", "name": self.name, "channel": ch},
                                 retry_s=CONNECT_RETRY_S)
             self.ex.attach_outgoing(peer, ch, sock)
             log.info("connected to %s (channel %d) at %s:%d", peer, ch, *addr)
+
+        with ThreadPoolExecutor(max_workers=32) as pool:
+            for f in [pool.submit(connect, peer, ch) for peer, ch in self.ex.outgoing()]:
+                f.result()  # re-raise the first failure
 
     # -- main ------------------------------------------------------------------------
     def prepare(self, iteration: int) -> None:

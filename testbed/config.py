@@ -15,6 +15,7 @@ Format (YAML; every key but ``name``, ``topology`` and ``scheme.name`` is option
       size: 4MB                  # or  model: resnet50   (size = the model's parameters)
       dtype: float32             # float32 | float64
       iterations: 1
+      warmup: 0                  # iterations run (and checked) first, left out of CCT statistics
       compute_s: 0               # seconds per iteration: a number, {uniform: [lo, hi]},
                                  # {normal: [mean, std]}, or {per_worker: {dc: s or [s per iteration]}}
     emulator: {method: auto, relay_procs: 0, max_late_ms: 2}  # relay p99 lateness above
@@ -43,7 +44,7 @@ DEFAULTS: dict[str, Any] = {
     "scale": 1.0,
     "seed": 0,
     "repetitions": 1,
-    "workload": {"size": "1MB", "model": None, "dtype": "float32", "iterations": 1, "compute_s": 0},
+    "workload": {"size": "1MB", "model": None, "dtype": "float32", "iterations": 1, "warmup": 0, "compute_s": 0},
     "emulator": {"method": "auto", "relay_procs": 0, "max_late_ms": 2.0},
     "agents": {"timeout_s": 120.0, "stop_and_wait": False},
     "dynamics": [],
@@ -191,6 +192,7 @@ def validate(data: dict, source: str = "<experiment>") -> dict:
     w = exp["workload"]
     c.choice(w["dtype"], "workload.dtype", ("float32", "float64"))
     c.number(w["iterations"], "workload.iterations", integer=True, minimum=1)
+    c.number(w["warmup"], "workload.warmup", integer=True, minimum=0)
     if w["model"] is not None:
         c.choice(w["model"], "workload.model", sorted(workloads.MODELS))
         nbytes = workloads.model_bytes(w["model"], w["dtype"])

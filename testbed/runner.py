@@ -141,11 +141,12 @@ def run_experiment(exp: dict, out_dir: Path, progress: Callable[[str], None]) ->
                     progress(f"repetition {rep + 1}/{exp['repetitions']} of {v['label']}: "
                              f"starting {len(topo.nodes)} agents")
                     seed = exp["seed"] * 1000 + rep
-                    result = run_agents(net, plan, out_dir, iterations=w["iterations"], seed=seed, dtype=w["dtype"],
-                                        compute_s=compute_times(w["compute_s"], topo.nodes, w["iterations"], seed),
+                    n_its = w["warmup"] + w["iterations"]
+                    result = run_agents(net, plan, out_dir, iterations=n_its, seed=seed, dtype=w["dtype"],
+                                        compute_s=compute_times(w["compute_s"], topo.nodes, n_its, seed),
                                         stop_and_wait=a["stop_and_wait"], timeout_s=a["timeout_s"],
                                         progress=progress)
-                    r = _summarise_run(rep, v["label"], result)
+                    r = _summarise_run(rep, v["label"], result, w["warmup"])
                     results["runs"].append(r)
                     progress(f"repetition {rep + 1} of {v['label']}: CCT {r['cct_s']:.3f}s, correct={r['correct']}")
                     if not r["correct"]:  # results are still written; the CLI exits 1
@@ -179,10 +180,15 @@ def _comparison(variants: list[dict]) -> list[dict]:
             for v in variants]
 
 
-def _summarise_run(rep: int, label: str, result: dict) -> dict:
+def _summarise_run(rep: int, label: str, result: dict, warmup: int = 0) -> dict:
+    """One repetition: CCT = mean over the measured iterations (warm-up ones are kept in
+    the record, marked, but left out); correctness over all of them."""
     its = result["iterations"]
+    for it in its:
+        it["warmup"] = it["iteration"] < warmup
     incorrect = sorted({n for it in its for n, wk in it["workers"].items() if not wk.get("correct", True)})
-    return {"variant": label, "repetition": rep, "cct_s": stats([it["cct_s"] for it in its])["mean"],
+    return {"variant": label, "repetition": rep,
+            "cct_s": stats([it["cct_s"] for it in its if not it["warmup"]])["mean"],
             "iterations": its, "correct": all(it["correct"] for it in its) and not incorrect,
             "incorrect": incorrect, "transfers": result.get("transfers"), "links": _per_link(result.get("transfers"))}
 

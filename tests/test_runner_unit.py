@@ -47,3 +47,16 @@ def test_scale_multiplies_size_and_rates():
     assert topo.scale == 0.5
     assert max(d["rate_mbps"] for _, _, d in graph.edges(data=True)) == 40.0  # 80 * 0.5
     assert prediction["cct_s"] > 0 and bound["cct_s"] > 0 and plan.length == 125_000
+
+
+def test_warmup_iterations_are_checked_but_not_timed():
+    from testbed.runner import _summarise_run
+
+    def it(i, cct, ok=True):
+        return {"iteration": i, "cct_s": cct, "correct": ok, "workers": {"a": {"correct": ok}}}
+
+    r = _summarise_run(0, "ring", {"iterations": [it(0, 9.0), it(1, 2.0), it(2, 4.0)]}, warmup=1)
+    assert r["cct_s"] == 3.0 and r["correct"]
+    assert [i["warmup"] for i in r["iterations"]] == [True, False, False]
+    bad = _summarise_run(0, "ring", {"iterations": [it(0, 9.0, ok=False), it(1, 2.0)]}, warmup=1)
+    assert not bad["correct"] and bad["incorrect"] == ["a"]

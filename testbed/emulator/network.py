@@ -182,8 +182,11 @@ class WanNetwork:
 
     # -- configuration -------------------------------------------------------
     def _configure_hosts(self) -> None:
-        bdp = max((shaping.bdp_packets(d.spec) * shaping.MTU for d in self.directions.values()), default=0)
-        buf = max(16 << 20, 4 * bdp)
+        # socket buffers: 4x the largest bandwidth x round-trip product, so one flow can fill any link
+        bdp = max((d.spec.rate_mbps * 1e6 / 8 * (d.spec.delay_ms + self.directions[(d.dst, d.src)].spec.delay_ms
+                                                  + 6 * d.spec.jitter_ms) / 1e3
+                   for d in self.directions.values()), default=0)
+        buf = int(max(16 << 20, 4 * bdp))
         paths = shortest_paths(self.topo.graph())  # static: computed once on the full topology
         for dc, h in self.hosts.items():
             i = self.index[dc]
