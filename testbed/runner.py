@@ -155,8 +155,11 @@ def run_experiment(exp: dict, out_dir: Path, progress: Callable[[str], None]) ->
             sched.stop()
             cpu_util = cpu.stop()
             results["events"] = net.events + [{"error": e} for e in sched.errors]
-            results["emulation"] = _emulation_health(net.method, net.relay_stats(), cpu_util,
-                                                     exp["emulator"]["max_late_ms"])
+            try:
+                relay = net.relay_stats()
+            except Exception as e:  # never mask the run's own error with a reporting one
+                relay, results["events"] = [], results["events"] + [{"error": f"relay statistics: {e}"}]
+            results["emulation"] = _emulation_health(net.method, relay, cpu_util, exp["emulator"]["max_late_ms"])
     results["variants"] = []
     for v, plan, prediction, bound in planned:
         runs = [r for r in results["runs"] if r["variant"] == v["label"]]
@@ -213,7 +216,7 @@ def _per_link(transfers: dict | None) -> list[dict]:
 def _emulation_health(method: str, relay: list[dict], cpu_util: float, max_late_ms: float) -> dict:
     from testbed.emulator import relay as relay_mod
 
-    warnings = []
+    warnings = [] if relay or method != "relay" else ["no statistics from the delay relay: fidelity unknown"]
     for i, st in enumerate(relay):
         ok, why = relay_mod.kept_up(st, max_p99_late_ms=max_late_ms)
         if not ok:
