@@ -192,6 +192,7 @@ def build_parser() -> argparse.ArgumentParser:
     lc.add_argument("--seconds", type=float, default=6.0,
                     help="iperf3 measuring time per direction after its warm-up (default 6)")
     lc.add_argument("--method", choices=("auto", "netem", "relay"), default="auto", help="link shaping method")
+    lc.add_argument("--tcp-cc", default="cubic", help="TCP congestion control of the hosts (as emulator.tcp_cc)")
     lc.set_defaults(func=cmd_linkcheck)
 
     b = sub.add_parser("bench", help="benchmarks that report ratios measured in one run")

@@ -18,8 +18,10 @@ Format (YAML; every key but ``name``, ``topology`` and ``scheme.name`` is option
       warmup: 0                  # iterations run (and checked) first, left out of CCT statistics
       compute_s: 0               # seconds per iteration: a number, {uniform: [lo, hi]},
                                  # {normal: [mean, std]}, or {per_worker: {dc: s or [s per iteration]}}
-    emulator: {method: auto, relay_procs: 0, max_late_ms: 2}  # relay p99 lateness above
-                                 # which results.json says the emulation did not keep up
+    emulator: {method: auto, relay_procs: 0, max_late_ms: 2, tcp_cc: cubic}
+                                 # max_late_ms: relay p99 lateness above which results.json
+                                 # says the emulation did not keep up; tcp_cc: congestion
+                                 # control of every datacenter host (never the machine's default)
     agents: {timeout_s: 120, stop_and_wait: false}
     dynamics: []                 # live rate changes, see testbed/emulator/dynamics.py
     faults: []                   # link down/up, datacenter crash/restart
@@ -31,6 +33,7 @@ Format (YAML; every key but ``name``, ``topology`` and ``scheme.name`` is option
 from __future__ import annotations
 
 import copy
+import re
 from pathlib import Path
 from typing import Any
 
@@ -45,7 +48,7 @@ DEFAULTS: dict[str, Any] = {
     "seed": 0,
     "repetitions": 1,
     "workload": {"size": "1MB", "model": None, "dtype": "float32", "iterations": 1, "warmup": 0, "compute_s": 0},
-    "emulator": {"method": "auto", "relay_procs": 0, "max_late_ms": 2.0},
+    "emulator": {"method": "auto", "relay_procs": 0, "max_late_ms": 2.0, "tcp_cc": "cubic"},
     "agents": {"timeout_s": 120.0, "stop_and_wait": False},
     "dynamics": [],
     "faults": [],
@@ -212,6 +215,8 @@ def validate(data: dict, source: str = "<experiment>") -> dict:
     c.choice(e["method"], "emulator.method", ("auto", "netem", "relay"))
     c.number(e["relay_procs"], "emulator.relay_procs", integer=True, minimum=0)
     c.number(e["max_late_ms"], "emulator.max_late_ms", positive=True)
+    if not (isinstance(e["tcp_cc"], str) and re.fullmatch(r"[a-z0-9_]+", e["tcp_cc"])):
+        c.fail("emulator.tcp_cc", f"expected a TCP congestion control name such as cubic or bbr, got {e['tcp_cc']!r}")
     a = exp["agents"]
     c.number(a["timeout_s"], "agents.timeout_s", positive=True)
     if not isinstance(a["stop_and_wait"], bool):

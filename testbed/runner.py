@@ -129,7 +129,7 @@ def run_experiment(exp: dict, out_dir: Path, progress: Callable[[str], None]) ->
     caps = probe()
     results: dict = {"experiment": exp, "environment": environment(caps), "runs": []}
     with WanNetwork(topo, method=exp["emulator"]["method"], relay_procs=exp["emulator"]["relay_procs"],
-                    seed=exp["seed"], log=progress, caps=caps) as net:
+                    seed=exp["seed"], log=progress, caps=caps, tcp_cc=exp["emulator"]["tcp_cc"]) as net:
         results["links"] = net.link_report()
         results["environment"]["host_sysctls"] = net.host_sysctls
         sched = Scheduler(net, exp["dynamics"], exp["faults"], scale=exp["scale"], log=progress).start()

@@ -36,6 +36,7 @@ BROKEN = {
     "unknown_topology": (GOOD.replace("small-3", "no-such-topology"), "no-such-topology"),
     "dynamics_bad_link": (GOOD + "dynamics: [{at_s: 1, link: [h1, h7], rate_mbps: 5}]\n", "dynamics[0].link"),
     "fault_bad_kind": (GOOD + "faults: [{at_s: 1, explode: h1}]\n", "faults[0]"),
+    "bad_tcp_cc": (GOOD + "emulator: {tcp_cc: 'fast please'}\n", "emulator.tcp_cc"),
 }
 
 

@@ -58,6 +58,29 @@ def test_rate_change_is_visible_within_one_second(netenv):
     assert events and events[0]["event"] == "rate" and events[0]["rate_mbps"] == 10
 
 
+def test_hosts_use_the_configured_congestion_control_and_byte_queues(netenv):
+    """Never the machine's default congestion control; the relay-mode queue is a byte limit
+    of queue_pkts full frames (GSO super-frames would make a packet limit meaningless)."""
+    topo = load_topology({"name": "two", "datacenters": ["a", "b"],
+                          "links": [{"between": ["a", "b"], "rate_mbps": 50, "delay_ms": 5, "queue_pkts": 40}]})
+    with WanNetwork(topo, tcp_cc="reno") as net:
+        out = net.host("a").cmd("sysctl -n net.ipv4.tcp_congestion_control").strip()
+        assert out == "reno"
+        assert net.host_sysctls["net.ipv4.tcp_congestion_control"] == "reno"
+        qdiscs = net.host("a").cmd(f"tc qdisc show dev {net.directions[('a', 'b')].intf}")
+        if net.method == "relay":
+            leaf = next(l for l in qdiscs.splitlines() if "parent 1:10 " in l)
+            assert leaf.startswith("qdisc bfifo 10:") and leaf.endswith(f"limit {40 * 1514}b"), leaf
+
+
+def test_unavailable_congestion_control_is_a_clear_error(netenv):
+    from testbed.errors import RunError
+
+    with pytest.raises(RunError, match="'no_such_cc' is not available"):
+        with WanNetwork(_two(), tcp_cc="no_such_cc"):
+            pass
+
+
 def _ping_ok(net, src, dst) -> bool:
     p = net.popen(src, ["ping", "-n", "-q", "-c", "3", "-i", "0.2", "-W", "1", net.peer_address(src, dst)],
                   stdout=subprocess.PIPE, text=True)

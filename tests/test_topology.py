@@ -159,8 +159,10 @@ def test_scaled():
     assert s.scale == 0.5 and t.scale == 1.0
     for a, b in zip(dirs(t), dirs(s)):
         assert b.rate_mbps == pytest.approx(a.rate_mbps * 0.5)
-        assert (b.delay_ms, b.loss, b.queue_pkts) == (a.delay_ms, a.loss, a.queue_pkts)
+        assert (b.delay_ms, b.loss) == (a.delay_ms, a.loss)
+        assert b.queue_pkts == round(a.queue_pkts * 0.5)  # same queueing delay
     assert s.scaled(4).scale == 2.0
+    assert {d.queue_pkts for d in dirs(t.scaled(0.001))} == {16}  # a floor, never 0
     with pytest.raises(ConfigError, match="scale"):
         t.scaled(0)
 

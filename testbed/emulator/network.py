@@ -25,6 +25,7 @@ import subprocess
 import time
 from dataclasses import dataclass, field
 from typing import Callable
+from pathlib import Path
 
 from testbed.emulator import shaping
 from testbed.emulator.capabilities import Capabilities, probe
@@ -81,6 +82,7 @@ class WanNetwork:
     log: Callable[[str], None] = lambda msg: None
     caps: Capabilities | None = None
     icmp_priority: bool = False  # linkcheck only: see shaping.shape_commands
+    tcp_cc: str = "cubic"  # TCP congestion control of every datacenter host
     directions: dict[tuple[str, str], Direction] = field(default_factory=dict)
 
     def __post_init__(self):
@@ -123,6 +125,7 @@ class WanNetwork:
         if subprocess.run(["ip", "link", "show", CONTROL_BRIDGE], capture_output=True).returncode == 0:
             raise RunError(f"interface {CONTROL_BRIDGE} exists: another run is active, or a crashed run left "
                            "its network behind (remove it with: python3 -m testbed clean)")
+        self._allow_tcp_cc()
         setLogLevel("error")
         self._owns_bridge = True  # from here on, stop() removes what this run made
         self.log(f"building {len(self.topo.nodes)} datacenters, {len(self.topo.links)} links "
@@ -181,6 +184,21 @@ class WanNetwork:
             self._owns_bridge = False
 
     # -- configuration -------------------------------------------------------
+    def _allow_tcp_cc(self) -> None:
+        """A network namespace may only pick a congestion control that the machine lists in
+        net.ipv4.tcp_allowed_congestion_control: add ``tcp_cc`` there if it is missing
+        (this only permits it; the machine's own default is unchanged)."""
+        proc = Path("/proc/sys/net/ipv4")
+        available = (proc / "tcp_available_congestion_control").read_text().split()
+        if self.tcp_cc not in available:
+            raise RunError(f"TCP congestion control {self.tcp_cc!r} is not available in this kernel "
+                           f"(available: {', '.join(available)})")
+        allowed = (proc / "tcp_allowed_congestion_control").read_text().split()
+        if self.tcp_cc not in allowed:
+            self.log(f"allowing TCP congestion control {self.tcp_cc} in namespaces "
+                     "(net.ipv4.tcp_allowed_congestion_control)")
+            (proc / "tcp_allowed_congestion_control").write_text(" ".join([*allowed, self.tcp_cc]))
+
     def _configure_hosts(self) -> None:
         # socket buffers: 4x the largest bandwidth x round-trip product, so one flow can fill any link
         bdp = max((d.spec.rate_mbps * 1e6 / 8 * (d.spec.delay_ms + self.directions[(d.dst, d.src)].spec.delay_ms
@@ -196,7 +214,10 @@ class WanNetwork:
                        "net.ipv4.tcp_no_metrics_save": 1,
                        # long-lived agent connections idle between chunks and iterations; WAN
                        # deployments keep their window instead of restarting slow start
-                       "net.ipv4.tcp_slow_start_after_idle": 0}
+                       "net.ipv4.tcp_slow_start_after_idle": 0,
+                       # explicit, never the machine's default (BBR's ProbeRTT alone costs ~3-10 %
+                       # of a long link's rate every 10 s; cubic is Linux's default elsewhere)
+                       "net.ipv4.tcp_congestion_control": self.tcp_cc}
             _exec(h, ["sysctl", "-q", "-w", *(f"{k}={v}" for k, v in sysctls.items())])
             self.host_sysctls = sysctls
             cmds = ["link set lo up", f"addr add {node_ip(i)}/32 dev lo",

@@ -4,7 +4,9 @@ Rate is an HTB class (so it can be changed live with ``tc class change``); under
 
 * method ``netem``: a netem qdisc for delay, jitter and loss.  Its ``limit`` holds the
   sender queue plus every packet in flight on the emulated wire (bandwidth-delay product).
-* method ``relay``: a pfifo queue; delay, jitter and loss are added afterwards by the
+* method ``relay``: a byte-limited FIFO (``queue_pkts`` full-size frames; offloads stay
+  on in this mode, so one queued skb may be a 64 KB GSO super-frame and a packet count
+  would be no limit at all); delay, jitter and loss are added afterwards by the
   user-space relay in the middle of the link (see ``relay/``).
 
 Either way the queue a TCP sender fills is the HTB leaf at its own host, as it would be
@@ -37,7 +39,7 @@ def bdp_packets(d: LinkDir) -> int:
 
 def _leaf(d: LinkDir, method: str) -> list[str]:
     if method == "relay":
-        return ["pfifo", "limit", str(d.queue_pkts)]
+        return ["bfifo", "limit", str(d.queue_pkts * (MTU + 14))]
     if method != "netem":
         raise ValueError(f"unknown shaping method {method!r}")
     leaf = ["netem", "limit", str(d.queue_pkts + bdp_packets(d))]
