@@ -24,8 +24,8 @@ import signal
 import subprocess
 import time
 from dataclasses import dataclass, field
-from typing import Callable
 from pathlib import Path
+from typing import Callable
 
 from testbed.emulator import shaping
 from testbed.emulator.capabilities import Capabilities, probe
