@@ -63,8 +63,9 @@ from .errors import ConfigError
 
 TOPOLOGY_DIR = Path(__file__).resolve().parent.parent / "topologies"
 
+#: Fewest packets a queue keeps when ``Topology.scaled`` shrinks it (a few TSO bursts).
+MIN_SCALED_QUEUE = 16
 #: Per-direction link fields, in canonical order.
-MIN_SCALED_QUEUE = 16  # packets: a scaled-down queue still absorbs a few TSO bursts
 LINK_FIELDS = ("rate_mbps", "delay_ms", "jitter_ms", "loss", "queue_pkts")
 #: Keys allowed at the top level of a topology file.
 TOP_LEVEL_KEYS = ("name", "source", "scale", "defaults", "datacenters", "links", "generator")
