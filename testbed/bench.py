@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 from testbed.results import environment, new_run_dir, write_json_atomic
-from testbed.runner import Progress, run_agents
+from testbed.runner import EmulatedHosts, Progress, run_agents
 
 
 def _topology(links, name):
@@ -45,7 +45,7 @@ def bench_dataplane(out: Path, progress, size_mb: float = 48.0, rate: float = 10
         srv.wait(timeout=10)
         iperf_mbps = json.loads(out_c)["end"]["sum_received"]["bits_per_second"] / 1e6
         progress(f"agents: the same {size_mb:g} MB as one transfer")
-        res = run_agents(net, plan, out / "dataplane", progress=progress, timeout_s=600)
+        res = run_agents(EmulatedHosts(net), plan, out / "dataplane", progress=progress, timeout_s=600)
         tr = res["transfers"]
         col = {c: i for i, c in enumerate(tr["columns"])}
         row = tr["rows"][0]

@@ -33,6 +33,23 @@ def cmd_run(args) -> int:
              f"{exp['repetitions']} repetition(s); results -> {out}")
     results = run_experiment(exp, out, progress)
     write_json_atomic(out / "results.json", results)
+    return _report(results, out)
+
+
+def cmd_deploy(args) -> int:
+    from testbed import config
+    from testbed.deploy import deploy
+    from testbed.runner import Progress
+
+    exp = config.load_experiment(args.experiment, args.overrides)
+    progress = Progress(quiet=args.quiet)
+    progress(f"experiment {exp['name']!r}: scheme {exp['scheme']['name']} on the real hosts of {args.hosts}")
+    results, out = deploy(exp, args.hosts, Path(args.out) if args.out else None, progress)
+    return _report(results, out)
+
+
+def _report(results: dict, out: Path) -> int:
+    """Print the summary table and where results.json is; 1 if any result was wrong."""
     _print_summary(results)
     print(f"results: {out / 'results.json'}")
     if not results["summary"]["correct"]:
@@ -164,6 +181,17 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--out", help="output folder (default: a new timestamped folder under output.dir, i.e. results/)")
     r.add_argument("--quiet", action="store_true", help="no progress lines")
     r.set_defaults(func=cmd_run)
+
+    dp = sub.add_parser("deploy", help="run an experiment's schemes with the same agents on real hosts over SSH",
+                        description="Plan as `run` does, start one agent per datacenter on its real host over "
+                                    "ssh, run, check, write DIR/results.json. Nothing is shaped: the topology "
+                                    "describes the real WAN. Hosts file format: README, 'Real hosts'.")
+    _experiment_args(dp)
+    dp.add_argument("--hosts", required=True, metavar="HOSTS.yaml",
+                    help="coordinator address and, per datacenter, ssh destination and data address")
+    dp.add_argument("--out", help="output folder (default: a new timestamped folder under output.dir)")
+    dp.add_argument("--quiet", action="store_true", help="no progress lines")
+    dp.set_defaults(func=cmd_deploy)
 
     v = sub.add_parser("validate", help="check an experiment (and its topology) without running anything")
     _experiment_args(v)

@@ -100,14 +100,15 @@ class _Checker:
         return value
 
 
-def load_yaml(path: str | Path) -> dict:
+def load_yaml(path: str | Path, what: str = "experiment") -> dict:
+    """A YAML mapping from ``path`` (or ``experiments/NAME.yaml``); ConfigError otherwise."""
     p = Path(path)
     if not p.exists() and not p.suffix and (EXPERIMENT_DIR / f"{p}.yaml").exists():
         p = EXPERIMENT_DIR / f"{p}.yaml"
     try:
         text = p.read_text()
     except OSError as e:
-        raise ConfigError(f"cannot read experiment file: {e.strerror}", source=str(path)) from None
+        raise ConfigError(f"cannot read {what} file: {e.strerror}", source=str(path)) from None
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as e:
@@ -115,7 +116,7 @@ def load_yaml(path: str | Path) -> dict:
         where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
         raise ConfigError(f"invalid YAML: {where}{getattr(e, 'problem', None) or e}", source=str(path)) from None
     if not isinstance(data, dict):
-        raise ConfigError("the experiment must be a YAML mapping", source=str(path))
+        raise ConfigError(f"the {what} file must be a YAML mapping", source=str(path))
     return data
 
 

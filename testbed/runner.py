@@ -28,10 +28,11 @@ class Progress:
 
 
 def compute_times(spec, nodes: list[str], iterations: int, seed: int) -> dict[str, list[float]]:
-    """Per-worker compute seconds per iteration from the ``workload.compute_s`` spec."""
-    rng = random.Random(seed)
+    """Per-worker compute seconds per iteration from the ``workload.compute_s`` spec; each
+    worker draws from its own seeded generator, so the order of ``nodes`` does not matter."""
     out: dict[str, list[float]] = {}
     for n in nodes:
+        rng = random.Random(f"{seed}:{n}")
         if isinstance(spec, (int, float)):
             out[n] = [float(spec)] * iterations
         elif "per_worker" in spec:  # a number per worker, or a per-iteration trace (cycled)
@@ -64,68 +65,138 @@ def build_plan(exp: dict, scheme: dict | None = None):
     validate_connected(topo, source=exp["name"], key="topology")
     graph = topo.graph()
     params = {k: v for k, v in scheme.items() if k != "name"}
-    elem_bytes = 4 if exp["workload"]["dtype"] == "float32" else 8
     t = time.perf_counter()
-    plan = make_plan(scheme["name"], graph, exp["workload"]["length"], params, elem_bytes=elem_bytes)
+    plan = make_plan(scheme["name"], graph, exp["workload"]["length"], params, elem_bytes=elem_bytes(exp))
     plan.meta.setdefault("planner_s", time.perf_counter() - t)
     plan.validate()
-    prediction = costmodel.predict(plan, graph, elem_bytes=elem_bytes,
+    prediction = costmodel.predict(plan, graph, elem_bytes=elem_bytes(exp),
                                    stop_and_wait=exp["agents"]["stop_and_wait"])
     bound = optimum(graph, exp["workload"]["bytes"])
     return topo, graph, plan, prediction, bound
 
 
-def run_agents(net, plan, out_dir: Path, *, iterations: int = 1, seed: int = 0, dtype: str = "float32",
+class EmulatedHosts:
+    """Where :func:`run_agents` puts agents in the emulator: one process per datacenter in
+    its Mininet host; the coordinator listens on the control network (root namespace).
+    :class:`testbed.deploy.SshHosts` is the same interface for real hosts over SSH."""
+
+    def __init__(self, net):
+        from testbed.emulator.network import CONTROL_IP
+
+        self.net, self._procs = net, {}
+        self.coordinator_host = CONTROL_IP  # agents connect here; the coordinator binds it, any port
+        self.coordinator_bind = (CONTROL_IP, 0)
+
+    def addresses(self) -> dict:
+        return self.net.address_map()
+
+    def start_agent(self, dc: str, cfg: dict, out_dir: Path, secret_file: Path) -> None:
+        path = out_dir / "agents" / f"{dc}.json"
+        path.parent.mkdir(exist_ok=True)
+        write_json_atomic(path, {**cfg, "data_port": DATA_PORT, "bind": "0.0.0.0",
+                                 "secret_file": str(secret_file.resolve()),
+                                 "log_file": str((out_dir / "agents" / f"{dc}.log").resolve())})
+        self._procs[dc] = self.net.popen(dc, [sys.executable, "-m", "agents.agent", "--config", str(path.resolve())],
+                                         cwd=str(REPO), env=dict(os.environ, PYTHONPATH=str(REPO)))
+
+    def health(self) -> str | None:
+        """Why a run cannot go on (an agent process exited), or None."""
+        for dc, p in self._procs.items():
+            if p.poll() is not None:
+                return f"{dc}: agent process exited with code {p.returncode} (log: agents/{dc}.log)"
+        return None
+
+    def stop_agents(self) -> None:
+        self.net.stop_processes()
+        self._procs.clear()
+
+
+def run_agents(hosts, plan, out_dir: Path, *, iterations: int = 1, seed: int = 0, dtype: str = "float32",
                compute_s: dict | None = None, stop_and_wait: bool = False, timeout_s: float = 120.0,
                progress: Callable[[str], None] = lambda m: None) -> dict:
-    """Start a coordinator (root namespace, control network) and one agent per datacenter
-    of ``net``, run ``plan`` ``iterations`` times, and return the coordinator's results.
-    Agents are stopped (killed if need be) before returning, also on error."""
+    """Start a coordinator here and one agent per datacenter on ``hosts`` (an
+    :class:`EmulatedHosts` or :class:`testbed.deploy.SshHosts`), run ``plan``
+    ``iterations`` times, and return the coordinator's results.  Agents are stopped
+    (killed if need be) before returning, also on error."""
     from agents.coordinator import Coordinator
-    from testbed.emulator.network import CONTROL_IP
 
     out_dir.mkdir(parents=True, exist_ok=True)
     secret_file = out_dir / "secret"
     if not secret_file.exists():
         secret_file.touch(mode=0o600)
         secret_file.write_text(secrets.token_hex(32))
-    coord = Coordinator(plan, addresses=net.address_map(), data_port=DATA_PORT, secret=secret_file.read_text(),
+    coord = Coordinator(plan, addresses=hosts.addresses(), data_port=None, secret=secret_file.read_text(),
                         iterations=iterations, seed=seed, dtype=dtype, compute_s=compute_s,
-                        stop_and_wait=stop_and_wait, timeout_s=timeout_s, bind=(CONTROL_IP, 0), progress=progress)
+                        stop_and_wait=stop_and_wait, timeout_s=timeout_s, bind=hosts.coordinator_bind,
+                        progress=progress, health=hosts.health)
     coord.start()
-    env = dict(os.environ, PYTHONPATH=str(REPO))
     try:
         for dc in plan.nodes:
-            cfg = out_dir / "agents" / f"{dc}.json"
-            cfg.parent.mkdir(exist_ok=True)
-            write_json_atomic(cfg, {"name": dc, "coordinator": f"{coord.address[0]}:{coord.address[1]}",
-                                    "data_port": DATA_PORT, "bind": "0.0.0.0",
-                                    "secret_file": str(secret_file.resolve()),
-                                    "log_file": str((out_dir / "agents" / f"{dc}.log").resolve())})
-            net.popen(dc, [sys.executable, "-m", "agents.agent", "--config", str(cfg.resolve())],
-                      cwd=str(REPO), env=env)
+            hosts.start_agent(dc, {"name": dc, "coordinator": f"{hosts.coordinator_host}:{coord.address[1]}"},
+                              out_dir, secret_file)
         return coord.run()
     finally:
         coord.close()
-        net.stop_processes()
+        hosts.stop_agents()
 
 
-def run_experiment(exp: dict, out_dir: Path, progress: Callable[[str], None]) -> dict:
-    """Plan every variant, build the WAN once, run every variant ``repetitions`` times on it
-    (interleaved, so slow drifts hit all variants alike), tear down, return results."""
-    from testbed.emulator.capabilities import probe
-    from testbed.emulator.dynamics import Scheduler
-    from testbed.emulator.network import WanNetwork
-
+def run_variants(exp: dict, planned: list, hosts, out_dir: Path, progress: Callable[[str], None]) -> list[dict]:
+    """Run every planned variant ``repetitions`` times on ``hosts``, interleaved (so slow
+    drifts hit all variants alike); one summarised record per run."""
     w, a = exp["workload"], exp["agents"]
-    elem_bytes = 4 if w["dtype"] == "float32" else 8
-    planned = []
+    runs = []
+    for rep in range(exp["repetitions"]):
+        for v, plan, _, _ in planned:
+            progress(f"repetition {rep + 1}/{exp['repetitions']} of {v['label']}: starting {len(plan.nodes)} agents")
+            seed = exp["seed"] * 1000 + rep
+            n_its = w["warmup"] + w["iterations"]
+            result = run_agents(hosts, plan, out_dir, iterations=n_its, seed=seed, dtype=w["dtype"],
+                                compute_s=compute_times(w["compute_s"], plan.nodes, n_its, seed),
+                                stop_and_wait=a["stop_and_wait"], timeout_s=a["timeout_s"], progress=progress)
+            r = _summarise_run(rep, v["label"], result, w["warmup"])
+            runs.append(r)
+            progress(f"repetition {rep + 1} of {v['label']}: CCT {r['cct_s']:.3f}s, correct={r['correct']}")
+            if not r["correct"]:  # results are still written; the CLI exits 1
+                progress(f"WRONG RESULT at {', '.join(r['incorrect']) or 'some workers (digests differ)'}")
+    return runs
+
+
+def plan_variants(exp: dict, progress: Callable[[str], None]) -> tuple:
+    """(scaled topology, [(variant, plan, prediction, bound)]) for every scheme of ``exp``."""
+    w, planned, topo = exp["workload"], [], None
     for v in variants(exp):
         progress(f"planning {v['label']} ({v['scheme']['name']}) for {w['bytes'] / 1e6:.3g} MB")
         topo, graph, plan, prediction, bound = build_plan(exp, v["scheme"])
         progress(f"  {sum(len(p) for p in plan.programs.values())} ops; predicted CCT {prediction['cct_s']:.3f}s, "
                  f"bound {bound['cct_s']:.3f}s")
         planned.append((v, plan, prediction, bound))
+    return topo, planned
+
+
+def add_summaries(results: dict, planned: list, exp: dict) -> dict:
+    """Fill ``results["variants"]`` and ``results["summary"]`` from ``results["runs"]``."""
+    results["variants"] = []
+    for v, plan, prediction, bound in planned:
+        runs = [r for r in results["runs"] if r["variant"] == v["label"]]
+        results["variants"].append({
+            "label": v["label"], "scheme": v["scheme"], "summary": _summary(runs, prediction, bound),
+            "plan": {"scheme": plan.scheme, "ops": sum(len(p) for p in plan.programs.values()),
+                     "bytes_sent": plan.bytes_sent(elem_bytes(exp)), "meta": plan.meta},
+            "prediction": prediction, "bound": bound})
+    main = results["variants"][0]["summary"]
+    results["summary"] = {**main, "correct": all(r["correct"] for r in results["runs"]) and bool(results["runs"]),
+                          "comparison": _comparison(results["variants"])}
+    return results
+
+
+def run_experiment(exp: dict, out_dir: Path, progress: Callable[[str], None]) -> dict:
+    """Plan every variant, build the WAN once, run every variant ``repetitions`` times on it,
+    tear down, return results."""
+    from testbed.emulator.capabilities import probe
+    from testbed.emulator.dynamics import Scheduler
+    from testbed.emulator.network import WanNetwork
+
+    topo, planned = plan_variants(exp, progress)
     caps = probe()
     results: dict = {"experiment": exp, "environment": environment(caps), "runs": []}
     with WanNetwork(topo, method=exp["emulator"]["method"], relay_procs=exp["emulator"]["relay_procs"],
@@ -136,21 +207,7 @@ def run_experiment(exp: dict, out_dir: Path, progress: Callable[[str], None]) ->
         net.reset_relay_window()  # judge the emulator on the measured phase only
         cpu = CpuMeter().start()
         try:
-            for rep in range(exp["repetitions"]):
-                for v, plan, _, _ in planned:
-                    progress(f"repetition {rep + 1}/{exp['repetitions']} of {v['label']}: "
-                             f"starting {len(topo.nodes)} agents")
-                    seed = exp["seed"] * 1000 + rep
-                    n_its = w["warmup"] + w["iterations"]
-                    result = run_agents(net, plan, out_dir, iterations=n_its, seed=seed, dtype=w["dtype"],
-                                        compute_s=compute_times(w["compute_s"], topo.nodes, n_its, seed),
-                                        stop_and_wait=a["stop_and_wait"], timeout_s=a["timeout_s"],
-                                        progress=progress)
-                    r = _summarise_run(rep, v["label"], result, w["warmup"])
-                    results["runs"].append(r)
-                    progress(f"repetition {rep + 1} of {v['label']}: CCT {r['cct_s']:.3f}s, correct={r['correct']}")
-                    if not r["correct"]:  # results are still written; the CLI exits 1
-                        progress(f"WRONG RESULT at {', '.join(r['incorrect']) or 'some workers (digests differ)'}")
+            results["runs"] = run_variants(exp, planned, EmulatedHosts(net), out_dir, progress)
         finally:
             sched.stop()
             cpu_util = cpu.stop()
@@ -160,18 +217,11 @@ def run_experiment(exp: dict, out_dir: Path, progress: Callable[[str], None]) ->
             except Exception as e:  # never mask the run's own error with a reporting one
                 relay, results["events"] = [], results["events"] + [{"error": f"relay statistics: {e}"}]
             results["emulation"] = _emulation_health(net.method, relay, cpu_util, exp["emulator"]["max_late_ms"])
-    results["variants"] = []
-    for v, plan, prediction, bound in planned:
-        runs = [r for r in results["runs"] if r["variant"] == v["label"]]
-        results["variants"].append({
-            "label": v["label"], "scheme": v["scheme"], "summary": _summary(runs, prediction, bound),
-            "plan": {"scheme": plan.scheme, "ops": sum(len(p) for p in plan.programs.values()),
-                     "bytes_sent": plan.bytes_sent(elem_bytes), "meta": plan.meta},
-            "prediction": prediction, "bound": bound})
-    main = results["variants"][0]["summary"]
-    results["summary"] = {**main, "correct": all(r["correct"] for r in results["runs"]) and bool(results["runs"]),
-                          "comparison": _comparison(results["variants"])}
-    return results
+    return add_summaries(results, planned, exp)
+
+
+def elem_bytes(exp: dict) -> int:
+    return 4 if exp["workload"]["dtype"] == "float32" else 8
 
 
 def _comparison(variants: list[dict]) -> list[dict]:

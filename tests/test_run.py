@@ -13,7 +13,7 @@ from testbed import config
 from testbed.emulator.cleanup import leftovers
 from testbed.emulator.network import WanNetwork
 from testbed.planners import make_plan
-from testbed.runner import run_agents
+from testbed.runner import EmulatedHosts, run_agents
 from testbed.topology import load_topology
 
 pytestmark = pytest.mark.net
@@ -53,7 +53,7 @@ def test_every_scheme_gives_exact_results_on_a_real_network(netenv, tmp_path):
         for name in names:
             plan = make_plan(name, graph, 50_000)
             plan.validate()
-            res = run_agents(net, plan, tmp_path / name, timeout_s=60)
+            res = run_agents(EmulatedHosts(net), plan, tmp_path / name, timeout_s=60)
             assert all(it["correct"] for it in res["iterations"]), name
             assert res["iterations"][0]["cct_s"] > 0
 
@@ -66,7 +66,7 @@ def test_multitree_on_mesh(netenv, tmp_path):
     topo = load_topology("mesh-2x2")
     with WanNetwork(topo) as net:
         plan = make_plan("multitree", topo.graph(), 40_000)
-        res = run_agents(net, plan, tmp_path, timeout_s=60)
+        res = run_agents(EmulatedHosts(net), plan, tmp_path, timeout_s=60)
     assert all(it["correct"] for it in res["iterations"])
 
 

@@ -17,6 +17,7 @@ def test_compute_times_kinds():
     u = compute_times({"uniform": [1, 2]}, nodes, 50, 7)
     assert all(1 <= x <= 2 for v in u.values() for x in v)
     assert u == compute_times({"uniform": [1, 2]}, nodes, 50, 7)  # seeded
+    assert u == compute_times({"uniform": [1, 2]}, nodes[::-1], 50, 7)  # whatever the plan's node order
     n = compute_times({"normal": [0.1, 1.0]}, nodes, 50, 7)
     assert min(x for v in n.values() for x in v) >= 0.0  # clipped at zero
 
