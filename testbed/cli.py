@@ -12,6 +12,7 @@ import signal
 import sys
 from pathlib import Path
 
+from testbed.emulator import DEFAULT_TCP_CC
 from testbed.errors import ConfigError, TestbedError
 
 
@@ -220,7 +221,8 @@ def build_parser() -> argparse.ArgumentParser:
     lc.add_argument("--seconds", type=float, default=6.0,
                     help="iperf3 measuring time per direction after its warm-up (default 6)")
     lc.add_argument("--method", choices=("auto", "netem", "relay"), default="auto", help="link shaping method")
-    lc.add_argument("--tcp-cc", default="cubic", help="TCP congestion control of the hosts (as emulator.tcp_cc)")
+    lc.add_argument("--tcp-cc", default=DEFAULT_TCP_CC,
+                    help=f"TCP congestion control of the hosts (as emulator.tcp_cc; default {DEFAULT_TCP_CC})")
     lc.set_defaults(func=cmd_linkcheck)
 
     b = sub.add_parser("bench", help="benchmarks that report ratios measured in one run")

@@ -39,6 +39,7 @@ from typing import Any
 
 import yaml
 
+from testbed.emulator import DEFAULT_TCP_CC
 from testbed.errors import ConfigError
 
 EXPERIMENT_DIR = Path(__file__).resolve().parent.parent / "experiments"
@@ -48,7 +49,7 @@ DEFAULTS: dict[str, Any] = {
     "seed": 0,
     "repetitions": 1,
     "workload": {"size": "1MB", "model": None, "dtype": "float32", "iterations": 1, "warmup": 0, "compute_s": 0},
-    "emulator": {"method": "auto", "relay_procs": 0, "max_late_ms": 2.0, "tcp_cc": "cubic"},
+    "emulator": {"method": "auto", "relay_procs": 0, "max_late_ms": 2.0, "tcp_cc": DEFAULT_TCP_CC},
     "agents": {"timeout_s": 120.0, "stop_and_wait": False},
     "dynamics": [],
     "faults": [],

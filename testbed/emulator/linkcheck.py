@@ -21,6 +21,7 @@ import subprocess
 import time
 from pathlib import Path
 
+from testbed.emulator import DEFAULT_TCP_CC
 from testbed.results import CpuMeter, environment, new_run_dir, write_json_atomic
 
 RATE_OK = (0.93, 1.02)
@@ -101,7 +102,7 @@ def _measure(net, directions, seconds: float, phase: str) -> list[dict]:
 
 
 def run_linkcheck(topo, *, seconds: float = 6.0, phases=("single", "concurrent"), method: str = "auto",
-                  max_late_ms: float = 2.0, tcp_cc: str = "cubic", progress=print) -> dict:
+                  max_late_ms: float = 2.0, tcp_cc: str = DEFAULT_TCP_CC, progress=print) -> dict:
     from testbed.emulator.network import WanNetwork
 
     result: dict = {"topology": topo.name, "scale": topo.scale, "tcp_cc": tcp_cc, "directions": []}

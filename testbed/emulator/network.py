@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from testbed.emulator import shaping
+from testbed.emulator import DEFAULT_TCP_CC, shaping
 from testbed.emulator.capabilities import Capabilities, probe
 from testbed.errors import RunError
 from testbed.routing import shortest_paths
@@ -82,7 +82,7 @@ class WanNetwork:
     log: Callable[[str], None] = lambda msg: None
     caps: Capabilities | None = None
     icmp_priority: bool = False  # linkcheck only: see shaping.shape_commands
-    tcp_cc: str = "cubic"  # TCP congestion control of every datacenter host
+    tcp_cc: str = DEFAULT_TCP_CC  # TCP congestion control of every datacenter host
     directions: dict[tuple[str, str], Direction] = field(default_factory=dict)
 
     def __post_init__(self):
