@@ -79,6 +79,12 @@ def cmd_validate(args) -> int:
     print(f"{args.experiment}: ok — scheme {exp['scheme']['name']}, topology {t['name']} "
           f"({len(t['datacenters'])} datacenters, {len(t['links'])} links), "
           f"{exp['workload']['bytes']} bytes, {exp['repetitions']} repetition(s)")
+    if args.hosts:
+        from testbed.deploy import check_deployable
+
+        hf = check_deployable(exp, args.hosts)
+        print(f"{args.hosts}: ok — {len(hf.hosts)} hosts, coordinator {hf.coordinator[0]}:{hf.coordinator[1]} "
+              f"(no connection tried)")
     return 0
 
 
@@ -196,6 +202,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     v = sub.add_parser("validate", help="check an experiment (and its topology) without running anything")
     _experiment_args(v)
+    v.add_argument("--hosts", metavar="HOSTS.yaml", help="also check a `deploy` hosts file against the topology")
     v.set_defaults(func=cmd_validate)
 
     pl = sub.add_parser("plan", help="print the plan (trees, roots, rates, shares, chunks) and the bound; no network")

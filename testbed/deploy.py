@@ -231,14 +231,21 @@ class SshHosts:
         self._procs.clear()
 
 
-def deploy(exp: dict, hosts_path: str | Path, out_dir: Path | None, progress: Callable[[str], None]) -> tuple:
-    """Run every scheme of ``exp`` on the real hosts of ``hosts_path``; (results, out_dir)."""
+def check_deployable(exp: dict, hosts_path: str | Path) -> HostsFile:
+    """The checked hosts file for ``exp``; ConfigError if either cannot be deployed."""
+    from testbed.topology import load_topology
+
     for key in ("dynamics", "faults"):
         if exp[key]:
             raise ConfigError("emulator-only: real hosts cannot be reshaped; remove it to deploy",
                               source=exp["name"], key=key)
-    topo, planned = plan_variants(exp, progress)
-    hosts_file = load_hosts(hosts_path, topo.nodes)
+    return load_hosts(hosts_path, load_topology(exp["topology"]).nodes)
+
+
+def deploy(exp: dict, hosts_path: str | Path, out_dir: Path | None, progress: Callable[[str], None]) -> tuple:
+    """Run every scheme of ``exp`` on the real hosts of ``hosts_path``; (results, out_dir)."""
+    hosts_file = check_deployable(exp, hosts_path)
+    _, planned = plan_variants(exp, progress)
     out_dir = out_dir or new_run_dir(exp["output"]["dir"], f"{exp['name']}-deploy")
     results: dict = {"experiment": exp, "environment": environment(), "runs": []}
     with SshHosts(hosts_file, log=progress) as hosts:

@@ -89,6 +89,6 @@ def test_every_shipped_experiment_validates():
 
 
 def test_help_on_every_verb():
-    for verb in ("run", "validate", "plan", "doctor", "clean", "linkcheck", "bench"):
+    for verb in ("run", "deploy", "validate", "plan", "doctor", "clean", "linkcheck", "bench"):
         res = _cli(verb, "--help")
         assert res.returncode == 0 and "usage" in res.stdout.lower(), verb

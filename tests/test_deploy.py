@@ -74,6 +74,18 @@ def test_dynamics_cannot_be_deployed(tmp_path):
         deploy(exp, _hosts_file(tmp_path, _three()), tmp_path / "out", lambda m: None)
 
 
+def test_validate_checks_a_hosts_file_without_connecting(tmp_path):
+    exp = tmp_path / "exp.yaml"
+    exp.write_text("name: v\ntopology: small-3\nscheme: {name: ring}\n")
+    data = {"coordinator": "192.0.2.1:7000", "hosts": {n: {"ssh": f"{n}.invalid"} for n in ("h1", "h2", "h3")}}
+    cli = [sys.executable, "-m", "testbed", "validate", str(exp), "--hosts"]
+    res = subprocess.run(cli + [str(_hosts_file(tmp_path, data))], cwd=REPO, capture_output=True, text=True)
+    assert res.returncode == 0 and "3 hosts, coordinator 192.0.2.1:7000" in res.stdout, res.stderr
+    del data["hosts"]["h3"]
+    res = subprocess.run(cli + [str(_hosts_file(tmp_path, data))], cwd=REPO, capture_output=True, text=True)
+    assert res.returncode == 2 and "no host for datacenter(s) h3" in res.stderr
+
+
 def test_agent_bundle_is_self_contained(tmp_path):
     """What deploy copies to a host is enough to run an agent: nothing else of the repo."""
     with tarfile.open(fileobj=BytesIO(code_bundle())) as tar:

@@ -15,6 +15,7 @@ import json
 import os
 import re
 import shutil
+import statistics
 import subprocess
 import time
 
@@ -160,14 +161,20 @@ class Lab:
         return r.start(self.popen(self.ns_r))
 
     def ping(self, count: int, interval: float, size: int = 56, deadline: float | None = None):
-        argv = ["ping", "-n", "-q", "-c", str(count), "-i", str(interval), "-s", str(size)]
+        """(sent, received, (min, median, max, mdev) RTT in ms or None).  The median, not
+        the mean: one reply held up by the hypervisor (this VM has steal time) must not
+        decide a test about the relay."""
+        argv = ["ping", "-n", "-c", str(count), "-i", str(interval), "-s", str(size)]
         if deadline:
             argv += ["-w", str(deadline)]
         out = sh(*argv, IP_B, ns=self.ns_a, check=False)
         m = re.search(r"(\d+) packets transmitted, (\d+) received", out)
         rtt = re.search(r"= ([\d.]+)/([\d.]+)/([\d.]+)/([\d.]+) ms", out)
-        return (int(m.group(1)), int(m.group(2)),
-                tuple(float(x) for x in rtt.groups()) if rtt else None)
+        times = [float(t) for t in re.findall(r"time=([\d.]+) ms", out)]
+        if not rtt or not times:
+            return int(m.group(1)), int(m.group(2)), None
+        rmin, _, rmax, mdev = (float(x) for x in rtt.groups())
+        return int(m.group(1)), int(m.group(2)), (rmin, statistics.median(times), rmax, mdev)
 
     def close(self) -> None:
         for r in self.relays:
@@ -226,17 +233,17 @@ def assert_counters_add_up(stats: dict) -> None:
 @pytest.mark.parametrize("delay_ms", [10, 30])
 def test_ping_rtt_is_twice_the_delay(clean_lab, delay_ms):
     r = clean_lab.relay(RelayDirection(delay_ms), RelayDirection(delay_ms), seed=1)
-    sent, recv, rtt = clean_lab.ping(25, 0.04)
-    assert recv == sent == 25
-    rmin, ravg, rmax, _ = rtt
+    sent, recv, rtt = clean_lab.ping(100, 0.01)
+    assert recv == sent == 100
+    rmin, rmed, rmax, _ = rtt
     want = 2 * delay_ms
     assert rmin >= want - 0.05, f"frames left early: min rtt {rmin} < {want}"
-    assert abs(ravg - want) <= max(1.0, 0.03 * want), rtt
+    assert abs(rmed - want) <= max(1.0, 0.03 * want), rtt
     st = r.stop()
     assert st["event"] == "exit" and r.proc.returncode == 0
     assert_counters_add_up(st)
     ab, ba = st["dirs"]
-    assert ab["frames_out"] >= 25 and ba["frames_out"] >= 25
+    assert ab["frames_out"] >= 100 and ba["frames_out"] >= 100
     assert ab["lost_segs"] == ba["lost_segs"] == 0 and ab["drop_ring"] == 0
     assert ab["delay_us"] == delay_ms * 1000
     ok, why = kept_up(st, max_p99_late_ms=5)  # generous: the CI machine may be busy
@@ -274,7 +281,7 @@ def test_jitter_keeps_fifo_order(clean_lab):
     sent, recv, rtt = clean_lab.ping(100, 0.01)
     st = r.stop()
     assert recv == sent
-    rmin, ravg, rmax, mdev = rtt
+    rmin, _, rmax, mdev = rtt
     assert mdev > 1.0, rtt  # jitter is there
     assert rmin >= 40 - 3 * 4 - 0.05 and rmax <= 40 + 3 * 4 + 3, rtt  # truncated at 3 sigma (+ FIFO)
     assert st["dirs"][0]["jitter_us"] == 4000
@@ -293,10 +300,10 @@ def test_reorder_mode_lets_jitter_reorder(clean_lab):
 @net
 def test_update_changes_delay_at_runtime(clean_lab):
     r = clean_lab.relay(RelayDirection(5), RelayDirection(5), seed=1)
-    _, _, rtt1 = clean_lab.ping(5, 0.05)
+    _, _, rtt1 = clean_lab.ping(9, 0.03)
     r.update(0, "ab", delay_ms=25)
     time.sleep(0.05)
-    _, _, rtt2 = clean_lab.ping(5, 0.05)
+    _, _, rtt2 = clean_lab.ping(9, 0.03)
     st = r.stats()
     assert abs(rtt1[1] - 10) < 1 and abs(rtt2[1] - 30) < 1, (rtt1, rtt2)
     assert st["event"] == "stats" and st["dirs"][0]["delay_us"] == 25000
