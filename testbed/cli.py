@@ -66,9 +66,14 @@ def _print_summary(results: dict) -> None:
     for v, cmp in zip(results["variants"], results["summary"]["comparison"]):
         s, c = v["summary"], v["summary"]["cct_s"]
         print(f"{v['label'][:24]:24} {c['mean']:9.3f} {c['min']:8.3f} {c['max']:8.3f} {s['predicted_cct_s']:9.3f} "
-              f"{s['bound_cct_s']:8.3f} {s['efficiency']:6.2f}  {cmp['cct_ratio_to_first']:7.2f}x  {s['correct']}")
+              f"{_num(s['bound_cct_s'], 8, 3)} {_num(s['efficiency'], 6, 2)}  {cmp['cct_ratio_to_first']:7.2f}x  "
+              f"{s['correct']}")
     for w in results.get("emulation", {}).get("warnings", []):
         print(f"WARNING: emulation did not keep up: {w}", file=sys.stderr)
+
+
+def _num(value, width: int, digits: int) -> str:
+    return f"{value:{width}.{digits}f}" if value is not None else f"{'-':>{width}}"
 
 
 def cmd_validate(args) -> int:
@@ -126,7 +131,8 @@ def _print_plan(exp: dict, variant: dict, args) -> None:
         if k not in ("trees", "params") and not isinstance(v, (list, dict)):
             print(f"  {k}: {v}")
     print(f"predicted CCT {prediction['cct_s']:.4f}s ({prediction.get('model', '')}); "
-          f"bound: rate {bound['rate_mbps']:.1f} Mbit/s, CCT {bound['cct_s']:.4f}s")
+          + (f"bound: rate {bound['rate_mbps']:.1f} Mbit/s, CCT {bound['cct_s']:.4f}s" if bound else
+             "no bound: the spanning-tree packing bounds an AllReduce of every node, this is a partial reduce"))
 
 
 def cmd_doctor(args) -> int:

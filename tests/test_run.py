@@ -40,7 +40,8 @@ def test_quickstart_smoke(netenv, tmp_path):
     assert out["runs"][0]["transfers"]["rows"]
 
 
-SCHEMES_ON_QUICK5 = ["ps", "ring", "alltoall", "bkt", "mst", "mtree", "blink", "forest", "topoadopt", "plink", "psld"]
+SCHEMES_ON_QUICK5 = ["ps", "ring", "alltoall", "bkt", "mst", "mtree", "blink", "forest", "topoadopt", "plink", "psld",
+                     "crew"]
 
 
 def test_every_scheme_gives_exact_results_on_a_real_network(netenv, tmp_path):

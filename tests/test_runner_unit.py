@@ -50,6 +50,17 @@ def test_scale_multiplies_size_and_rates():
     assert prediction["cct_s"] > 0 and bound["cct_s"] > 0 and plan.length == 125_000
 
 
+def test_partial_reduce_has_no_allreduce_bound():
+    """The spanning-tree packing bounds an AllReduce of every node, not a group P of them."""
+    from testbed.runner import _summary
+
+    exp = config.validate({**BASE, "scheme": {"name": "crew", "active": ["h1", "h2"]}}, "x.yaml")
+    *_, prediction, bound = build_plan(exp)
+    assert bound is None
+    s = _summary([{"cct_s": 1.0, "correct": True}], prediction, bound)
+    assert s["bound_cct_s"] is None and s["efficiency"] is None and s["prediction_ratio"] > 0
+
+
 def test_warmup_iterations_are_checked_but_not_timed():
     from testbed.runner import _summarise_run
 

@@ -1,0 +1,169 @@
+"""CREW partial reduce (Luo et al., "Efficient Cross-Cloud Partial Reduce With CREW").
+
+One partial-reduce task for a given group P of ready workers (the ``active`` parameter):
+every worker of P cuts its model into ``k`` fixed-size chunks grouped into one block per
+aggregator (Alg. 1, weights from LP (2)); phase 1 *weighted scatter* sends block j to
+aggregator j, phase 2 *controlled reduce* adds the p copies at j, phase 3 *way-back
+multicast* returns the reduced block j to every member of P.  CREW aggregates at all n
+workers; OPR (the paper's "original partial reduce") is the same with the p members as
+the only aggregators (``aggregators: members``).  The reduce is the sum (the paper says
+"aggregate"; averaging is a local scaling by 1/p that moves no bytes).
+
+What this module does not do (yet): the controller's FIFO ready queue that forms P at
+run time, non-blocking scatter with Alg. 2, and failover (Eq. 3) -- here P is fixed by
+the experiment.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import networkx as nx
+import numpy as np
+from scipy.optimize import linprog
+
+from testbed.plan import Plan, ProgramBuilder
+from testbed.routing import data_paths
+
+from . import Param, planner
+from .baselines import _bad, _check_graph, _check_node, path_rate
+
+CREW_REF = "CREW (Luo et al.) §III-IV: weighted scatter, controlled reduce, way-back multicast; LP (2), Alg. 1"
+
+
+def pair_rates(graph: nx.DiGraph) -> dict[tuple[str, str], float]:
+    """b_{i,j} (Mbit/s) for every ordered pair: the link rate between neighbours, else the
+    bottleneck of the routed path.  CREW assumes a full mesh of independent directed
+    capacities (§II); on other topologies routed pairs that share a link are not
+    independent, which this estimate ignores (a choice)."""
+    return {pair: path_rate(graph, path) for pair, path in data_paths(graph).items()}
+
+
+def scatter_weights(b: dict[tuple[str, str], float], members: list[str],
+                    aggregators: list[str]) -> tuple[dict[str, float], float, float]:
+    """LP (2): block weights x_j (sum 1) minimising T_scatter + T_multicast, Eqs. (1a)/(1b).
+
+    Linearised: min s + m  s.t.  x_j <= s * B_in_j,  x_j <= m * B_out_j,  sum x_j = 1,
+    where B_in_j = min over i in P, i != j of b_{i,j} and B_out_j = min of b_{j,i} (b_{j,j}
+    is "a large value").  Returns (x, T_scatter, T_multicast) with times in units of
+    model / (Mbit/s): multiply by the model size in Mbit for seconds.
+    """
+    n = len(aggregators)
+    b_in = [min(b[(i, j)] for i in members if i != j) for j in aggregators]
+    b_out = [min(b[(j, i)] for i in members if i != j) for j in aggregators]
+    # variables: x_1..x_n, s, m
+    cost = np.r_[np.zeros(n), 1.0, 1.0]
+    a_ub = np.zeros((2 * n, n + 2))
+    for j in range(n):
+        a_ub[j, j], a_ub[j, n] = 1.0, -b_in[j]
+        a_ub[n + j, j], a_ub[n + j, n + 1] = 1.0, -b_out[j]
+    a_eq = np.r_[np.ones(n), 0.0, 0.0][None, :]
+    res = linprog(cost, A_ub=a_ub, b_ub=np.zeros(2 * n), A_eq=a_eq, b_eq=[1.0], bounds=[(0, None)] * (n + 2),
+                  method="highs")
+    if res.status != 0:
+        raise RuntimeError(f"CREW LP (2) failed: {res.message}")
+    x = np.clip(res.x[:n], 0.0, None)
+    x /= x.sum()
+    t_scatter = max(x[j] / b_in[j] for j in range(n))
+    t_multicast = max(x[j] / b_out[j] for j in range(n))
+    return dict(zip(aggregators, map(float, x))), float(t_scatter), float(t_multicast)
+
+
+def split_model(weights: list[float], k: int) -> list[range]:
+    """Alg. 1: chunk index ranges C_1..C_n (contiguous, in order) for weights x (sum 1).
+
+    Upper bounds are rounded prefix sums round(k * (x_1 + ... + x_i)) and the last is k,
+    so no chunk is lost to floating point (x = 0.1 x 10, k = 10 loses chunk 10 if the
+    bounds are truncated, as Alg. 1 is printed)."""
+    total = math.fsum(weights)
+    bounds, acc = [0], 0.0
+    for w in weights[:-1]:
+        acc += w
+        bounds.append(min(k, max(bounds[-1], round(k * acc / total))))
+    bounds.append(k)
+    return [range(lo, hi) for lo, hi in zip(bounds, bounds[1:])]
+
+
+@planner(
+    "crew",
+    active=Param((list, type(None)), None, "the group P of this partial reduce (its members contribute and "
+                                           "receive the result); null = all nodes (then CREW is an AllReduce)"),
+    aggregators=Param(str, "all", "all = every worker aggregates a block (CREW); members = only P (OPR)",
+                      choices=("all", "members")),
+    split=Param(str, "network-aware", "block weights: network-aware = LP (2) (N-A), even = 1/aggregators (E-D)",
+                choices=("network-aware", "even")),
+    chunks=Param(int, 0, "k, fixed-size chunks of the model (paper: k >> n, value not given); 0 = 8 per "
+                         "aggregator"),
+    pipelined=Param(bool, True, "multicast each chunk once its p copies are reduced (true) or a block only once "
+                                "all of it is reduced (false: completion about T, the bound's upper end)"),
+    scheduling=Param(str, "fcfs", "fcfs = one ordered connection per pair, flows served in the order they became "
+                                  "ready (FL-FCFS, §IV-C); fs = scatter and multicast on separate connections "
+                                  "sharing the link (FS)", choices=("fcfs", "fs")),
+)
+def plan_crew(graph: nx.DiGraph, length: int, *, elem_bytes: int = 4, active=None, aggregators: str = "all",
+              split: str = "network-aware", chunks: int = 0, pipelined: bool = True,
+              scheduling: str = "fcfs") -> Plan:
+    """CREW (or OPR) partial reduce of group ``active`` (§III, LP (2), Alg. 1, FL-FCFS)."""
+    t0 = time.perf_counter()
+    nodes = _check_graph(graph)
+    members = [_check_node(graph, "active", m) for m in (active or nodes)]
+    if len(set(members)) != len(members) or len(members) < 2:
+        raise _bad("active", f"needs at least two distinct workers, got {members}")
+    members = [n for n in nodes if n in set(members)]  # plan node order
+    aggs = nodes if aggregators == "all" else members
+    if chunks < 0 or isinstance(chunks, bool):
+        raise _bad("chunks", f"must be >= 0, got {chunks!r}")
+    k = min(chunks or 8 * len(aggs), length)
+    b = pair_rates(graph)
+    if split == "network-aware":
+        x, t_s, t_m = scatter_weights(b, members, aggs)
+    else:
+        x = {j: 1.0 / len(aggs) for j in aggs}
+        t_s = max(x[j] / min(b[(i, j)] for i in members if i != j) for j in aggs)
+        t_m = max(x[j] / min(b[(j, i)] for i in members if i != j) for j in aggs)
+    blocks = dict(zip(aggs, split_model([x[j] for j in aggs], k)))
+    edges = [c * length // k for c in range(k + 1)]  # chunk c = elements [edges[c], edges[c + 1])
+
+    bld = ProgramBuilder(nodes)
+    mc_channel = 0 if scheduling == "fcfs" else 1
+    for f, j in enumerate(aggs):
+        senders = [i for i in members if i != j]
+        receivers = [i for i in members if i != j]
+        sent: dict[tuple[str, int], int] = {}
+        reduced: list[int] = []  # recv ids at j so far (whole block when not pipelined)
+        for c in blocks[j]:
+            off, size = edges[c], edges[c + 1] - edges[c]
+            got = []
+            for i in senders:
+                sent[(i, c)], r = bld.transfer(i, j, off, size, reduce=True, flow=f, chunk=c, phase="scatter")
+                got.append(r)
+            reduced += got
+            if pipelined:
+                for i in receivers:
+                    bld.transfer(j, i, off, size, reduce=False, send_deps=got, recv_deps=[sent[(i, c)]],
+                                 channel=mc_channel, flow=f, chunk=c, phase="multicast")
+        if not pipelined:
+            for c in blocks[j]:
+                off, size = edges[c], edges[c + 1] - edges[c]
+                for i in receivers:
+                    bld.transfer(j, i, off, size, reduce=False, send_deps=reduced, recv_deps=[sent[(i, c)]],
+                                 channel=mc_channel, flow=f, chunk=c, phase="multicast")
+    model_mbit = length * elem_bytes * 8 / 1e6
+    meta = {
+        "reference": CREW_REF,
+        "members": members,
+        "aggregators": aggs,
+        "aggregators_rule": aggregators,
+        "split": split,
+        "weights": x,
+        "chunks": k,
+        "blocks": {j: [r.start, r.stop] for j, r in blocks.items()},
+        "pipelined": pipelined,
+        "scheduling": scheduling,
+        "t_scatter_s": t_s * model_mbit,
+        "t_multicast_s": t_m * model_mbit,
+        "bound_s": [(t_s + t_m) * model_mbit / 2, (t_s + t_m) * model_mbit],  # T/2 <= T_CREW <= T (§III)
+        "planner_s": time.perf_counter() - t0,
+    }
+    return Plan("crew", nodes, length, bld.programs, participants=members, receivers=members, meta=meta)

@@ -1,0 +1,161 @@
+"""CREW partial reduce (testbed/planners/crew.py) against the paper: LP (2) and its closed
+form, Alg. 1, exact partial sums, the bound T/2 <= T_CREW <= T, CREW vs OPR."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import networkx as nx
+import numpy as np
+import pytest
+
+from testbed import costmodel
+from testbed.errors import ConfigError
+from testbed.plan import check_allreduce
+from testbed.planners import make_plan
+from testbed.planners.crew import scatter_weights, split_model
+
+
+def crew_mesh(n: int, seed: int, delay: float = 0.0) -> nx.DiGraph:
+    """CREW's setting N2 (§V-A): full mesh, b_ij = k * 25 Mbit/s, k = clip(round(N(5, 1)), 1, 10),
+    every direction drawn independently."""
+    rnd = random.Random(seed)
+    g = nx.DiGraph()
+    for u, v in itertools.permutations([f"w{i}" for i in range(n)], 2):
+        g.add_edge(u, v, rate_mbps=25.0 * min(10, max(1, round(rnd.gauss(5, 1)))), delay_ms=delay)
+    return g
+
+
+def closed_form(b, members, aggs) -> float:
+    """T* = 1 / max_a sum_j min(a B_in_j, (1 - a) B_out_j), maximised over the breakpoints
+    a_j = B_out_j / (B_in_j + B_out_j) (our derivation from Eqs. (1a)/(1b); F is concave
+    and piecewise linear)."""
+    b_in = [min(b[(i, j)] for i in members if i != j) for j in aggs]
+    b_out = [min(b[(j, i)] for i in members if i != j) for j in aggs]
+    alphas = [0.0, 1.0] + [o / (i + o) for i, o in zip(b_in, b_out)]
+    return 1.0 / max(sum(min(a * i, (1 - a) * o) for i, o in zip(b_in, b_out)) for a in alphas)
+
+
+def rates(g):
+    return {(u, v): d["rate_mbps"] for u, v, d in g.edges(data=True)}
+
+
+def test_alg1_loses_no_chunk_to_floating_point():
+    blocks = split_model([0.1] * 10, 10)  # the case a truncating Alg. 1 gets wrong
+    assert [list(r) for r in blocks] == [[i] for i in range(10)]
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_alg1_blocks_are_contiguous_cover_all_and_follow_the_weights(seed):
+    rnd = random.Random(seed)
+    w = [rnd.random() for _ in range(rnd.randint(2, 12))]
+    k = rnd.randint(20, 500)
+    blocks = split_model(w, k)
+    assert [c for r in blocks for c in r] == list(range(k))
+    for x, r in zip(w, blocks):
+        assert abs(len(r) - k * x / sum(w)) <= 1.0
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_lp2_matches_the_closed_form(seed):
+    g = crew_mesh(7, seed)
+    b, nodes = rates(g), sorted(g.nodes)
+    members = random.Random(seed).sample(nodes, 3)
+    for aggs in (nodes, members):
+        x, t_s, t_m = scatter_weights(b, members, aggs)
+        assert abs(sum(x.values()) - 1) < 1e-9 and min(x.values()) >= 0
+        assert t_s + t_m == pytest.approx(closed_form(b, members, aggs), rel=1e-6)
+
+
+def test_lp2_symmetric_rates_weigh_by_bandwidth():
+    """b_ij = b_ji: x_j = B_j / sum B and T = 2 / sum B (closed form, alpha = 1/2)."""
+    g = nx.DiGraph()
+    rnd = random.Random(3)
+    for u, v in itertools.combinations("abcde", 2):
+        r = float(rnd.choice([50, 100, 150, 200]))
+        g.add_edge(u, v, rate_mbps=r)
+        g.add_edge(v, u, rate_mbps=r)
+    b, nodes = rates(g), list("abcde")
+    x, t_s, t_m = scatter_weights(b, nodes, nodes)
+    big_b = {j: min(b[(i, j)] for i in nodes if i != j) for j in nodes}
+    for j in nodes:
+        assert x[j] == pytest.approx(big_b[j] / sum(big_b.values()), abs=1e-9)
+    assert t_s == pytest.approx(t_m) and t_s + t_m == pytest.approx(2 / sum(big_b.values()))
+
+
+@pytest.mark.parametrize("params", [
+    {}, {"active": ["w0", "w3", "w5"]}, {"active": ["w1", "w2"], "aggregators": "members"},
+    {"active": ["w0", "w4", "w5"], "pipelined": False}, {"active": ["w2", "w6"], "split": "even"},
+    {"active": ["w0", "w1", "w2", "w3"], "scheduling": "fs", "chunks": 5},
+])
+def test_members_end_with_the_exact_partial_sum(params):
+    g = crew_mesh(7, 1)
+    plan = make_plan("crew", g, 5003, params)
+    plan.validate()
+    assert plan.contributing() == plan.finishing() == (params.get("active") or sorted(g.nodes))
+    rnd = np.random.default_rng(0)
+    check_allreduce(plan, {n: rnd.integers(-1000, 1000, 5003).astype(np.float32) for n in g.nodes})
+
+
+@pytest.mark.parametrize("seed, p", [(0, 2), (1, 3), (2, 5), (3, 8)])
+def test_predicted_time_within_the_papers_bound(seed, p):
+    """T/2 <= T_CREW <= T (§III) for a large model; 5 % above T allowed for the last chunk."""
+    g = crew_mesh(8, seed)
+    members = sorted(g.nodes)[:p]
+    plan = make_plan("crew", g, 2_000_000, {"active": members, "chunks": 256})
+    lo, hi = plan.meta["bound_s"]
+    cct = costmodel.predict(plan, g)["cct_s"]
+    assert lo <= cct <= 1.05 * hi, (lo, cct, hi)
+
+
+def test_crew_beats_opr_less_as_p_grows_and_equals_it_at_p_n():
+    """§V-C: CREW's gain over OPR shrinks as p grows; OPR = CREW when p = n."""
+    g = crew_mesh(8, 5)
+    nodes = sorted(g.nodes)
+    ratios = []
+    for p in (2, 4, 8):
+        t = {a: costmodel.predict(make_plan("crew", g, 1_000_000, {"active": nodes[:p], "aggregators": a}),
+                                  g)["cct_s"] for a in ("all", "members")}
+        ratios.append(t["members"] / t["all"])
+    assert ratios[0] > ratios[1] > 1.2 and ratios[2] == pytest.approx(1.0)
+
+
+def test_network_aware_split_beats_even_split():
+    g = crew_mesh(8, 2)
+    members = sorted(g.nodes)[:4]
+    t = {s: make_plan("crew", g, 1_000_000, {"active": members, "split": s}).meta["bound_s"][1]
+         for s in ("network-aware", "even")}
+    assert t["network-aware"] < t["even"]
+
+
+@pytest.mark.parametrize("params, needle", [
+    ({"active": ["w0"]}, "at least two distinct workers"),
+    ({"active": ["w0", "w0"]}, "at least two distinct workers"),
+    ({"active": ["w0", "zz"]}, "'zz' is not a node"),
+    ({"chunks": -1}, "chunks"),
+])
+def test_bad_parameters_are_named(params, needle):
+    with pytest.raises(ConfigError, match=needle):
+        make_plan("crew", crew_mesh(4, 0), 1000, params)
+
+
+@pytest.mark.net
+def test_partial_reduce_on_a_real_network(netenv, tmp_path):
+    """Agents over the emulated quick-5 WAN: only the members of P contribute and end with
+    their exact sum; the non-members aggregate (CREW) or stay idle (OPR)."""
+    from testbed.emulator.network import WanNetwork
+    from testbed.runner import EmulatedHosts, run_agents
+    from testbed.topology import load_topology
+
+    topo = load_topology("quick-5")
+    members = topo.nodes[:3]
+    with WanNetwork(topo) as net:
+        for rule in ("all", "members"):
+            plan = make_plan("crew", topo.graph(), 60_000, {"active": members, "aggregators": rule})
+            res = run_agents(EmulatedHosts(net), plan, tmp_path / rule, timeout_s=60)
+            it = res["iterations"][0]
+            assert it["correct"], rule
+            assert {n for n, w in it["workers"].items() if w["receiver"]} == set(members)
+            senders = {row[2] for row in res["transfers"]["rows"]}
+            assert senders == (set(topo.nodes) if rule == "all" else set(members))
