@@ -41,7 +41,7 @@ def test_quickstart_smoke(netenv, tmp_path):
 
 
 SCHEMES_ON_QUICK5 = ["ps", "ring", "alltoall", "bkt", "mst", "mtree", "blink", "forest", "topoadopt", "plink", "psld",
-                     "crew"]
+                     "crew", "netstorm"]
 
 
 def test_every_scheme_gives_exact_results_on_a_real_network(netenv, tmp_path):
