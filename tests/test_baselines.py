@@ -97,9 +97,9 @@ def test_every_scheme_is_a_correct_allreduce(scheme, params, topo):
 def test_registered_schemes_and_params():
     sch = schemes()
     assert set(sch) >= {"ps", "ring", "alltoall", "bkt", "mst"}
-    assert set(sch["ps"].params) == {"hub", "hub_rule", "shards"}
+    assert set(sch["ps"].params) == {"hub", "hub_rule", "shards", "active"}
     assert sch["ps"].params["hub_rule"].choices == ("max-bandwidth", "min-latency", "first")
-    assert set(sch["ring"].params) == {"order", "ring_rule", "chunks"}
+    assert set(sch["ring"].params) == {"order", "ring_rule", "chunks", "active"}
     assert sch["ring"].params["ring_rule"].default == "tsp-bandwidth"
     assert sch["alltoall"].params["shard_rule"].choices == ("equal", "bandwidth")
     assert {"k", "root", "chunks"} <= set(sch["bkt"].params) and sch["bkt"].params["k"].default == 2
@@ -389,3 +389,23 @@ def test_shared_edge_list_matches_embedded_copy():
         pytest.skip("shared/ not beside the repository")
     edges = [tuple(line.split()) for line in f.read_text().splitlines() if line.strip() and not line.startswith("#")]
     assert edges == NETSTORM_EDGES
+
+
+@pytest.mark.parametrize("scheme, params", [
+    ("ps", {"active": ["h2", "h5", "h9"]}), ("ps", {"active": ["h1", "h3"], "hub": "h6", "shards": 3}),
+    ("ring", {"active": ["h1", "h4", "h8", "h9"]}), ("ring", {"active": ["h2", "h7"], "chunks": 2}),
+    ("ring", {"active": ["h3", "h6", "h9"], "order": ["h9", "h3", "h6"]}),
+])
+def test_partial_reduce_baselines_give_members_their_exact_sum(scheme, params):
+    """CREW §V-A compares partial reduces of a group P: PS and ring over P only."""
+    g = build(NETSTORM_EDGES, seed=4)
+    plan = make_plan(scheme, g, 1001, params)
+    assert plan.contributing() == plan.finishing() == sorted(params["active"], key=list(g.nodes).index)
+    senders = {n for n, prog in plan.programs.items() if any(op.kind == "send" for op in prog)}
+    assert senders <= set(params["active"]) | {params.get("hub", plan.meta.get("hub"))}
+    run_check(plan, g, 1001, seed=3)
+
+
+def test_partial_ring_order_must_list_the_members():
+    with pytest.raises(ConfigError, match="every ring member exactly once"):
+        make_plan("ring", build(NETSTORM_EDGES), 100, {"active": ["h1", "h2"], "order": ["h1", "h2", "h3"]})

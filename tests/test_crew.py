@@ -121,6 +121,17 @@ def test_crew_beats_opr_less_as_p_grows_and_equals_it_at_p_n():
     assert ratios[0] > ratios[1] > 1.2 and ratios[2] == pytest.approx(1.0)
 
 
+@pytest.mark.parametrize("seed", range(3))
+def test_crew_then_opr_beat_ps_and_ring_over_the_same_group(seed):
+    """§V-B, Fig. 4: one partial reduce -- CREW fastest, OPR next, PS and ring over P slower."""
+    g = crew_mesh(8, seed)
+    p = {"active": sorted(g.nodes)[:3]}
+    cct = {label: costmodel.predict(make_plan(scheme, g, 1_000_000, {**p, **extra}), g)["cct_s"]
+           for label, scheme, extra in [("crew", "crew", {}), ("opr", "crew", {"aggregators": "members"}),
+                                        ("ps", "ps", {}), ("ring", "ring", {})]}
+    assert cct["crew"] < cct["opr"] < min(cct["ps"], cct["ring"]), cct
+
+
 def test_network_aware_split_beats_even_split():
     g = crew_mesh(8, 2)
     members = sorted(g.nodes)[:4]

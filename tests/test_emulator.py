@@ -34,6 +34,21 @@ def test_small3_rates_and_delays_within_tolerance(netenv, method):
     assert all(d["method"] in ("htb+netem", "htb+user-space-relay") for d in res["directions"])
 
 
+def test_links_without_delay_or_loss_bypass_the_relay_and_keep_their_rate(netenv):
+    """In relay mode a link with no delay, jitter or loss is a direct veth pair shaped by HTB
+    alone (method "htb"); it still measures within tolerance, beside a relayed link."""
+    topo = load_topology({"name": "mixed", "datacenters": ["a", "b", "c"],
+                          "links": [{"between": ["a", "b"], "rate_mbps": 40, "delay_ms": 0},
+                                    {"between": ["b", "c"], "rate_mbps": 30, "delay_ms": 8}]})
+    res = run_linkcheck(topo, seconds=2, phases=("single",), method="relay", progress=lambda m: None)
+    methods = {(d["src"], d["dst"]): d["method"] for d in res["directions"]}
+    assert methods == {("a", "b"): "htb", ("b", "a"): "htb", ("b", "c"): "htb+user-space-relay",
+                       ("c", "b"): "htb+user-space-relay"}
+    bad = [(d["src"], d["dst"], d["rate_ratio"], d["measured_owd_ms"]) for d in res["directions"] if not d["ok"]]
+    assert not bad, bad
+    assert len(res["relay"]) >= 1  # the relay ran, for b-c only
+
+
 def test_rate_change_is_visible_within_one_second(netenv):
     with WanNetwork(_two(rate=50, delay=5)) as net:
         srv = net.popen("b", ["iperf3", "-s", "-1", "-J", "-i", "0.25", "-p", "5301"],

@@ -72,3 +72,12 @@ def test_warmup_iterations_are_checked_but_not_timed():
     assert [i["warmup"] for i in r["iterations"]] == [True, False, False]
     bad = _summarise_run(0, "ring", {"iterations": [it(0, 9.0, ok=False), it(1, 2.0)]}, warmup=1)
     assert not bad["correct"] and bad["incorrect"] == ["a"]
+
+
+def test_emulation_health_expects_relay_statistics_only_where_relays_ran():
+    from testbed.runner import _emulation_health
+
+    assert _emulation_health("relay", 0, [], 0.5, 2.0)["kept_up"] is True  # no link needed a relay
+    h = _emulation_health("relay", 2, [], 0.5, 2.0)
+    assert h["kept_up"] is False and "fidelity unknown" in h["warnings"][0]
+    assert "CPU" in _emulation_health("netem", 0, [], 0.99, 2.0)["warnings"][0]

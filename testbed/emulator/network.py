@@ -3,9 +3,10 @@
 Overlay model (Mininet's Topo/Net/Node/Link split, built imperatively):
 
 * every datacenter is a Mininet host ``d<i>`` (a network namespace);
-* every WAN link is a point-to-point veth between the two hosts (method ``netem``), or two
-  veths through a shared relay namespace ``wan`` where the user-space delay relay joins
-  them (method ``relay``); either way IP sees one hop, so agents reach a neighbour directly;
+* every WAN link is a point-to-point veth between the two hosts (method ``netem``, and
+  ``htb`` for a link without delay, jitter or loss), or two veths through a shared relay
+  namespace ``wan`` where the user-space delay relay joins them (method ``relay``); either
+  way IP sees one hop, so agents reach a neighbour directly;
 * each host has a *node address* on ``lo`` (10.0.x.y/32).  Non-adjacent datacenters reach
   each other over latency-shortest paths (``testbed.routing``): static /32 routes with the
   node address as source, and IP forwarding on every host;
@@ -36,6 +37,9 @@ from testbed.topology import LinkDir, Topology
 CONTROL_BRIDGE = "tbc0"
 CONTROL_IP = "10.255.255.254"
 HOST_PREFIX = "d"
+# what shaped a direction, as results.json and linkcheck.json say it; "htb": a link with no
+# delay, jitter or loss needs no delay element, so in relay mode it is a direct veth pair
+METHOD_NAMES = {"netem": "htb+netem", "relay": "htb+user-space-relay", "htb": "htb"}
 
 
 def node_ip(i: int) -> str:
@@ -66,7 +70,7 @@ class Direction:
         return {"src": self.src, "dst": self.dst, "rate_mbps": self.spec.rate_mbps,
                 "delay_ms": self.spec.delay_ms, "jitter_ms": self.spec.jitter_ms,
                 "loss": self.spec.loss, "queue_pkts": self.spec.queue_pkts,
-                "method": "htb+netem" if self.method == "netem" else "htb+user-space-relay"}
+                "method": METHOD_NAMES[self.method]}
 
 
 @dataclass
@@ -134,7 +138,9 @@ class WanNetwork:
                                  waitConnected=False)
         for dc, i in self.index.items():
             self.hosts[dc] = net.addHost(f"{HOST_PREFIX}{i}", ip=None)
-        wan = net.addHost("wan", ip=None) if method == "relay" else None
+        relayed = {j for j, link in enumerate(self.topo.links)
+                   if method == "relay" and any(d.delay_ms or d.jitter_ms or d.loss for d in (link.ab, link.ba))}
+        wan = net.addHost("wan", ip=None) if relayed else None
         bridge = net.addSwitch(CONTROL_BRIDGE, cls=LinuxBridge)
         self._link_intf: dict[tuple[str, int], str] = {}  # (dc, link index) -> interface
         port = {dc: 0 for dc in self.topo.nodes}
@@ -144,7 +150,7 @@ class WanNetwork:
             port[link.a] += 1
             port[link.b] += 1
             ha, hb = self.hosts[link.a], self.hosts[link.b]
-            if wan is None:
+            if j not in relayed:
                 net.addLink(ha, hb, intfName1=ia, intfName2=ib)
             else:
                 net.addLink(ha, wan, intfName1=ia, intfName2=f"r{j}a")
@@ -152,8 +158,9 @@ class WanNetwork:
                 relay_pairs.append((j, f"r{j}a", f"r{j}b"))
             self._link_intf[(link.a, j)] = ia
             self._link_intf[(link.b, j)] = ib
-            self.directions[(link.a, link.b)] = Direction(link.a, link.b, j, ia, link.ab, method)
-            self.directions[(link.b, link.a)] = Direction(link.b, link.a, j, ib, link.ba, method)
+            m = "relay" if j in relayed else "htb" if method == "relay" else method
+            self.directions[(link.a, link.b)] = Direction(link.a, link.b, j, ia, link.ab, m)
+            self.directions[(link.b, link.a)] = Direction(link.b, link.a, j, ib, link.ba, m)
         for dc, h in self.hosts.items():
             net.addLink(h, bridge, intfName1=f"{h.name}-ctl", intfName2=f"{CONTROL_BRIDGE}-{h.name}")
         net.build()
@@ -230,7 +237,7 @@ class WanNetwork:
             _batch(h, "ip", cmds + self._route_lines(dc, paths))
         tc_lines: dict[str, list[str]] = {}
         for d in self.directions.values():
-            cmds = shaping.shape_commands(d.intf, d.spec, self.method, self.icmp_priority)
+            cmds = shaping.shape_commands(d.intf, d.spec, d.method, self.icmp_priority)
             tc_lines.setdefault(d.src, []).extend(" ".join(c[1:]) for c in cmds)
         for dc, lines in tc_lines.items():
             _batch(self.hosts[dc], "tc", lines)

@@ -7,7 +7,8 @@ Rate is an HTB class (so it can be changed live with ``tc class change``); under
 * method ``relay``: a byte-limited FIFO (``queue_pkts`` full-size frames; offloads stay
   on in this mode, so one queued skb may be a 64 KB GSO super-frame and a packet count
   would be no limit at all); delay, jitter and loss are added afterwards by the
-  user-space relay in the middle of the link (see ``relay/``).
+  user-space relay in the middle of the link (see ``relay/``);
+* method ``htb``: the same FIFO on a link without delay, jitter or loss (no relay needed).
 
 Either way the queue a TCP sender fills is the HTB leaf at its own host, as it would be
 at a WAN router's egress, and its size is the link's ``queue_pkts``.
@@ -38,7 +39,7 @@ def bdp_packets(d: LinkDir) -> int:
 
 
 def _leaf(d: LinkDir, method: str) -> list[str]:
-    if method == "relay":
+    if method in ("relay", "htb"):
         return ["bfifo", "limit", str(d.queue_pkts * (MTU + 14))]
     if method != "netem":
         raise ValueError(f"unknown shaping method {method!r}")

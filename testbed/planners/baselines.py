@@ -68,6 +68,26 @@ def _check_node(graph: nx.DiGraph, param: str, name: str) -> str:
     return name
 
 
+ACTIVE = Param((list, type(None)), None, "the workers of a partial reduce (they contribute and get the "
+                                          "result); null = every node (AllReduce)")
+
+
+def _members(graph: nx.DiGraph, active) -> list[str]:
+    """The workers of the collective: ``active`` (at least two, distinct) in graph order, or all."""
+    if active is None:
+        return list(graph.nodes)
+    for m in active:
+        _check_node(graph, "active", m)
+    if len(set(active)) != len(active) or len(active) < 2:
+        raise _bad("active", f"needs at least two distinct workers, got {list(active)}")
+    return [n for n in graph.nodes if n in set(active)]
+
+
+def _partial(nodes: list[str], members: list[str]) -> list[str] | None:
+    """Plan participants/receivers: None (everyone) unless a strict subset works."""
+    return None if len(members) == len(nodes) else members
+
+
 def _check_positive(param: str, value: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise _bad(param, f"must be a positive integer, got {value!r}")
@@ -134,19 +154,23 @@ def _adjacent(graph: nx.DiGraph, u: str, v: str) -> bool:
                    choices=("max-bandwidth", "min-latency", "first")),
     shards=Param(int, 1, "split the vector into this many chunks so the push of one chunk overlaps "
                          "the reduction and pull of the previous one (pipelined PS); 1 = plain PS"),
+    active=ACTIVE,
 )
 def plan_ps(graph: nx.DiGraph, length: int, *, elem_bytes: int = 4, hub: str = "",
-            hub_rule: str = "max-bandwidth", shards: int = 1) -> Plan:
+            hub_rule: str = "max-bandwidth", shards: int = 1, active=None) -> Plan:
     """Parameter-server AllReduce over a star (NetStorm §IX-A baseline "MXNET").
 
     Every worker pushes its vector to the hub, the hub adds them into its own vector (the
     hub is also a worker) and pushes the sum back.  With ``shards > 1`` the vector is cut
     into chunks sent back-to-back on each worker's connection; the hub returns chunk c as
     soon as every worker's chunk c has arrived, overlapping push and pull (a choice: the
-    brief's "pipelined PS").  Traffic to a non-adjacent hub is routed by IP.
+    brief's "pipelined PS").  Traffic to a non-adjacent hub is routed by IP.  With
+    ``active`` only those workers push and get the sum (CREW §V-A's PS baseline of a partial
+    reduce; the hub need not be one of them).
     """
     t0 = time.perf_counter()
     nodes = _check_graph(graph)
+    members = _members(graph, active)
     _check_positive("shards", shards)
     paths = shortest_paths(graph)
     if hub:
@@ -160,7 +184,7 @@ def plan_ps(graph: nx.DiGraph, length: int, *, elem_bytes: int = 4, hub: str = "
         hub, rule_used = nodes[0], hub_rule
     else:
         raise _bad("hub_rule", f"unknown rule {hub_rule!r}")
-    workers = [n for n in nodes if n != hub]
+    workers = [n for n in members if n != hub]
     b = ProgramBuilder(nodes)
     offset = 0
     for c, size in enumerate(split_lengths(length, [1] * shards)):
@@ -186,7 +210,8 @@ def plan_ps(graph: nx.DiGraph, length: int, *, elem_bytes: int = 4, hub: str = "
         "pull": [_hop_info(graph, paths, hub, w) for w in workers],
         "planner_s": time.perf_counter() - t0,
     }
-    return Plan("ps", nodes, length, b.programs, meta=meta)
+    return Plan("ps", nodes, length, b.programs, participants=_partial(nodes, members),
+                receivers=_partial(nodes, members), meta=meta)
 
 
 # ---------------------------------------------------------------------------
@@ -423,9 +448,10 @@ def _ring_meta(graph: nx.DiGraph, paths: dict, order: list[str]) -> dict:
                     "order; name-order: nodes sorted by name",
                     choices=("tsp-bandwidth", "given", "name-order")),
     chunks=Param(int, 1, "split each of the n blocks into this many chunks that pipeline through the steps"),
+    active=ACTIVE,
 )
 def plan_ring(graph: nx.DiGraph, length: int, *, elem_bytes: int = 4, order=(),
-              ring_rule: str = "tsp-bandwidth", chunks: int = 1) -> Plan:
+              ring_rule: str = "tsp-bandwidth", chunks: int = 1, active=None) -> Plan:
     """Ring AllReduce: reduce-scatter (n−1 steps) then all-gather (n−1 steps).
 
     The vector is cut into n blocks; block i is owned by ring position i.  In
@@ -435,23 +461,25 @@ def plan_ring(graph: nx.DiGraph, length: int, *, elem_bytes: int = 4, order=(),
     With ``chunks > 1`` every block is cut into chunks that move independently, so chunk
     c+1 of a step overlaps chunk c of the next step.  Each hop uses one connection (FIFO).
     Hops between non-adjacent ring neighbours are routed (MTREE §II: "a Hamiltonian ring
-    may not exist").
+    may not exist").  With ``active`` the ring runs over those workers only (CREW §V-A's
+    ring baseline of a partial reduce); the others only forward routed traffic.
     """
     t0 = time.perf_counter()
     nodes = _check_graph(graph)
+    members = _members(graph, active)
     _check_positive("chunks", chunks)
     paths = shortest_paths(graph)
     order = list(order or ())
     if order:
-        if set(order) != set(nodes) or len(set(order)) != len(order):
-            raise _bad("order", f"must list every node exactly once; nodes are {sorted(nodes)}")
+        if set(order) != set(members) or len(set(order)) != len(order):
+            raise _bad("order", f"must list every ring member exactly once; they are {sorted(members)}")
         ring, rule_used, info = order, "given", {"search": "given"}
     elif ring_rule == "given":
         raise _bad("order", "ring_rule 'given' needs a non-empty order")
     elif ring_rule == "name-order":
-        ring, rule_used, info = sorted(nodes, key=str), ring_rule, {"search": "name-order"}
+        ring, rule_used, info = sorted(members, key=str), ring_rule, {"search": "name-order"}
     elif ring_rule == "tsp-bandwidth":
-        ring, info = choose_ring(graph, paths, nodes)
+        ring, info = choose_ring(graph, paths, members)
         rule_used = ring_rule
     else:
         raise _bad("ring_rule", f"unknown rule {ring_rule!r}")
@@ -491,7 +519,8 @@ def plan_ring(graph: nx.DiGraph, length: int, *, elem_bytes: int = 4, order=(),
         "chunks": chunks,
         "planner_s": time.perf_counter() - t0,
     }
-    return Plan("ring", nodes, length, b.programs, meta=meta)
+    return Plan("ring", nodes, length, b.programs, participants=_partial(nodes, members),
+                receivers=_partial(nodes, members), meta=meta)
 
 
 # ---------------------------------------------------------------------------

@@ -27,7 +27,7 @@ from testbed.plan import Plan, ProgramBuilder
 from testbed.routing import data_paths
 
 from . import Param, planner
-from .baselines import _bad, _check_graph, _check_node, path_rate
+from .baselines import ACTIVE, _bad, _check_graph, _members, _partial, path_rate
 
 CREW_REF = "CREW (Luo et al.) §III-IV: weighted scatter, controlled reduce, way-back multicast; LP (2), Alg. 1"
 
@@ -87,8 +87,7 @@ def split_model(weights: list[float], k: int) -> list[range]:
 
 @planner(
     "crew",
-    active=Param((list, type(None)), None, "the group P of this partial reduce (its members contribute and "
-                                           "receive the result); null = all nodes (then CREW is an AllReduce)"),
+    active=ACTIVE,  # the group P of this partial reduce; null = every node (CREW is then an AllReduce)
     aggregators=Param(str, "all", "all = every worker aggregates a block (CREW); members = only P (OPR)",
                       choices=("all", "members")),
     split=Param(str, "network-aware", "block weights: network-aware = LP (2) (N-A), even = 1/aggregators (E-D)",
@@ -107,10 +106,7 @@ def plan_crew(graph: nx.DiGraph, length: int, *, elem_bytes: int = 4, active=Non
     """CREW (or OPR) partial reduce of group ``active`` (§III, LP (2), Alg. 1, FL-FCFS)."""
     t0 = time.perf_counter()
     nodes = _check_graph(graph)
-    members = [_check_node(graph, "active", m) for m in (active or nodes)]
-    if len(set(members)) != len(members) or len(members) < 2:
-        raise _bad("active", f"needs at least two distinct workers, got {members}")
-    members = [n for n in nodes if n in set(members)]  # plan node order
+    members = _members(graph, active)
     aggs = nodes if aggregators == "all" else members
     if chunks < 0 or isinstance(chunks, bool):
         raise _bad("chunks", f"must be >= 0, got {chunks!r}")
@@ -166,4 +162,5 @@ def plan_crew(graph: nx.DiGraph, length: int, *, elem_bytes: int = 4, active=Non
         "bound_s": [(t_s + t_m) * model_mbit / 2, (t_s + t_m) * model_mbit],  # T/2 <= T_CREW <= T (§III)
         "planner_s": time.perf_counter() - t0,
     }
-    return Plan("crew", nodes, length, bld.programs, participants=members, receivers=members, meta=meta)
+    return Plan("crew", nodes, length, bld.programs, participants=_partial(nodes, members),
+                receivers=_partial(nodes, members), meta=meta)
