@@ -40,6 +40,14 @@ def pair_rates(graph: nx.DiGraph) -> dict[tuple[str, str], float]:
     return {pair: path_rate(graph, path) for pair, path in data_paths(graph).items()}
 
 
+def phase_times(b: dict[tuple[str, str], float], x: dict[str, float], members: list[str]) -> tuple[float, float]:
+    """Eqs. (1a)/(1b): T_scatter = max_j x_j / min_{i in P} b_{i,j}, T_multicast = max_j
+    x_j / min_{i in P} b_{j,i} (i != j: b_{j,j} is "a large value"), model size 1."""
+    t_s = max(w / min(b[(i, j)] for i in members if i != j) for j, w in x.items())
+    t_m = max(w / min(b[(j, i)] for i in members if i != j) for j, w in x.items())
+    return t_s, t_m
+
+
 def scatter_weights(b: dict[tuple[str, str], float], members: list[str],
                     aggregators: list[str]) -> tuple[dict[str, float], float, float]:
     """LP (2): block weights x_j (sum 1) minimising T_scatter + T_multicast, Eqs. (1a)/(1b).
@@ -64,10 +72,8 @@ def scatter_weights(b: dict[tuple[str, str], float], members: list[str],
     if res.status != 0:
         raise RuntimeError(f"CREW LP (2) failed: {res.message}")
     x = np.clip(res.x[:n], 0.0, None)
-    x /= x.sum()
-    t_scatter = max(x[j] / b_in[j] for j in range(n))
-    t_multicast = max(x[j] / b_out[j] for j in range(n))
-    return dict(zip(aggregators, map(float, x))), float(t_scatter), float(t_multicast)
+    weights = dict(zip(aggregators, map(float, x / x.sum())))
+    return (weights, *phase_times(b, weights, members))
 
 
 def split_model(weights: list[float], k: int) -> list[range]:
@@ -116,33 +122,31 @@ def plan_crew(graph: nx.DiGraph, length: int, *, elem_bytes: int = 4, active=Non
         x, t_s, t_m = scatter_weights(b, members, aggs)
     else:
         x = {j: 1.0 / len(aggs) for j in aggs}
-        t_s = max(x[j] / min(b[(i, j)] for i in members if i != j) for j in aggs)
-        t_m = max(x[j] / min(b[(j, i)] for i in members if i != j) for j in aggs)
+        t_s, t_m = phase_times(b, x, members)
     blocks = dict(zip(aggs, split_model([x[j] for j in aggs], k)))
     edges = [c * length // k for c in range(k + 1)]  # chunk c = elements [edges[c], edges[c + 1])
 
     bld = ProgramBuilder(nodes)
     mc_channel = 0 if scheduling == "fcfs" else 1
     for f, j in enumerate(aggs):
-        senders = [i for i in members if i != j]
-        receivers = [i for i in members if i != j]
+        peers = [i for i in members if i != j]  # initiators that scatter to j and get block j back
         sent: dict[tuple[str, int], int] = {}
         reduced: list[int] = []  # recv ids at j so far (whole block when not pipelined)
         for c in blocks[j]:
             off, size = edges[c], edges[c + 1] - edges[c]
             got = []
-            for i in senders:
+            for i in peers:
                 sent[(i, c)], r = bld.transfer(i, j, off, size, reduce=True, flow=f, chunk=c, phase="scatter")
                 got.append(r)
             reduced += got
             if pipelined:
-                for i in receivers:
+                for i in peers:
                     bld.transfer(j, i, off, size, reduce=False, send_deps=got, recv_deps=[sent[(i, c)]],
                                  channel=mc_channel, flow=f, chunk=c, phase="multicast")
         if not pipelined:
             for c in blocks[j]:
                 off, size = edges[c], edges[c + 1] - edges[c]
-                for i in receivers:
+                for i in peers:
                     bld.transfer(j, i, off, size, reduce=False, send_deps=reduced, recv_deps=[sent[(i, c)]],
                                  channel=mc_channel, flow=f, chunk=c, phase="multicast")
     model_mbit = length * elem_bytes * 8 / 1e6

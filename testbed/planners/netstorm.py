@@ -93,11 +93,12 @@ def plan_netstorm(graph: nx.DiGraph, length: int, *, elem_bytes: int = 4, roots:
     total_q = sum(q[v] for v in chosen)
     plan_trees = []
     for v in chosen:
+        parent = trees[v][0]
         share = q[v] / total_q if math.isfinite(total_q) else 1.0 / len(chosen)
         n_chunks = max(1, math.ceil(share * length / chunk_elems))
-        rate = 1.0 / max(link_weight(graph, c, p, direction) for c, p in trees[v][0].items() if p is not None) \
-            if len(nodes) > 1 else 0.0
-        plan_trees.append(Tree(v, trees[v][0], share=share, chunks=n_chunks, rate_mbps=rate))
+        rate = min((1.0 / link_weight(graph, c, p, direction) for c, p in parent.items() if p is not None),
+                   default=0.0)  # the tree's slowest edge (informational)
+        plan_trees.append(Tree(v, parent, share=share, chunks=n_chunks, rate_mbps=rate))
     meta = {
         "reference": FAPT_REF,
         "roots": chosen,
