@@ -21,6 +21,7 @@ import time
 
 import pytest
 
+from testbed.emulator import DEFAULT_TCP_CC
 from testbed.emulator import relay as relay_mod
 from testbed.emulator.relay import Relay, RelayDirection, RelayLink, build, kept_up, partition_links
 from testbed.errors import ConfigError, RunError
@@ -136,7 +137,8 @@ class Lab:
             sh("ip", "link", "set", relay_if, "up", ns=self.ns_r)
             buf = 16 << 20  # >= 4 x BDP of 100 Mbit/s x 60 ms
             sh("sysctl", "-qw", f"net.ipv4.tcp_rmem=4096 131072 {buf}",
-               f"net.ipv4.tcp_wmem=4096 65536 {buf}", ns=host_ns)
+               f"net.ipv4.tcp_wmem=4096 65536 {buf}",  # and never the machine's default CC
+               f"net.ipv4.tcp_congestion_control={DEFAULT_TCP_CC}", ns=host_ns)
         sh("ip", "addr", "add", f"{IP_A}/24", "dev", self.if_a, ns=self.ns_a)
         sh("ip", "addr", "add", f"{IP_B}/24", "dev", self.if_b, ns=self.ns_b)
         # static neighbours: no ARP frames, so the frame sequence (and the
@@ -367,5 +369,7 @@ def test_gso_frames_with_loss_are_segmented_correctly(clean_lab):
     errs = sum(int(x) for x in re.findall(r"^\S+\s+(\d+)", nstat, re.M))
     if nstat0 or nstat:  # nstat is optional (iproute2); skip the check without it
         assert errs == 0, nstat
-    assert mbps > 20, f"{mbps:.1f} Mbit/s with 1 % loss: segments were not accepted"
+    # 1 % loss at 20 ms RTT limits cubic to ~7 Mbit/s (Mathis: 1.22 MSS / (RTT sqrt(p))); if
+    # split segments were corrupt TCP would retransmit them forever and stall far below that
+    assert mbps > 2, f"{mbps:.1f} Mbit/s with 1 % loss: segments were not accepted"
 
