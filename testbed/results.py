@@ -87,21 +87,26 @@ def stats(values: list[float]) -> dict:
             "stdev": statistics.stdev(values) if len(values) > 1 else 0.0, "n": len(values)}
 
 
+# Above this share of CPU time taken by the hypervisor (steal, on a VM), timings are not
+# trustworthy: the relay, TCP and agents all stall while the host runs someone else.
+STEAL_MAX = 0.03
+
+
 class CpuMeter:
-    """Whole-machine CPU utilisation between start() and stop(), from /proc/stat."""
+    """Whole-machine CPU use between start() and stop(), from /proc/stat: stop() returns
+    (busy, steal), each a fraction of all CPU time (steal: taken by the hypervisor)."""
 
     @staticmethod
-    def _read() -> tuple[int, int]:
+    def _read() -> tuple[int, int, int]:
         with open("/proc/stat") as f:
-            vals = [int(x) for x in f.readline().split()[1:]]
-        idle = vals[3] + vals[4]
-        return sum(vals), idle
+            vals = [int(x) for x in f.readline().split()[1:]] + [0] * 8
+        return sum(vals[:8]), vals[3] + vals[4], vals[7]  # total (guest time is inside user), idle, steal
 
     def start(self) -> "CpuMeter":
         self._t = self._read()
         return self
 
-    def stop(self) -> float:
-        total, idle = self._read()
-        dt, di = total - self._t[0], idle - self._t[1]
-        return 1.0 - di / dt if dt else 0.0
+    def stop(self) -> tuple[float, float]:
+        total, idle, steal = self._read()
+        dt, di, ds = total - self._t[0], idle - self._t[1], steal - self._t[2]
+        return (1.0 - di / dt, ds / dt) if dt else (0.0, 0.0)

@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from testbed.results import REPO, CpuMeter, environment, stats, write_json_atomic
+from testbed.results import REPO, STEAL_MAX, CpuMeter, environment, stats, write_json_atomic
 
 DATA_PORT = 7100
 CPU_BUSY = 0.95  # whole-machine utilisation above which the emulator may not keep up
@@ -213,13 +213,13 @@ def run_experiment(exp: dict, out_dir: Path, progress: Callable[[str], None]) ->
             results["runs"] = run_variants(exp, planned, EmulatedHosts(net), out_dir, progress)
         finally:
             sched.stop()
-            cpu_util = cpu.stop()
+            cpu_util, steal = cpu.stop()
             results["events"] = net.events + [{"error": e} for e in sched.errors]
             try:
                 relay = net.relay_stats()
             except Exception as e:  # never mask the run's own error with a reporting one
                 relay, results["events"] = [], results["events"] + [{"error": f"relay statistics: {e}"}]
-            results["emulation"] = _emulation_health(net.method, len(net.relays), relay, cpu_util,
+            results["emulation"] = _emulation_health(net.method, len(net.relays), relay, cpu_util, steal,
                                                       exp["emulator"]["max_late_ms"])
     return add_summaries(results, planned, exp)
 
@@ -267,8 +267,10 @@ def _per_link(transfers: dict | None) -> list[dict]:
             for (s, d), (b, t, e, n) in sorted(agg.items())]
 
 
-def _emulation_health(method: str, relays: int, relay: list[dict], cpu_util: float, max_late_ms: float) -> dict:
-    """``relays`` delay-relay processes ran (none where no link needed one); ``relay`` their statistics."""
+def _emulation_health(method: str, relays: int, relay: list[dict], cpu_util: float, steal: float,
+                      max_late_ms: float) -> dict:
+    """``relays`` delay-relay processes ran (none where no link needed one); ``relay`` their
+    statistics; ``cpu_util`` and ``steal`` from :class:`~testbed.results.CpuMeter`."""
     from testbed.emulator import relay as relay_mod
 
     warnings = ["no statistics from the delay relay: fidelity unknown"] if relays and not relay else []
@@ -278,7 +280,9 @@ def _emulation_health(method: str, relays: int, relay: list[dict], cpu_util: flo
             warnings.append(f"relay {i}: {why}")
     if cpu_util > CPU_BUSY:
         warnings.append(f"machine CPU {cpu_util:.0%} busy: link emulation and agents may be CPU-bound")
-    return {"method": method, "kept_up": not warnings, "warnings": warnings, "cpu_util": cpu_util,
+    if steal > STEAL_MAX:
+        warnings.append(f"the hypervisor took {steal:.1%} of the CPU time (steal): every timing may be stretched")
+    return {"method": method, "kept_up": not warnings, "warnings": warnings, "cpu_util": cpu_util, "steal": steal,
             "max_late_ms": max_late_ms, "relay": relay}
 
 

@@ -26,3 +26,4 @@ def netenv():
     yield before
     left = {k: sorted(set(v) - before[k]) for k, v in leftovers().items()}
     assert not any(left.values()), f"left behind: {left}"
+

@@ -77,7 +77,8 @@ def test_warmup_iterations_are_checked_but_not_timed():
 def test_emulation_health_expects_relay_statistics_only_where_relays_ran():
     from testbed.runner import _emulation_health
 
-    assert _emulation_health("relay", 0, [], 0.5, 2.0)["kept_up"] is True  # no link needed a relay
-    h = _emulation_health("relay", 2, [], 0.5, 2.0)
+    assert _emulation_health("relay", 0, [], 0.5, 0.0, 2.0)["kept_up"] is True  # no link needed a relay
+    h = _emulation_health("relay", 2, [], 0.5, 0.0, 2.0)
     assert h["kept_up"] is False and "fidelity unknown" in h["warnings"][0]
-    assert "CPU" in _emulation_health("netem", 0, [], 0.99, 2.0)["warnings"][0]
+    assert "CPU" in _emulation_health("netem", 0, [], 0.99, 0.0, 2.0)["warnings"][0]
+    assert "steal" in _emulation_health("netem", 0, [], 0.5, 0.2, 2.0)["warnings"][0]  # a busy VM host

@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 from testbed.emulator import DEFAULT_TCP_CC
-from testbed.results import CpuMeter, environment, new_run_dir, write_json_atomic
+from testbed.results import STEAL_MAX, CpuMeter, environment, new_run_dir, write_json_atomic
 
 RATE_OK = (0.93, 1.02)
 BASE_PORT = 5201
@@ -109,6 +109,7 @@ def run_linkcheck(topo, *, seconds: float = 6.0, phases=("single", "concurrent")
     with WanNetwork(topo, method=method, log=progress, icmp_priority=True, tcp_cc=tcp_cc) as net:
         result["method"] = net.method
         all_dirs = list(net.directions)
+        whole = CpuMeter().start()
         if "single" in phases:
             for k, (src, dst) in enumerate(all_dirs):
                 progress(f"single {k + 1}/{len(all_dirs)}: {src} -> {dst}")
@@ -118,18 +119,21 @@ def run_linkcheck(topo, *, seconds: float = 6.0, phases=("single", "concurrent")
             net.reset_relay_window()
             cpu = CpuMeter().start()
             result["directions"] += _measure(net, all_dirs, seconds, "concurrent")
-            result["concurrent_cpu_util"] = cpu.stop()
+            result["concurrent_cpu_util"] = cpu.stop()[0]
+        result["steal"] = whole.stop()[1]
         result["relay"] = net.relay_stats()  # keep-up window: the concurrent phase if there was one
-        result["emulation_kept_up"] = _kept_up(result["relay"], max_late_ms)
+        result["emulation_kept_up"] = _kept_up(result["relay"], max_late_ms, result["steal"])
     result["total_capacity_mbps"] = sum(d["rate_mbps"] for d in result["directions"] if d["phase"] == phases[0])
     result["ok"] = all(d["ok"] for d in result["directions"])
     return result
 
 
-def _kept_up(stats: list[dict], max_late_ms: float) -> dict:
+def _kept_up(stats: list[dict], max_late_ms: float, steal: float) -> dict:
     from testbed.emulator.relay import kept_up
 
     reasons = [why for ok, why in (kept_up(s, max_p99_late_ms=max_late_ms) for s in stats) if not ok]
+    if steal > STEAL_MAX:
+        reasons.append(f"the hypervisor took {steal:.1%} of the CPU time (steal)")
     return {"ok": not reasons, "reasons": reasons}
 
 
@@ -158,8 +162,9 @@ def linkcheck(args) -> int:
     write_json_atomic(Path(out) / "linkcheck.json", result)
     print(format_table(result))
     if "concurrent_cpu_util" in result:
-        print(f"CPU during concurrent phase: {result['concurrent_cpu_util']:.0%}; "
-              f"emulator kept up: {result['emulation_kept_up']}")
+        print(f"CPU during concurrent phase: {result['concurrent_cpu_util']:.0%}")
+    print(f"CPU time taken by the hypervisor (steal): {result['steal']:.1%}; "
+          f"emulator kept up: {result['emulation_kept_up']}")
     print(f"total configured capacity {result['total_capacity_mbps']:.0f} Mbit/s at scale {topo.scale:g}; "
           f"{'all directions within tolerance' if result['ok'] else 'SOME DIRECTIONS OUT OF TOLERANCE'}")
     print(f"linkcheck: {Path(out) / 'linkcheck.json'}")
