@@ -84,7 +84,7 @@ def _members(graph: nx.DiGraph, active) -> list[str]:
 
 
 def _partial(nodes: list[str], members: list[str]) -> list[str] | None:
-    """Plan participants/receivers: None (everyone) unless a strict subset works."""
+    """Plan participants/receivers: None (every node) unless only some nodes take part."""
     return None if len(members) == len(nodes) else members
 
 
