@@ -108,7 +108,7 @@ def cmd_plan(args) -> int:
 
 
 def _print_plan(exp: dict, variant: dict, args) -> None:
-    from testbed.runner import build_plan
+    from testbed.runner import build_plan, elem_bytes
 
     topo, graph, plan, prediction, bound = build_plan(exp, variant["scheme"])
     if args.json:
@@ -117,7 +117,7 @@ def _print_plan(exp: dict, variant: dict, args) -> None:
         return
     print(f"== {variant['label']}")
     print(f"scheme {plan.scheme} on {topo.name} (scale {topo.scale:g}): {exp['workload']['bytes']} bytes, "
-          f"{sum(len(p) for p in plan.programs.values())} ops, {plan.bytes_sent(1) * (4 if exp['workload']['dtype'] == 'float32' else 8) / 1e6:.3g} MB on the wire")
+          f"{sum(len(p) for p in plan.programs.values())} ops, {plan.bytes_sent(elem_bytes(exp)) / 1e6:.3g} MB on the wire")
     for i, t in enumerate(plan.meta.get("trees", [])):
         ch = {}
         for n, p in t["parent"].items():

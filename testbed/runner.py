@@ -225,7 +225,8 @@ def run_experiment(exp: dict, out_dir: Path, progress: Callable[[str], None]) ->
 
 
 def elem_bytes(exp: dict) -> int:
-    return 4 if exp["workload"]["dtype"] == "float32" else 8
+    """Bytes per vector element, as validation sized the workload (``bytes`` = ``length`` x it)."""
+    return exp["workload"]["bytes"] // exp["workload"]["length"]
 
 
 def _comparison(variants: list[dict]) -> list[dict]:
