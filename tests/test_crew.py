@@ -10,21 +10,16 @@ import networkx as nx
 import numpy as np
 import pytest
 
-from testbed import costmodel
+from testbed import costmodel, topogen
 from testbed.errors import ConfigError
 from testbed.plan import check_allreduce
 from testbed.planners import make_plan
 from testbed.planners.crew import scatter_weights, split_model
 
 
-def crew_mesh(n: int, seed: int, delay: float = 0.0) -> nx.DiGraph:
-    """CREW's setting N2 (§V-A): full mesh, b_ij = k * 25 Mbit/s, k = clip(round(N(5, 1)), 1, 10),
-    every direction drawn independently."""
-    rnd = random.Random(seed)
-    g = nx.DiGraph()
-    for u, v in itertools.permutations([f"w{i}" for i in range(n)], 2):
-        g.add_edge(u, v, rate_mbps=25.0 * min(10, max(1, round(rnd.gauss(5, 1)))), delay_ms=delay)
-    return g
+def crew_mesh(n: int, seed: int) -> nx.DiGraph:
+    """CREW's setting N2 (§V-A), from the generator the shipped crew-mesh topology uses."""
+    return topogen.crew_mesh(n, seed).graph()
 
 
 def closed_form(b, members, aggs) -> float:
@@ -85,9 +80,9 @@ def test_lp2_symmetric_rates_weigh_by_bandwidth():
 
 
 @pytest.mark.parametrize("params", [
-    {}, {"active": ["w0", "w3", "w5"]}, {"active": ["w1", "w2"], "aggregators": "members"},
-    {"active": ["w0", "w4", "w5"], "pipelined": False}, {"active": ["w2", "w6"], "split": "even"},
-    {"active": ["w0", "w1", "w2", "w3"], "scheduling": "fs", "chunks": 5},
+    {}, {"active": ["n0", "n3", "n5"]}, {"active": ["n1", "n2"], "aggregators": "members"},
+    {"active": ["n0", "n4", "n5"], "pipelined": False}, {"active": ["n2", "n6"], "split": "even"},
+    {"active": ["n0", "n1", "n2", "n3"], "scheduling": "fs", "chunks": 5},
 ])
 def test_members_end_with_the_exact_partial_sum(params):
     g = crew_mesh(7, 1)
@@ -141,9 +136,9 @@ def test_network_aware_split_beats_even_split():
 
 
 @pytest.mark.parametrize("params, needle", [
-    ({"active": ["w0"]}, "at least two distinct workers"),
-    ({"active": ["w0", "w0"]}, "at least two distinct workers"),
-    ({"active": ["w0", "zz"]}, "'zz' is not a node"),
+    ({"active": ["n0"]}, "at least two distinct workers"),
+    ({"active": ["n0", "n0"]}, "at least two distinct workers"),
+    ({"active": ["n0", "zz"]}, "'zz' is not a node"),
     ({"chunks": -1}, "chunks"),
 ])
 def test_bad_parameters_are_named(params, needle):
