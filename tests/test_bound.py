@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from testbed.plan import Tree
-from testbed.planners.bound import (optimum, pack_spanning_trees, simple_bound, spanning_tree,
-                                    tree_link_loads, tree_roundtrip_s, wan_view)
+from testbed.planners.bound import optimum, pack_spanning_trees, simple_bound, spanning_tree
+from testbed.planners.common import tree_link_loads, tree_roundtrip_s, wan_view
 from wan_graphs import random_wan, wan
 
 
