@@ -13,6 +13,7 @@ share lives in :mod:`.common`.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import pkgutil
 import time
@@ -110,15 +111,16 @@ def planner(name: str, reference: str, **params: Param):
     return register
 
 
+@functools.cache
 def _load_all() -> None:
     for mod in pkgutil.iter_modules(__path__):
         importlib.import_module(f"{__name__}.{mod.name}")
 
 
 def schemes() -> dict[str, PlannerSpec]:
-    """All registered schemes (importing every planner module on first use)."""
-    if not REGISTRY:
-        _load_all()
+    """All registered schemes (importing every planner module on first use; a non-empty
+    registry is not enough: a caller may have imported one planner module directly)."""
+    _load_all()
     return REGISTRY
 
 

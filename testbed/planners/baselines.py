@@ -22,8 +22,6 @@ are not WAN neighbours simply name the far node as peer; the emulator routes the
 
 from __future__ import annotations
 
-from collections import deque
-
 import networkx as nx
 
 from testbed.plan import Plan, ProgramBuilder, Tree, split_lengths, trees_plan
@@ -506,15 +504,7 @@ def plan_alltoall(graph: nx.DiGraph, length: int, *, elem_bytes: int = 4,
 def bfs_order(graph: nx.DiGraph, root: str) -> list[str]:
     """Breadth-first order of the (undirected) WAN graph from ``root``, neighbours by name."""
     und = graph.to_undirected(as_view=True)
-    seen, out, q = {root}, [], deque([root])
-    while q:
-        u = q.popleft()
-        out.append(u)
-        for v in sorted(und.neighbors(u), key=str):
-            if v not in seen:
-                seen.add(v)
-                q.append(v)
-    return out
+    return [root] + [v for _, v in nx.bfs_edges(und, root, sort_neighbors=lambda ns: sorted(ns, key=str))]
 
 
 def _heap_parent(seq: list[str], k: int) -> dict[str, str | None]:
