@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import operator
 import pkgutil
 import time
 from dataclasses import dataclass, field
@@ -26,6 +27,7 @@ from testbed.errors import ConfigError
 from testbed.plan import Plan
 
 NODE, NODES = "node", "nodes"
+_BOUNDS = {"ge": (">=", operator.ge), "gt": (">", operator.gt), "le": ("<=", operator.le), "lt": ("<", operator.lt)}
 
 
 class ParamError(ConfigError):
@@ -71,11 +73,10 @@ class Param:
             fail(key, f"expected {' or '.join(t.__name__ for t in types)}, got {value!r}")
         if self.choices and value not in self.choices:
             fail(key, f"expected one of {', '.join(map(str, self.choices))}, got {value!r}")
-        bounds = [(op, b) for op, b in ((">=", self.ge), (">", self.gt), ("<=", self.le), ("<", self.lt))
-                  if b is not None]
-        if bounds and not all({">=": value >= b, ">": value > b, "<=": value <= b, "<": value < b}[op]
-                              for op, b in bounds):
-            fail(key, f"must be {' and '.join(f'{op} {b}' for op, b in bounds)}, got {value!r}")
+        bounds = [(sign, test, getattr(self, name)) for name, (sign, test) in _BOUNDS.items()
+                  if getattr(self, name) is not None]
+        if not all(test(value, b) for _, test, b in bounds):
+            fail(key, f"must be {' and '.join(f'{sign} {b}' for sign, _, b in bounds)}, got {value!r}")
         names = [(key, value)] if self.kind == NODE and value else []
         if self.kind == NODES and value is not None:
             names = [(f"{key}[{i}]", n) for i, n in enumerate(value)]
