@@ -9,6 +9,11 @@ planners through :func:`make_plan`: it checks the parameters against the declare
 loader and direct callers alike, times the planner and stamps ``params``, ``planner_s``
 and ``reference`` into ``plan.meta``.  Planners never touch sockets or Mininet; what they
 share lives in :mod:`.common`.
+
+To add a scheme: a module here with ``@planner("name", "paper, section", param=Param(type,
+default, doc, choices=..., kind=..., ge=...))`` on a function returning a Plan; the
+experiment loader, ``plan``/``run`` and ``tests/test_schemes.py`` (exactness on small WANs,
+parameter checks, an emulated run) pick it up from the registry.
 """
 
 from __future__ import annotations
