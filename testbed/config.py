@@ -39,6 +39,7 @@ from typing import Any
 
 import yaml
 
+from testbed.checks import Checker
 from testbed.emulator import DEFAULT_TCP_CC
 from testbed.errors import ConfigError
 
@@ -57,47 +58,6 @@ DEFAULTS: dict[str, Any] = {
     "output": {"dir": "results"},
 }
 TOP_KEYS = {"name", "topology", "scheme", *DEFAULTS}
-
-
-class _Checker:
-    """Small helpers that raise ConfigError with the file and key path."""
-
-    def __init__(self, source: str):
-        self.source = source
-
-    def fail(self, key: str, msg: str):
-        raise ConfigError(msg, source=self.source, key=key)
-
-    def mapping(self, value, key: str, allowed: set[str] | None = None) -> dict:
-        if not isinstance(value, dict):
-            self.fail(key, f"expected a mapping, got {type(value).__name__}")
-        if allowed is not None:
-            extra = sorted(set(value) - allowed)
-            if extra:
-                self.fail(f"{key}.{extra[0]}" if key else extra[0],
-                          f"unknown key (allowed: {', '.join(sorted(allowed))})")
-        return value
-
-    def number(self, value, key: str, *, integer=False, minimum=None, positive=False):
-        ok = isinstance(value, int) if integer else isinstance(value, (int, float))
-        if not ok or isinstance(value, bool):
-            self.fail(key, f"expected {'an integer' if integer else 'a number'}, got {value!r}")
-        if positive and value <= 0:
-            self.fail(key, f"must be > 0, got {value!r}")
-        if minimum is not None and value < minimum:
-            self.fail(key, f"must be >= {minimum}, got {value!r}")
-        return value
-
-    def choice(self, value, key: str, choices):
-        if value not in choices:
-            self.fail(key, f"expected one of {', '.join(map(str, choices))}, got {value!r}")
-        return value
-
-    def node(self, value, key: str, nodes: list[str]):
-        if value not in nodes:
-            shown = ", ".join(nodes[:12]) + (" ..." if len(nodes) > 12 else "")
-            self.fail(key, f"unknown datacenter {value!r} (known: {shown})")
-        return value
 
 
 def load_yaml(path: str | Path, what: str = "experiment") -> dict:
@@ -154,7 +114,7 @@ def validate(data: dict, source: str = "<experiment>") -> dict:
     from testbed import workloads
     from testbed.topology import load_topology
 
-    c = _Checker(source)
+    c = Checker(source)
     c.mapping(data, "", TOP_KEYS)
     for key in ("name", "topology", "scheme"):
         if key not in data:
@@ -232,7 +192,7 @@ def validate(data: dict, source: str = "<experiment>") -> dict:
     return exp
 
 
-def _scheme(c: _Checker, scheme, key: str, nodes: list[str]) -> dict:
+def _scheme(c: Checker, scheme, key: str, nodes: list[str]) -> dict:
     """Validate ``{name: ..., <param>: ...}`` with the planner registry (the scheme's
     parameter table: types, choices, bounds, datacenters) and return it with every default
     filled in."""
@@ -242,7 +202,7 @@ def _scheme(c: _Checker, scheme, key: str, nodes: list[str]) -> dict:
     return resolve_scheme(scheme, nodes, source=c.source, key=key)
 
 
-def _check_compute(c: _Checker, spec, nodes: list[str]) -> None:
+def _check_compute(c: Checker, spec, nodes: list[str]) -> None:
     key = "workload.compute_s"
     if isinstance(spec, (int, float)) and not isinstance(spec, bool):
         c.number(spec, key, minimum=0)

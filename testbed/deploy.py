@@ -39,7 +39,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from testbed.config import _Checker, load_yaml
+from testbed.checks import Checker
+from testbed.config import load_yaml
 from testbed.errors import ConfigError, RunError
 from testbed.results import REPO, environment, new_run_dir, write_json_atomic
 from testbed.runner import DATA_PORT, add_summaries, plan_variants, run_variants
@@ -71,7 +72,7 @@ class HostsFile:
 def load_hosts(path: str | Path, nodes: list[str]) -> HostsFile:
     """Read and check a hosts file against the experiment's datacenters ``nodes``."""
     source = str(path)
-    data, c = load_yaml(path, what="hosts"), _Checker(source)
+    data, c = load_yaml(path, what="hosts"), Checker(source)
     c.mapping(data, "", HOSTS_KEYS)
     for key in ("coordinator", "hosts"):
         if key not in data:
