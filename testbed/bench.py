@@ -16,7 +16,8 @@ import time
 from pathlib import Path
 
 from testbed.results import environment, new_run_dir, write_json_atomic
-from testbed.runner import EmulatedHosts, Progress, run_agents
+from testbed.progress import Progress
+from testbed.runner import EmulatedHosts, run_agents
 
 
 def _topology(links, name):

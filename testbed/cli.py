@@ -25,7 +25,8 @@ def _experiment_args(p: argparse.ArgumentParser) -> None:
 def cmd_run(args) -> int:
     from testbed import config
     from testbed.results import new_run_dir, write_json_atomic
-    from testbed.runner import Progress, run_experiment
+    from testbed.progress import Progress
+    from testbed.runner import run_experiment
 
     exp = config.load_experiment(args.experiment, args.overrides)
     progress = Progress(quiet=args.quiet)
@@ -40,7 +41,7 @@ def cmd_run(args) -> int:
 def cmd_deploy(args) -> int:
     from testbed import config
     from testbed.deploy import deploy
-    from testbed.runner import Progress
+    from testbed.progress import Progress
 
     exp = config.load_experiment(args.experiment, args.overrides)
     progress = Progress(quiet=args.quiet)

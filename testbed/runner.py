@@ -6,7 +6,6 @@ import os
 import random
 import secrets
 import sys
-import time
 from pathlib import Path
 from typing import Callable
 
@@ -14,17 +13,6 @@ from testbed.results import REPO, STEAL_MAX, CpuMeter, environment, stats, write
 
 DATA_PORT = 7100
 CPU_BUSY = 0.95  # whole-machine utilisation above which the emulator may not keep up
-
-
-class Progress:
-    """Prints ``[  12.3s] message`` lines so long runs show where they are."""
-
-    def __init__(self, quiet: bool = False, stream=sys.stderr):
-        self.t0, self.quiet, self.stream = time.monotonic(), quiet, stream
-
-    def __call__(self, msg: str) -> None:
-        if not self.quiet:
-            print(f"[{time.monotonic() - self.t0:7.1f}s] {msg}", file=self.stream, flush=True)
 
 
 def compute_times(spec, nodes: list[str], iterations: int, seed: int) -> dict[str, list[float]]:

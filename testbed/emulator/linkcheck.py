@@ -150,7 +150,7 @@ def format_table(result: dict) -> str:
 
 
 def linkcheck(args) -> int:
-    from testbed.runner import Progress
+    from testbed.progress import Progress
     from testbed.topology import load_topology
 
     topo = load_topology(args.topology, source=args.topology).scaled(args.scale)
