@@ -26,7 +26,7 @@ def cmd_run(args) -> int:
     from testbed import config
     from testbed.results import new_run_dir, write_json_atomic
     from testbed.progress import Progress
-    from testbed.runner import run_experiment
+    from testbed.experiment import run_experiment
 
     exp = config.load_experiment(args.experiment, args.overrides)
     progress = Progress(quiet=args.quiet)
@@ -42,11 +42,14 @@ def cmd_deploy(args) -> int:
     from testbed import config
     from testbed.deploy import deploy
     from testbed.progress import Progress
+    from testbed.results import new_run_dir, write_json_atomic
 
     exp = config.load_experiment(args.experiment, args.overrides)
     progress = Progress(quiet=args.quiet)
     progress(f"experiment {exp['name']!r}: scheme {exp['scheme']['name']} on the real hosts of {args.hosts}")
-    results, out = deploy(exp, args.hosts, Path(args.out) if args.out else None, progress)
+    out = Path(args.out) if args.out else new_run_dir(exp["output"]["dir"], f"{exp['name']}-deploy")
+    results = deploy(exp, args.hosts, out, progress)
+    write_json_atomic(out / "results.json", results)
     return _report(results, out)
 
 
@@ -96,7 +99,7 @@ def cmd_validate(args) -> int:
 
 def cmd_plan(args) -> int:
     from testbed import config
-    from testbed.runner import variants
+    from testbed.experiment import variants
 
     exp = config.load_experiment(args.experiment, args.overrides)
     chosen = [v for v in variants(exp) if args.variant in (None, v["label"])]
@@ -109,7 +112,7 @@ def cmd_plan(args) -> int:
 
 
 def _print_plan(exp: dict, variant: dict, args) -> None:
-    from testbed.runner import build_plan, elem_bytes
+    from testbed.experiment import build_plan, elem_bytes
 
     topo, graph, plan, prediction, bound = build_plan(exp, variant["scheme"])
     if args.json:
@@ -173,15 +176,42 @@ def cmd_clean(args) -> int:
 
 
 def cmd_linkcheck(args) -> int:
-    from testbed.emulator.linkcheck import linkcheck
+    from testbed.emulator.linkcheck import format_table, run_linkcheck
+    from testbed.progress import Progress
+    from testbed.results import environment, new_run_dir, write_json_atomic
+    from testbed.topology import load_topology
 
-    return linkcheck(args)
+    topo = load_topology(args.topology, source=args.topology).scaled(args.scale)
+    phases = ("concurrent",) if args.concurrent else ("single",) if args.single else ("single", "concurrent")
+    out = Path(args.out) if args.out else new_run_dir("results", f"linkcheck-{topo.name}")
+    result = run_linkcheck(topo, seconds=args.seconds, phases=phases, method=args.method, tcp_cc=args.tcp_cc,
+                           progress=Progress())
+    result["environment"] = environment()
+    write_json_atomic(out / "linkcheck.json", result)
+    print(format_table(result))
+    if "concurrent_cpu_util" in result:
+        print(f"CPU during concurrent phase: {result['concurrent_cpu_util']:.0%}")
+    print(f"CPU time taken by the hypervisor (steal): {result['steal']:.1%}; "
+          f"emulator kept up: {result['emulation_kept_up']}")
+    print(f"total configured capacity {result['total_capacity_mbps']:.0f} Mbit/s at scale {topo.scale:g}; "
+          f"{'all directions within tolerance' if result['ok'] else 'SOME DIRECTIONS OUT OF TOLERANCE'}")
+    print(f"linkcheck: {out / 'linkcheck.json'}")
+    return 0 if result["ok"] else 1
 
 
 def cmd_bench(args) -> int:
-    from testbed import bench
+    from testbed.bench import run_bench
+    from testbed.progress import Progress
+    from testbed.results import new_run_dir, write_json_atomic
 
-    return bench.main(args)
+    out = Path(args.out) if args.out else new_run_dir("results", f"bench-{args.name}")
+    result = run_bench(args.name, out, Progress())
+    write_json_atomic(out / "bench.json", result)
+    for k, v in result.items():
+        if k != "environment":
+            print(f"{k}: {v}")
+    print(f"bench: {out / 'bench.json'}")
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:

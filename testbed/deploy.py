@@ -42,8 +42,9 @@ from typing import Callable
 from testbed.checks import Checker
 from testbed.config import load_yaml
 from testbed.errors import ConfigError, RunError
-from testbed.results import REPO, environment, new_run_dir, write_json_atomic
-from testbed.runner import DATA_PORT, add_summaries, plan_variants, run_variants
+from testbed.experiment import add_summaries, plan_variants, run_variants
+from testbed.hosts import DATA_PORT, Hosts
+from testbed.results import REPO, environment
 
 SSH_BASE = ["ssh", "-T", "-o", "BatchMode=yes", "-o", "ConnectTimeout=10"]
 CODE = ["agents/*.py", "testbed/__init__.py", "testbed/plan.py", "testbed/errors.py"]  # what an agent imports
@@ -130,9 +131,9 @@ def _files_tar(files: dict[str, bytes]) -> bytes:
     return buf.getvalue()
 
 
-class SshHosts:
+class SshHosts(Hosts):
     """Agents on real hosts over ssh; the coordinator on this machine.  Same interface as
-    :class:`testbed.runner.EmulatedHosts` (addresses, start_agent, health, stop_agents)."""
+    :class:`testbed.hosts.Hosts` (addresses, start_agent, health, stop_agents)."""
 
     def __init__(self, hosts_file: HostsFile, log: Callable[[str], None] = lambda m: None):
         self.hosts, self.ssh_options, self.log = hosts_file.hosts, hosts_file.ssh_options, log
@@ -243,15 +244,13 @@ def check_deployable(exp: dict, hosts_path: str | Path) -> HostsFile:
     return load_hosts(hosts_path, load_topology(exp["topology"]).nodes)
 
 
-def deploy(exp: dict, hosts_path: str | Path, out_dir: Path | None, progress: Callable[[str], None]) -> tuple:
-    """Run every scheme of ``exp`` on the real hosts of ``hosts_path``; (results, out_dir)."""
+def deploy(exp: dict, hosts_path: str | Path, out_dir: Path, progress: Callable[[str], None]) -> dict:
+    """Run every scheme of ``exp`` on the real hosts of ``hosts_path`` (agent logs in
+    ``out_dir``); the data of results.json."""
     hosts_file = check_deployable(exp, hosts_path)
     _, planned = plan_variants(exp, progress)
-    out_dir = out_dir or new_run_dir(exp["output"]["dir"], f"{exp['name']}-deploy")
     results: dict = {"experiment": exp, "environment": environment(), "runs": []}
     with SshHosts(hosts_file, log=progress) as hosts:
         results["deployment"] = {"coordinator": hosts.coordinator_host, "hosts": hosts.environment}
         results["runs"] = run_variants(exp, planned, hosts, out_dir, progress)
-    add_summaries(results, planned, exp)
-    write_json_atomic(out_dir / "results.json", results)
-    return results, out_dir
+    return add_summaries(results, planned, exp)

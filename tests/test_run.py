@@ -13,7 +13,8 @@ from testbed import config
 from testbed.emulator.cleanup import leftovers
 from testbed.emulator.network import WanNetwork
 from testbed.planners import make_plan
-from testbed.runner import EmulatedHosts, run_agents
+from testbed.emulator.hosts import EmulatedHosts
+from testbed.hosts import run_agents
 from testbed.topology import load_topology
 
 pytestmark = pytest.mark.net

@@ -4,7 +4,7 @@ import pytest
 
 from testbed import config
 from testbed.errors import ConfigError
-from testbed.runner import build_plan, compute_times, variants
+from testbed.experiment import build_plan, compute_times, variants
 
 BASE = {"name": "t", "topology": "small-3", "scheme": {"name": "ring"}, "workload": {"size": "64KB"}}
 
@@ -52,7 +52,7 @@ def test_scale_multiplies_size_and_rates():
 
 def test_partial_reduce_has_no_allreduce_bound():
     """The spanning-tree packing bounds an AllReduce of every node, not a group P of them."""
-    from testbed.runner import _summary
+    from testbed.experiment import _summary
 
     exp = config.validate({**BASE, "scheme": {"name": "crew", "active": ["h1", "h2"]}}, "x.yaml")
     *_, prediction, bound = build_plan(exp)
@@ -62,7 +62,7 @@ def test_partial_reduce_has_no_allreduce_bound():
 
 
 def test_warmup_iterations_are_checked_but_not_timed():
-    from testbed.runner import _summarise_run
+    from testbed.experiment import _summarise_run
 
     def it(i, cct, ok=True):
         return {"iteration": i, "cct_s": cct, "correct": ok, "workers": {"a": {"correct": ok}}}
@@ -75,7 +75,7 @@ def test_warmup_iterations_are_checked_but_not_timed():
 
 
 def test_emulation_health_expects_relay_statistics_only_where_relays_ran():
-    from testbed.runner import _emulation_health
+    from testbed.experiment import _emulation_health
 
     assert _emulation_health("relay", 0, [], 0.5, 0.0, 2.0)["kept_up"] is True  # no link needed a relay
     h = _emulation_health("relay", 2, [], 0.5, 0.0, 2.0)

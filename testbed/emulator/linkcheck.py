@@ -19,10 +19,9 @@ import math
 import re
 import subprocess
 import time
-from pathlib import Path
 
 from testbed.emulator import DEFAULT_TCP_CC
-from testbed.results import STEAL_MAX, CpuMeter, environment, new_run_dir, write_json_atomic
+from testbed.results import STEAL_MAX, CpuMeter
 
 RATE_OK = (0.93, 1.02)
 BASE_PORT = 5201
@@ -147,25 +146,3 @@ def format_table(result: dict) -> str:
         lines.append(f"{d['phase']:10} {d['src']:>6} {d['dst']:>6} {d['rate_mbps']:8.1f} {meas:>8} {ratio:>6} "
                      f"{d['expected_owd_ms']:7.2f} {owd:>7}  {'ok' if d['ok'] else 'FAIL'}")
     return "\n".join(lines)
-
-
-def linkcheck(args) -> int:
-    from testbed.progress import Progress
-    from testbed.topology import load_topology
-
-    topo = load_topology(args.topology, source=args.topology).scaled(args.scale)
-    phases = ("concurrent",) if args.concurrent else ("single",) if args.single else ("single", "concurrent")
-    out = Path(args.out) if args.out else new_run_dir("results", f"linkcheck-{topo.name}")
-    result = run_linkcheck(topo, seconds=args.seconds, phases=phases, method=args.method, tcp_cc=args.tcp_cc,
-                           progress=Progress())
-    result["environment"] = environment()
-    write_json_atomic(Path(out) / "linkcheck.json", result)
-    print(format_table(result))
-    if "concurrent_cpu_util" in result:
-        print(f"CPU during concurrent phase: {result['concurrent_cpu_util']:.0%}")
-    print(f"CPU time taken by the hypervisor (steal): {result['steal']:.1%}; "
-          f"emulator kept up: {result['emulation_kept_up']}")
-    print(f"total configured capacity {result['total_capacity_mbps']:.0f} Mbit/s at scale {topo.scale:g}; "
-          f"{'all directions within tolerance' if result['ok'] else 'SOME DIRECTIONS OUT OF TOLERANCE'}")
-    print(f"linkcheck: {Path(out) / 'linkcheck.json'}")
-    return 0 if result["ok"] else 1

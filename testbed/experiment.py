@@ -1,17 +1,16 @@
-"""``testbed run``: experiment -> plan -> emulated WAN -> agents -> checked results.json."""
+"""An experiment's run: plan every variant, run them on :class:`~testbed.hosts.Hosts` (the
+emulated WAN for ``run``, real hosts for ``deploy``), summarise.  Returns the data of
+results.json; the command line writes it."""
 
 from __future__ import annotations
 
-import os
 import random
-import secrets
-import sys
 from pathlib import Path
 from typing import Callable
 
-from testbed.results import REPO, STEAL_MAX, CpuMeter, environment, stats, write_json_atomic
+from testbed.hosts import Hosts, run_agents
+from testbed.results import STEAL_MAX, CpuMeter, environment, stats
 
-DATA_PORT = 7100
 CPU_BUSY = 0.95  # whole-machine utilisation above which the emulator may not keep up
 
 
@@ -64,72 +63,7 @@ def build_plan(exp: dict, scheme: dict | None = None):
     return topo, graph, plan, prediction, bound
 
 
-class EmulatedHosts:
-    """Where :func:`run_agents` puts agents in the emulator: one process per datacenter in
-    its Mininet host; the coordinator listens on the control network (root namespace).
-    :class:`testbed.deploy.SshHosts` is the same interface for real hosts over SSH."""
-
-    def __init__(self, net):
-        from testbed.emulator.network import CONTROL_IP
-
-        self.net, self._procs = net, {}
-        self.coordinator_host = CONTROL_IP  # agents connect here; the coordinator binds it, any port
-        self.coordinator_bind = (CONTROL_IP, 0)
-
-    def addresses(self) -> dict:
-        return self.net.address_map()
-
-    def start_agent(self, dc: str, cfg: dict, out_dir: Path, secret_file: Path) -> None:
-        path = out_dir / "agents" / f"{dc}.json"
-        path.parent.mkdir(exist_ok=True)
-        write_json_atomic(path, {**cfg, "data_port": DATA_PORT, "bind": "0.0.0.0",
-                                 "secret_file": str(secret_file.resolve()),
-                                 "log_file": str((out_dir / "agents" / f"{dc}.log").resolve())})
-        self._procs[dc] = self.net.popen(dc, [sys.executable, "-m", "agents.agent", "--config", str(path.resolve())],
-                                         cwd=str(REPO), env=dict(os.environ, PYTHONPATH=str(REPO)))
-
-    def health(self) -> str | None:
-        """Why a run cannot go on (an agent process exited), or None."""
-        for dc, p in self._procs.items():
-            if p.poll() is not None:
-                return f"{dc}: agent process exited with code {p.returncode} (log: agents/{dc}.log)"
-        return None
-
-    def stop_agents(self) -> None:
-        self.net.stop_processes()
-        self._procs.clear()
-
-
-def run_agents(hosts, plan, out_dir: Path, *, iterations: int = 1, seed: int = 0, dtype: str = "float32",
-               compute_s: dict | None = None, stop_and_wait: bool = False, timeout_s: float = 120.0,
-               progress: Callable[[str], None] = lambda m: None) -> dict:
-    """Start a coordinator here and one agent per datacenter on ``hosts`` (an
-    :class:`EmulatedHosts` or :class:`testbed.deploy.SshHosts`), run ``plan``
-    ``iterations`` times, and return the coordinator's results.  Agents are stopped
-    (killed if need be) before returning, also on error."""
-    from agents.coordinator import Coordinator
-
-    out_dir.mkdir(parents=True, exist_ok=True)
-    secret_file = out_dir / "secret"
-    if not secret_file.exists():
-        secret_file.touch(mode=0o600)
-        secret_file.write_text(secrets.token_hex(32))
-    coord = Coordinator(plan, addresses=hosts.addresses(), data_port=None, secret=secret_file.read_text(),
-                        iterations=iterations, seed=seed, dtype=dtype, compute_s=compute_s,
-                        stop_and_wait=stop_and_wait, timeout_s=timeout_s, bind=hosts.coordinator_bind,
-                        progress=progress, health=hosts.health)
-    coord.start()
-    try:
-        for dc in plan.nodes:
-            hosts.start_agent(dc, {"name": dc, "coordinator": f"{hosts.coordinator_host}:{coord.address[1]}"},
-                              out_dir, secret_file)
-        return coord.run()
-    finally:
-        coord.close()
-        hosts.stop_agents()
-
-
-def run_variants(exp: dict, planned: list, hosts, out_dir: Path, progress: Callable[[str], None]) -> list[dict]:
+def run_variants(exp: dict, planned: list, hosts: Hosts, out_dir: Path, progress: Callable[[str], None]) -> list[dict]:
     """Run every planned variant ``repetitions`` times on ``hosts``, interleaved (so slow
     drifts hit all variants alike); one summarised record per run."""
     w, a = exp["workload"], exp["agents"]
@@ -183,6 +117,7 @@ def run_experiment(exp: dict, out_dir: Path, progress: Callable[[str], None]) ->
     tear down, return results."""
     from testbed.emulator.capabilities import probe
     from testbed.emulator.dynamics import Scheduler
+    from testbed.emulator.hosts import EmulatedHosts
     from testbed.emulator.network import WanNetwork
 
     topo, planned = plan_variants(exp, progress)
