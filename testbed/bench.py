@@ -69,10 +69,10 @@ def bench_ring(out: Path, progress, size_mb: float = 24.0) -> dict:
                            "workload": {"size": f"{size_mb}MB"}, "repetitions": 2}, "<bench>")
     res = run_experiment(exp, out / "ring", progress)
     _, graph, plan, prediction, _ = build_plan(exp)
-    ab = alpha_beta(plan, graph, elem_bytes=4)
+    ab = alpha_beta(plan, graph, elem_bytes=exp.workload.elem_bytes)
     measured = res["summary"]["cct_s"]["mean"]
     ab_s = ab["cct_s"] if isinstance(ab, dict) else ab
-    return {"bytes": exp["workload"]["bytes"], "measured_cct_s": measured, "alpha_beta_cct_s": ab_s,
+    return {"bytes": exp.workload.bytes, "measured_cct_s": measured, "alpha_beta_cct_s": ab_s,
             "flow_model_cct_s": prediction["cct_s"], "ratio_to_alpha_beta": measured / ab_s,
             "ratio_to_flow_model": measured / prediction["cct_s"], "correct": res["summary"]["correct"],
             "emulation": {k: res["emulation"][k] for k in ("method", "kept_up", "warnings")}}

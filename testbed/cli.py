@@ -30,9 +30,9 @@ def cmd_run(args) -> int:
 
     exp = config.load_experiment(args.experiment, args.overrides)
     progress = Progress(quiet=args.quiet)
-    out = Path(args.out) if args.out else new_run_dir(exp["output"]["dir"], exp["name"])
-    progress(f"experiment {exp['name']!r}: scheme {exp['scheme']['name']} on {exp['topology']['name']}, "
-             f"{exp['repetitions']} repetition(s); results -> {out}")
+    out = Path(args.out) if args.out else new_run_dir(exp.output_dir, exp.name)
+    progress(f"experiment {exp.name!r}: scheme {exp.scheme['name']} on {exp.topology.name}, "
+             f"{exp.repetitions} repetition(s); results -> {out}")
     results = run_experiment(exp, out, progress)
     write_json_atomic(out / "results.json", results)
     return _report(results, out)
@@ -46,8 +46,8 @@ def cmd_deploy(args) -> int:
 
     exp = config.load_experiment(args.experiment, args.overrides)
     progress = Progress(quiet=args.quiet)
-    progress(f"experiment {exp['name']!r}: scheme {exp['scheme']['name']} on the real hosts of {args.hosts}")
-    out = Path(args.out) if args.out else new_run_dir(exp["output"]["dir"], f"{exp['name']}-deploy")
+    progress(f"experiment {exp.name!r}: scheme {exp.scheme['name']} on the real hosts of {args.hosts}")
+    out = Path(args.out) if args.out else new_run_dir(exp.output_dir, f"{exp.name}-deploy")
     results = deploy(exp, args.hosts, out, progress)
     write_json_atomic(out / "results.json", results)
     return _report(results, out)
@@ -84,10 +84,10 @@ def cmd_validate(args) -> int:
     from testbed import config
 
     exp = config.load_experiment(args.experiment, args.overrides)
-    t = exp["topology"]
-    print(f"{args.experiment}: ok — scheme {exp['scheme']['name']}, topology {t['name']} "
-          f"({len(t['datacenters'])} datacenters, {len(t['links'])} links), "
-          f"{exp['workload']['bytes']} bytes, {exp['repetitions']} repetition(s)")
+    t = exp.topology
+    print(f"{args.experiment}: ok — scheme {exp.scheme['name']}, topology {t.name} "
+          f"({len(t.nodes)} datacenters, {len(t.links)} links), "
+          f"{exp.workload.bytes} bytes, {exp.repetitions} repetition(s)")
     if args.hosts:
         from testbed.deploy import check_deployable
 
@@ -99,12 +99,10 @@ def cmd_validate(args) -> int:
 
 def cmd_plan(args) -> int:
     from testbed import config
-    from testbed.experiment import variants
-
     exp = config.load_experiment(args.experiment, args.overrides)
-    chosen = [v for v in variants(exp) if args.variant in (None, v["label"])]
+    chosen = [v for v in exp.variants if args.variant in (None, v.label)]
     if not chosen:
-        raise ConfigError(f"no variant {args.variant!r} (have: {', '.join(v['label'] for v in variants(exp))})",
+        raise ConfigError(f"no variant {args.variant!r} (have: {', '.join(v.label for v in exp.variants)})",
                           source=args.experiment, key="variants")
     for v in chosen:
         _print_plan(exp, v, args)
@@ -112,16 +110,16 @@ def cmd_plan(args) -> int:
 
 
 def _print_plan(exp: dict, variant: dict, args) -> None:
-    from testbed.experiment import build_plan, elem_bytes
+    from testbed.experiment import build_plan
 
-    topo, graph, plan, prediction, bound = build_plan(exp, variant["scheme"])
+    topo, graph, plan, prediction, bound = build_plan(exp, variant.scheme)
     if args.json:
-        print(json.dumps({"label": variant["label"], "plan": plan.to_dict() if args.full else plan.meta,
+        print(json.dumps({"label": variant.label, "plan": plan.to_dict() if args.full else plan.meta,
                           "prediction": prediction, "bound": bound}, indent=1, default=str))
         return
-    print(f"== {variant['label']}")
-    print(f"scheme {plan.scheme} on {topo.name} (scale {topo.scale:g}): {exp['workload']['bytes']} bytes, "
-          f"{sum(len(p) for p in plan.programs.values())} ops, {plan.bytes_sent(elem_bytes(exp)) / 1e6:.3g} MB on the wire")
+    print(f"== {variant.label}")
+    print(f"scheme {plan.scheme} on {topo.name} (scale {topo.scale:g}): {exp.workload.bytes} bytes, "
+          f"{sum(len(p) for p in plan.programs.values())} ops, {plan.bytes_sent(exp.workload.elem_bytes) / 1e6:.3g} MB on the wire")
     for i, t in enumerate(plan.meta.get("trees", [])):
         ch = {}
         for n, p in t["parent"].items():

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import copy
 import re
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +43,7 @@ import yaml
 from testbed.checks import Checker
 from testbed.emulator import DEFAULT_TCP_CC
 from testbed.errors import ConfigError
+from testbed.wan import Topology
 
 EXPERIMENT_DIR = Path(__file__).resolve().parent.parent / "experiments"
 
@@ -58,6 +60,82 @@ DEFAULTS: dict[str, Any] = {
     "output": {"dir": "results"},
 }
 TOP_KEYS = {"name", "topology", "scheme", *DEFAULTS}
+
+
+@dataclass(frozen=True)
+class Workload:
+    """The vector every worker reduces: ``bytes`` (already scaled) = ``length`` elements of
+    ``elem_bytes`` each; ``warmup`` iterations run first and are left out of CCT statistics."""
+
+    size: Any
+    model: str | None
+    dtype: str
+    iterations: int
+    warmup: int
+    compute_s: Any
+    bytes: int
+    length: int
+
+    @property
+    def elem_bytes(self) -> int:
+        return self.bytes // self.length
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One scheme an experiment compares: ``scheme`` is ``{name, <every parameter>}``."""
+
+    label: str
+    scheme: dict
+
+    @property
+    def params(self) -> dict:
+        return {k: v for k, v in self.scheme.items() if k != "name"}
+
+
+@dataclass(frozen=True)
+class EmulatorSettings:
+    method: str
+    relay_procs: int
+    max_late_ms: float
+    tcp_cc: str
+
+
+@dataclass(frozen=True)
+class AgentSettings:
+    timeout_s: float
+    stop_and_wait: bool
+
+
+@dataclass(frozen=True, eq=False)
+class Experiment:
+    """A validated experiment.  ``topology`` is already scaled by ``scale`` (loaded once);
+    ``variants`` starts with the main scheme; ``dynamics`` and ``faults`` are normalised
+    (rates as in the file: the emulator's scheduler multiplies them by ``scale``).
+    :meth:`to_dict` is the resolved mapping results.json records (unscaled topology)."""
+
+    name: str
+    source: str
+    topology: Topology
+    scale: float
+    seed: int
+    repetitions: int
+    workload: Workload
+    variants: tuple[Variant, ...]
+    dynamics: tuple
+    faults: tuple
+    emulator: EmulatorSettings
+    agents: AgentSettings
+    output_dir: str
+    resolved: dict = field(repr=False)
+
+    @property
+    def scheme(self) -> dict:
+        """The main scheme (``{name, <parameters>}``)."""
+        return self.variants[0].scheme
+
+    def to_dict(self) -> dict:
+        return copy.deepcopy(self.resolved)
 
 
 def load_yaml(path: str | Path, what: str = "experiment") -> dict:
@@ -108,9 +186,10 @@ def _merge(defaults: dict, given: dict) -> dict:
     return out
 
 
-def validate(data: dict, source: str = "<experiment>") -> dict:
-    """Check an experiment mapping and return it fully resolved (defaults filled in,
-    ``topology`` resolved to its mapping, ``workload.bytes`` computed)."""
+def validate(data: dict, source: str = "<experiment>") -> Experiment:
+    """Check an experiment mapping; the :class:`Experiment` (its ``to_dict()``: the mapping
+    fully resolved, defaults filled in, ``topology`` resolved to its mapping,
+    ``workload.bytes`` computed)."""
     from testbed import workloads
     from testbed.topology import load_topology
 
@@ -167,7 +246,7 @@ def validate(data: dict, source: str = "<experiment>") -> dict:
             c.fail("workload.size", str(e))
         if nbytes <= 0:
             c.fail("workload.size", "must be > 0")
-    itemsize = 4 if w["dtype"] == "float32" else 8
+    itemsize = workloads.dtype_bytes(w["dtype"])
     w["bytes"] = max(itemsize, int(nbytes * exp["scale"]) // itemsize * itemsize)
     w["length"] = w["bytes"] // itemsize
     _check_compute(c, w["compute_s"], nodes)
@@ -189,7 +268,13 @@ def validate(data: dict, source: str = "<experiment>") -> dict:
 
     exp["dynamics"] = validate_dynamics(exp["dynamics"], topo, c, source)
     exp["faults"] = validate_faults(exp["faults"], topo, c)
-    return exp
+    return Experiment(
+        name=exp["name"], source=source, topology=topo.scaled(exp["scale"]), scale=exp["scale"], seed=exp["seed"],
+        repetitions=exp["repetitions"], workload=Workload(**w),
+        variants=(Variant(exp["scheme"]["name"], exp["scheme"]),
+                  *(Variant(v["label"], v["scheme"]) for v in exp["variants"])),
+        dynamics=tuple(exp["dynamics"]), faults=tuple(exp["faults"]), emulator=EmulatorSettings(**e),
+        agents=AgentSettings(**a), output_dir=exp["output"]["dir"], resolved=copy.deepcopy(exp))
 
 
 def _scheme(c: Checker, scheme, key: str, nodes: list[str]) -> dict:
@@ -221,6 +306,6 @@ def _check_compute(c: Checker, spec, nodes: list[str]) -> None:
         c.fail(f"{key}.{kind}", "expected a list of two numbers")
 
 
-def load_experiment(path: str | Path, overrides: list[str] = ()) -> dict:
+def load_experiment(path: str | Path, overrides: list[str] = ()) -> Experiment:
     data = apply_overrides(load_yaml(path), list(overrides), str(path))
     return validate(data, str(path))

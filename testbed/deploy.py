@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Callable
 
 from testbed.checks import Checker
-from testbed.config import load_yaml
+from testbed.config import Experiment, load_yaml
 from testbed.errors import ConfigError, RunError
 from testbed.experiment import add_summaries, plan_variants, run_variants
 from testbed.hosts import DATA_PORT, Hosts
@@ -233,23 +233,21 @@ class SshHosts(Hosts):
         self._procs.clear()
 
 
-def check_deployable(exp: dict, hosts_path: str | Path) -> HostsFile:
+def check_deployable(exp: Experiment, hosts_path: str | Path) -> HostsFile:
     """The checked hosts file for ``exp``; ConfigError if either cannot be deployed."""
-    from testbed.topology import load_topology
-
     for key in ("dynamics", "faults"):
-        if exp[key]:
+        if getattr(exp, key):
             raise ConfigError("emulator-only: real hosts cannot be reshaped; remove it to deploy",
-                              source=exp["name"], key=key)
-    return load_hosts(hosts_path, load_topology(exp["topology"]).nodes)
+                              source=exp.name, key=key)
+    return load_hosts(hosts_path, exp.topology.nodes)
 
 
-def deploy(exp: dict, hosts_path: str | Path, out_dir: Path, progress: Callable[[str], None]) -> dict:
+def deploy(exp: Experiment, hosts_path: str | Path, out_dir: Path, progress: Callable[[str], None]) -> dict:
     """Run every scheme of ``exp`` on the real hosts of ``hosts_path`` (agent logs in
     ``out_dir``); the data of results.json."""
     hosts_file = check_deployable(exp, hosts_path)
-    _, planned = plan_variants(exp, progress)
-    results: dict = {"experiment": exp, "environment": environment(), "runs": []}
+    planned = plan_variants(exp, progress)
+    results: dict = {"experiment": exp.to_dict(), "environment": environment(), "runs": []}
     with SshHosts(hosts_file, log=progress) as hosts:
         results["deployment"] = {"coordinator": hosts.coordinator_host, "hosts": hosts.environment}
         results["runs"] = run_variants(exp, planned, hosts, out_dir, progress)

@@ -8,6 +8,7 @@ import random
 from pathlib import Path
 from typing import Callable
 
+from testbed.config import Experiment
 from testbed.hosts import Hosts, run_agents
 from testbed.results import STEAL_MAX, CpuMeter, environment, stats
 
@@ -34,77 +35,71 @@ def compute_times(spec, nodes: list[str], iterations: int, seed: int) -> dict[st
     return out
 
 
-def variants(exp: dict) -> list[dict]:
-    """The schemes an experiment compares: the main ``scheme`` first, then ``variants``."""
-    return [{"label": exp["scheme"]["name"], "scheme": exp["scheme"]}] + list(exp["variants"])
-
-
-def build_plan(exp: dict, scheme: dict | None = None):
+def build_plan(exp: Experiment, scheme: dict | None = None):
     """(topology scaled, graph, plan, prediction, bound) for a validated experiment and one of
     its schemes (default: the main one) — pure planning, no network."""
     from testbed import costmodel
     from testbed.planners import make_plan
     from testbed.planners.bound import optimum
-    from testbed.topology import load_topology, validate_connected
+    from testbed.wan import validate_connected
 
-    scheme = scheme or exp["scheme"]
-    topo = load_topology(exp["topology"]).scaled(exp["scale"])
-    validate_connected(topo, source=exp["name"], key="topology")
+    scheme, topo, w = scheme or exp.scheme, exp.topology, exp.workload
+    validate_connected(topo, source=exp.name, key="topology")
     graph = topo.graph()
     params = {k: v for k, v in scheme.items() if k != "name"}
-    plan = make_plan(scheme["name"], graph, exp["workload"]["length"], params, elem_bytes=elem_bytes(exp))
+    plan = make_plan(scheme["name"], graph, w.length, params, elem_bytes=w.elem_bytes)
     plan.validate()
-    prediction = costmodel.predict(plan, graph, elem_bytes=elem_bytes(exp),
-                                   stop_and_wait=exp["agents"]["stop_and_wait"])
+    prediction = costmodel.predict(plan, graph, elem_bytes=w.elem_bytes, stop_and_wait=exp.agents.stop_and_wait)
     # The optimum is a packing of spanning trees over every node, i.e. a bound for an AllReduce
     # of all of them; a partial reduce (CREW's group P, forest's active workers) has none here.
     partial = set(plan.contributing()) != set(plan.nodes) or set(plan.finishing()) != set(plan.nodes)
-    bound = None if partial else optimum(graph, exp["workload"]["bytes"])
+    bound = None if partial else optimum(graph, w.bytes)
     return topo, graph, plan, prediction, bound
 
 
-def run_variants(exp: dict, planned: list, hosts: Hosts, out_dir: Path, progress: Callable[[str], None]) -> list[dict]:
+def run_variants(exp: Experiment, planned: list, hosts: Hosts, out_dir: Path,
+                 progress: Callable[[str], None]) -> list[dict]:
     """Run every planned variant ``repetitions`` times on ``hosts``, interleaved (so slow
     drifts hit all variants alike); one summarised record per run."""
-    w, a = exp["workload"], exp["agents"]
+    w, a = exp.workload, exp.agents
     runs = []
-    for rep in range(exp["repetitions"]):
+    for rep in range(exp.repetitions):
         for v, plan, _, _ in planned:
-            progress(f"repetition {rep + 1}/{exp['repetitions']} of {v['label']}: starting {len(plan.nodes)} agents")
-            seed = exp["seed"] * 1000 + rep
-            n_its = w["warmup"] + w["iterations"]
-            result = run_agents(hosts, plan, out_dir, iterations=n_its, seed=seed, dtype=w["dtype"],
-                                compute_s=compute_times(w["compute_s"], plan.nodes, n_its, seed),
-                                stop_and_wait=a["stop_and_wait"], timeout_s=a["timeout_s"], progress=progress)
-            r = _summarise_run(rep, v["label"], result, w["warmup"])
+            progress(f"repetition {rep + 1}/{exp.repetitions} of {v.label}: starting {len(plan.nodes)} agents")
+            seed = exp.seed * 1000 + rep
+            n_its = w.warmup + w.iterations
+            result = run_agents(hosts, plan, out_dir, iterations=n_its, seed=seed, dtype=w.dtype,
+                                compute_s=compute_times(w.compute_s, plan.nodes, n_its, seed),
+                                stop_and_wait=a.stop_and_wait, timeout_s=a.timeout_s, progress=progress)
+            r = _summarise_run(rep, v.label, result, w.warmup)
             runs.append(r)
-            progress(f"repetition {rep + 1} of {v['label']}: CCT {r['cct_s']:.3f}s, correct={r['correct']}")
+            progress(f"repetition {rep + 1} of {v.label}: CCT {r['cct_s']:.3f}s, correct={r['correct']}")
             if not r["correct"]:  # results are still written; the CLI exits 1
                 progress(f"WRONG RESULT at {', '.join(r['incorrect']) or 'some workers (digests differ)'}")
     return runs
 
 
-def plan_variants(exp: dict, progress: Callable[[str], None]) -> tuple:
-    """(scaled topology, [(variant, plan, prediction, bound)]) for every scheme of ``exp``."""
-    w, planned, topo = exp["workload"], [], None
-    for v in variants(exp):
-        progress(f"planning {v['label']} ({v['scheme']['name']}) for {w['bytes'] / 1e6:.3g} MB")
-        topo, graph, plan, prediction, bound = build_plan(exp, v["scheme"])
+def plan_variants(exp: Experiment, progress: Callable[[str], None]) -> list:
+    """[(variant, plan, prediction, bound)] for every scheme of ``exp``."""
+    planned = []
+    for v in exp.variants:
+        progress(f"planning {v.label} ({v.scheme['name']}) for {exp.workload.bytes / 1e6:.3g} MB")
+        _, _, plan, prediction, bound = build_plan(exp, v.scheme)
         progress(f"  {sum(len(p) for p in plan.programs.values())} ops; predicted CCT {prediction['cct_s']:.3f}s, "
                  + (f"bound {bound['cct_s']:.3f}s" if bound else "no bound (partial reduce)"))
         planned.append((v, plan, prediction, bound))
-    return topo, planned
+    return planned
 
 
-def add_summaries(results: dict, planned: list, exp: dict) -> dict:
+def add_summaries(results: dict, planned: list, exp: Experiment) -> dict:
     """Fill ``results["variants"]`` and ``results["summary"]`` from ``results["runs"]``."""
     results["variants"] = []
     for v, plan, prediction, bound in planned:
-        runs = [r for r in results["runs"] if r["variant"] == v["label"]]
+        runs = [r for r in results["runs"] if r["variant"] == v.label]
         results["variants"].append({
-            "label": v["label"], "scheme": v["scheme"], "summary": _summary(runs, prediction, bound),
+            "label": v.label, "scheme": v.scheme, "summary": _summary(runs, prediction, bound),
             "plan": {"scheme": plan.scheme, "ops": sum(len(p) for p in plan.programs.values()),
-                     "bytes_sent": plan.bytes_sent(elem_bytes(exp)), "meta": plan.meta},
+                     "bytes_sent": plan.bytes_sent(exp.workload.elem_bytes), "meta": plan.meta},
             "prediction": prediction, "bound": bound})
     main = results["variants"][0]["summary"]
     results["summary"] = {**main, "correct": all(r["correct"] for r in results["runs"]) and bool(results["runs"]),
@@ -112,7 +107,7 @@ def add_summaries(results: dict, planned: list, exp: dict) -> dict:
     return results
 
 
-def run_experiment(exp: dict, out_dir: Path, progress: Callable[[str], None]) -> dict:
+def run_experiment(exp: Experiment, out_dir: Path, progress: Callable[[str], None]) -> dict:
     """Plan every variant, build the WAN once, run every variant ``repetitions`` times on it,
     tear down, return results."""
     from testbed.emulator.capabilities import probe
@@ -120,14 +115,14 @@ def run_experiment(exp: dict, out_dir: Path, progress: Callable[[str], None]) ->
     from testbed.emulator.hosts import EmulatedHosts
     from testbed.emulator.network import WanNetwork
 
-    topo, planned = plan_variants(exp, progress)
-    caps = probe()
-    results: dict = {"experiment": exp, "environment": environment(caps), "runs": []}
-    with WanNetwork(topo, method=exp["emulator"]["method"], relay_procs=exp["emulator"]["relay_procs"],
-                    seed=exp["seed"], log=progress, caps=caps, tcp_cc=exp["emulator"]["tcp_cc"]) as net:
+    planned = plan_variants(exp, progress)
+    caps, em = probe(), exp.emulator
+    results: dict = {"experiment": exp.to_dict(), "environment": environment(caps), "runs": []}
+    with WanNetwork(exp.topology, method=em.method, relay_procs=em.relay_procs, seed=exp.seed, log=progress,
+                    caps=caps, tcp_cc=em.tcp_cc) as net:
         results["links"] = net.link_report()
         results["environment"]["host_sysctls"] = net.host_sysctls
-        sched = Scheduler(net, exp["dynamics"], exp["faults"], scale=exp["scale"], log=progress).start()
+        sched = Scheduler(net, exp.dynamics, exp.faults, scale=exp.scale, log=progress).start()
         net.reset_relay_window()  # judge the emulator on the measured phase only
         cpu = CpuMeter().start()
         try:
@@ -141,13 +136,8 @@ def run_experiment(exp: dict, out_dir: Path, progress: Callable[[str], None]) ->
             except Exception as e:  # never mask the run's own error with a reporting one
                 relay, results["events"] = [], results["events"] + [{"error": f"relay statistics: {e}"}]
             results["emulation"] = _emulation_health(net.method, len(net.relays), relay, cpu_util, steal,
-                                                      exp["emulator"]["max_late_ms"])
+                                                      em.max_late_ms)
     return add_summaries(results, planned, exp)
-
-
-def elem_bytes(exp: dict) -> int:
-    """Bytes per vector element, as validation sized the workload (``bytes`` = ``length`` x it)."""
-    return exp["workload"]["bytes"] // exp["workload"]["length"]
 
 
 def _comparison(variants: list[dict]) -> list[dict]:
