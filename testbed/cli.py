@@ -34,7 +34,22 @@ def cmd_run(args) -> int:
              f"{exp['repetitions']} repetition(s); results -> {out}")
     results = run_experiment(exp, out, progress)
     write_json_atomic(out / "results.json", results)
-    return _report(results, out)
+    code = _report(results, out)
+    if not args.no_report:
+        _write_report([out], out)
+    return code
+
+
+def _write_report(folders: list[Path], out: Path) -> None:
+    """Figures, CSV and report.html; the last line printed names the HTML file."""
+    from testbed.report import write_report
+
+    print(f"report: {write_report(folders, out)}")
+
+
+def cmd_report(args) -> int:
+    _write_report([Path(d) for d in args.dirs], Path(args.out) if args.out else Path(args.dirs[0]))
+    return 0
 
 
 def cmd_deploy(args) -> int:
@@ -193,7 +208,15 @@ def build_parser() -> argparse.ArgumentParser:
     _experiment_args(r)
     r.add_argument("--out", help="output folder (default: a new timestamped folder under output.dir, i.e. results/)")
     r.add_argument("--quiet", action="store_true", help="no progress lines")
+    r.add_argument("--no-report", action="store_true", help="do not write figures, CSV and report.html")
     r.set_defaults(func=cmd_run)
+
+    rp = sub.add_parser("report", help="figures, CSV tables and one self-contained HTML page from results folders",
+                        description="Read DIR/results.json (or a sweep's DIR/sweep.json) of every DIR; write PNG "
+                                    "figures, variants.csv, links.csv and report.html into --out.")
+    rp.add_argument("dirs", nargs="+", metavar="DIR", help="results folder(s) of run or of a sweep")
+    rp.add_argument("--out", help="output folder (default: the first DIR)")
+    rp.set_defaults(func=cmd_report)
 
     dp = sub.add_parser("deploy", help="run an experiment's schemes with the same agents on real hosts over SSH",
                         description="Plan as `run` does, start one agent per datacenter on its real host over "

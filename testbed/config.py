@@ -15,7 +15,9 @@ Format (YAML; every key but ``name``, ``topology`` and ``scheme.name`` is option
       size: 4MB                  # or  model: resnet50   (size = the model's parameters)
       dtype: float32             # float32 | float64
       iterations: 1
-      warmup: 0                  # iterations run (and checked) first, left out of CCT statistics
+      warmup: 1                  # iterations run (and checked) first, left out of CCT statistics
+                                 # (the first one is dominated by TCP's start); their times
+                                 # are kept apart in results.json (runs[].warmup_cct_s)
       compute_s: 0               # seconds per iteration: a number, {uniform: [lo, hi]},
                                  # {normal: [mean, std]}, or {per_worker: {dc: s or [s per iteration]}}
     emulator: {method: auto, relay_procs: 0, max_late_ms: 2, tcp_cc: cubic}
@@ -48,7 +50,7 @@ DEFAULTS: dict[str, Any] = {
     "scale": 1.0,
     "seed": 0,
     "repetitions": 1,
-    "workload": {"size": "1MB", "model": None, "dtype": "float32", "iterations": 1, "warmup": 0, "compute_s": 0},
+    "workload": {"size": "1MB", "model": None, "dtype": "float32", "iterations": 1, "warmup": 1, "compute_s": 0},
     "emulator": {"method": "auto", "relay_procs": 0, "max_late_ms": 2.0, "tcp_cc": DEFAULT_TCP_CC},
     "agents": {"timeout_s": 120.0, "stop_and_wait": False},
     "dynamics": [],

@@ -205,6 +205,7 @@ def run_experiment(exp: dict, out_dir: Path, progress: Callable[[str], None]) ->
     with WanNetwork(topo, method=exp["emulator"]["method"], relay_procs=exp["emulator"]["relay_procs"],
                     seed=exp["seed"], log=progress, caps=caps, tcp_cc=exp["emulator"]["tcp_cc"]) as net:
         results["links"] = net.link_report()
+        results["events_t0_s"] = net.t0  # events[].t_s count from here (Unix time), transfers are Unix ns
         results["environment"]["host_sysctls"] = net.host_sysctls
         sched = Scheduler(net, exp["dynamics"], exp["faults"], scale=exp["scale"], log=progress).start()
         net.reset_relay_window()  # judge the emulator on the measured phase only
@@ -247,6 +248,7 @@ def _summarise_run(rep: int, label: str, result: dict, warmup: int = 0) -> dict:
     incorrect = sorted({n for it in its for n, wk in it["workers"].items() if not wk.get("correct", True)})
     return {"variant": label, "repetition": rep,
             "cct_s": stats([it["cct_s"] for it in its if not it["warmup"]])["mean"],
+            "warmup_cct_s": [it["cct_s"] for it in its if it["warmup"]],  # cold: TCP start on fresh connections
             "iterations": its, "correct": all(it["correct"] for it in its) and not incorrect,
             "incorrect": incorrect, "transfers": result.get("transfers"), "links": _per_link(result.get("transfers"))}
 
