@@ -52,6 +52,33 @@ def cmd_report(args) -> int:
     return 0
 
 
+def cmd_exec(args) -> int:
+    from testbed import config
+    from testbed.execute import exec_command
+    from testbed.results import new_run_dir, write_json_atomic
+    from testbed.runner import Progress
+
+    exp = config.load_experiment(args.experiment, args.overrides)
+    out = Path(args.out) if args.out else new_run_dir(exp["output"]["dir"], f"{exp['name']}-exec")
+    results = exec_command(exp, args.command, out, on=args.on.split(",") if args.on else None, master_port=args.master_port,
+                           timeout_s=args.timeout, progress=Progress(quiet=args.quiet))
+    write_json_atomic(out / "results.json", results)
+    for dc, p in results["processes"].items():
+        wall = f"{p['wall_s']:.3f}s" if p["wall_s"] is not None else "timed out"
+        print(f"{dc:12} rank {p['rank']:3}  exit {p['exit_code']:4}  {wall:>10}  output: {out}/exec/{dc}.out")
+    print(f"results: {out / 'results.json'}")
+    return 0 if results["ok"] else 1
+
+
+def cmd_shell(args) -> int:
+    from testbed import config
+    from testbed.execute import shell
+    from testbed.runner import Progress
+
+    shell(config.load_experiment(args.experiment, args.overrides), Progress())
+    return 0
+
+
 def cmd_deploy(args) -> int:
     from testbed import config
     from testbed.deploy import deploy
@@ -218,6 +245,24 @@ def build_parser() -> argparse.ArgumentParser:
     rp.add_argument("--out", help="output folder (default: the first DIR)")
     rp.set_defaults(func=cmd_report)
 
+    ex = sub.add_parser("exec", help="run your own program in every datacenter of an experiment's emulated WAN",
+                        description="Build the experiment's WAN (with its dynamics and faults), run CMD in every "
+                                    "datacenter with RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, LOCAL_RANK, "
+                                    "TESTBED_DC, TESTBED_NODE_ADDRS set ({dc} and {rank} in ARGS replaced), record "
+                                    "exit codes, wall times and output in DIR/results.json, tear down.")
+    _experiment_args(ex)
+    ex.add_argument("--on", metavar="DC,DC", help="only these datacenters (default: all)")
+    ex.add_argument("--out", help="output folder (default: a new timestamped folder under output.dir)")
+    ex.add_argument("--master-port", type=int, default=29500, help="MASTER_PORT (default 29500)")
+    ex.add_argument("--timeout", type=float, help="seconds before the processes are killed (default agents.timeout_s)")
+    ex.add_argument("--quiet", action="store_true", help="no progress lines")
+    ex.add_argument("command", nargs="*", metavar="-- CMD ARGS", help="the program and its arguments, after --")
+    ex.set_defaults(func=cmd_exec)
+
+    sh = sub.add_parser("shell", help="Mininet's interactive CLI on an experiment's emulated WAN")
+    _experiment_args(sh)
+    sh.set_defaults(func=cmd_shell)
+
     dp = sub.add_parser("deploy", help="run an experiment's schemes with the same agents on real hosts over SSH",
                         description="Plan as `run` does, start one agent per datacenter on its real host over "
                                     "ssh, run, check, write DIR/results.json. Nothing is shaped: the topology "
@@ -269,7 +314,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    command = None
+    if argv[:1] == ["exec"] and "--" in argv:  # exec's CMD ARGS: everything after "--", options included
+        argv, command = argv[:argv.index("--")], argv[argv.index("--") + 1:]
     args = build_parser().parse_args(argv)
+    if command is not None:
+        args.command = command
 
     def on_term(signum, frame):
         raise KeyboardInterrupt
