@@ -30,6 +30,8 @@ def cmd_run(args) -> int:
     exp = config.load_experiment(args.experiment, args.overrides)
     progress = Progress(quiet=args.quiet)
     out = Path(args.out) if args.out else new_run_dir(exp["output"]["dir"], exp["name"])
+    if exp["sweep"]:
+        return _run_sweep(exp, out, progress, report=not args.no_report)
     progress(f"experiment {exp['name']!r}: scheme {exp['scheme']['name']} on {exp['topology']['name']}, "
              f"{exp['repetitions']} repetition(s); results -> {out}")
     results = run_experiment(exp, out, progress)
@@ -38,6 +40,31 @@ def cmd_run(args) -> int:
     if not args.no_report:
         _write_report([out], out)
     return code
+
+
+def _run_sweep(exp: dict, out: Path, progress, report: bool) -> int:
+    from testbed.report import sweep_columns, sweep_rows
+    from testbed.sweep import run_sweep
+
+    progress(f"sweep {exp['name']!r} over {', '.join(exp['sweep']['keys'])}: {len(exp['sweep']['points'])} points; "
+             f"results -> {out}")
+    record = run_sweep(exp, out, progress)
+    cols = [c for c in sweep_columns(record) if c not in ("scheme", "cct_stdev_s", "repetitions", "error")]
+    print("  ".join(f"{c[:14]:>14}" for c in cols))
+    for row in sweep_rows(record):
+        print("  ".join(f"{_cell(row.get(c))[:14]:>14}" for c in cols))
+    print(f"results: {out / 'sweep.json'}, {out / 'sweep.csv'}")
+    if report:
+        _write_report([out], out)
+    bad = [p for p in record["points"] if p["status"] != "ok"]
+    for p in bad:
+        print(f"error: sweep point {p['index']} {p['status']}: {p.get('error', 'wrong reduction result')}",
+              file=sys.stderr)
+    return 1 if bad else 0
+
+
+def _cell(v) -> str:
+    return f"{v:.4g}" if isinstance(v, float) else "" if v is None else str(v)
 
 
 def _write_report(folders: list[Path], out: Path) -> None:
@@ -85,6 +112,8 @@ def cmd_deploy(args) -> int:
     from testbed.runner import Progress
 
     exp = config.load_experiment(args.experiment, args.overrides)
+    if exp["sweep"]:
+        raise ConfigError("sweeps run with `run`, not `deploy`", source=args.experiment, key="sweep")
     progress = Progress(quiet=args.quiet)
     progress(f"experiment {exp['name']!r}: scheme {exp['scheme']['name']} on the real hosts of {args.hosts}")
     results, out = deploy(exp, args.hosts, Path(args.out) if args.out else None, progress)
@@ -125,7 +154,8 @@ def cmd_validate(args) -> int:
     t = exp["topology"]
     print(f"{args.experiment}: ok — scheme {exp['scheme']['name']}, topology {t['name']} "
           f"({len(t['datacenters'])} datacenters, {len(t['links'])} links), "
-          f"{exp['workload']['bytes']} bytes, {exp['repetitions']} repetition(s)")
+          f"{exp['workload']['bytes']} bytes, {exp['repetitions']} repetition(s)"
+          + (f", a sweep of {len(exp['sweep']['points'])} points" if exp["sweep"] else ""))
     if args.hosts:
         from testbed.deploy import check_deployable
 

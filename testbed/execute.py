@@ -31,16 +31,6 @@ NODE_IFNAME = "tbnode"
 OUTPUT_KEEP = 64 * 1024  # bytes of each stream kept in results.json (the files keep all)
 
 
-def _network(exp: dict, progress: Callable[[str], None]):
-    from testbed.emulator.network import WanNetwork
-    from testbed.topology import load_topology
-
-    topo = load_topology(exp["topology"]).scaled(exp["scale"])
-    e = exp["emulator"]
-    return WanNetwork(topo, method=e["method"], relay_procs=e["relay_procs"], seed=exp["seed"], log=progress,
-                      tcp_cc=e["tcp_cc"])
-
-
 def _add_node_interface(net, dc: str) -> None:
     addr = net.node_address(dc)
     # a veth pair inside the host (kernels without the dummy module have veth: Mininet needs it)
@@ -81,6 +71,7 @@ def exec_command(exp: dict, argv: list[str], out_dir: Path, *, on: list[str] | N
     record (``processes``: per datacenter rank, argv, exit code, wall time, output)."""
     from testbed.emulator.dynamics import Scheduler
     from testbed.results import environment
+    from testbed.runner import open_network
 
     if not argv:
         raise ConfigError("no command given (usage: exec EXP.yaml -- CMD ARGS...)")
@@ -89,7 +80,7 @@ def exec_command(exp: dict, argv: list[str], out_dir: Path, *, on: list[str] | N
     logs = out_dir / "exec"
     logs.mkdir(parents=True, exist_ok=True)
     results: dict = {"experiment": exp, "environment": environment(), "command": argv, "processes": {}}
-    with _network(exp, progress) as net:
+    with open_network(exp, progress) as net:
         results["links"] = net.link_report()
         results["events_t0_s"] = net.t0
         addrs = {dc: net.node_address(dc) for dc in dcs}
@@ -153,8 +144,9 @@ def shell(exp: dict, progress: Callable[[str], None]) -> None:
     from mininet.cli import CLI
 
     from testbed.emulator.dynamics import Scheduler
+    from testbed.runner import open_network
 
-    with _network(exp, progress) as net:
+    with open_network(exp, progress) as net:
         for dc in net.topo.nodes:
             _add_node_interface(net, dc)
         names = ", ".join(f"{net.host(dc).name}={dc} ({net.node_address(dc)})" for dc in net.topo.nodes)

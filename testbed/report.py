@@ -296,7 +296,7 @@ def sweep_figure(sweep: dict, path: Path) -> Path | None:
             name = v["variant"] + (f" ({other})" if other else "")
             x = p["values"].get(x_key)
             lines.setdefault(name, []).append((x if numeric else xvals.index(x), v["cct_mean_s"], v["cct_min_s"],
-                                               v["cct_max_s"]))
+                                               v["cct_max_s"], v.get("predicted_cct_s")))
     fig = _figure(4.8)
     ax = fig.add_subplot()
     for name, pts in sorted(lines.items()):
@@ -307,12 +307,15 @@ def sweep_figure(sweep: dict, path: Path) -> Path | None:
         ax.errorbar([p[0] for p in pts], ys, yerr=[[y - p[2] for y, p in zip(ys, pts)], [p[3] - y for y, p in
                                                                                         zip(ys, pts)]],
                     marker="o", capsize=3, label=name)
+        pred = [(p[0], p[4]) for p in pts if p[4] is not None]
+        if pred:
+            ax.plot([p[0] for p in pred], [p[1] for p in pred], ls="--", lw=0.8, color=ax.lines[-1].get_color())
     if numeric and len(xvals) > 2 and min(xvals) > 0 and max(xvals) / min(xvals) >= 16:
         ax.set_xscale("log", base=2)
     if not numeric:
         ax.set_xticks(range(len(xvals)), [str(x) for x in xvals])
     ax.set_xlabel(x_key)
-    ax.set_ylabel("CCT mean (s), bars: min .. max")
+    ax.set_ylabel("CCT mean (s), bars: min .. max; dashed: predicted")
     ax.set_title(f"sweep {sweep.get('name', '')}: CCT against {x_key}")
     ax.legend(fontsize=7)
     return _save(fig, path)
