@@ -219,8 +219,9 @@ def links_figure(results: dict, path: Path) -> Path | None:
     g = _graph(results)
     if not transfers or not g.number_of_edges():
         return None
-    # time origin: when the network came up (events are relative to it), else the first send
-    net_t0 = results.get("events_t0_s")
+    # time origin: when the network came up if there are events to place (their t_s count
+    # from it), else the first send (a sweep's shared network came up long before)
+    net_t0 = results.get("events_t0_s") if any("t_s" in e for e in results.get("events", [])) else None
     first = min(t["send_start_ns"] for t in transfers) / 1e9
     origin = net_t0 if net_t0 is not None else first
     end = max(t["recv_end_ns"] for t in transfers) / 1e9 - origin
