@@ -42,6 +42,13 @@ def cmd_run(args) -> int:
     return code
 
 
+def _write_report(folders: list[Path], out: Path) -> None:
+    """Figures, CSV and report.html; the last line printed names the HTML file."""
+    from testbed.report import write_report
+
+    print(f"report: {write_report(folders, out)}")
+
+
 def _run_sweep(exp: dict, out: Path, progress, report: bool) -> int:
     from testbed.report import sweep_columns, sweep_rows
     from testbed.sweep import run_sweep
@@ -65,13 +72,6 @@ def _run_sweep(exp: dict, out: Path, progress, report: bool) -> int:
 
 def _cell(v) -> str:
     return f"{v:.4g}" if isinstance(v, float) else "" if v is None else str(v)
-
-
-def _write_report(folders: list[Path], out: Path) -> None:
-    """Figures, CSV and report.html; the last line printed names the HTML file."""
-    from testbed.report import write_report
-
-    print(f"report: {write_report(folders, out)}")
 
 
 def cmd_report(args) -> int:

@@ -353,7 +353,7 @@ def _warnings(results: dict) -> list[str]:
 
 
 CSS = """body{font-family:sans-serif;margin:1.5em;max-width:1100px}table{border-collapse:collapse;font-size:85%;
-margin:.5em 0}td,th{border:1px solid #bbb;padding:2px 6px;text-align:right}th{background:#eee}
+margin:.5em 0;display:block;overflow-x:auto}td,th{border:1px solid #bbb;padding:2px 6px;text-align:right}th{background:#eee}
 .warn{background:#fde2e1;border:2px solid #c00;color:#900;padding:.6em 1em;font-weight:bold}
 img{max-width:100%;border:1px solid #ddd}pre{background:#f6f6f6;padding:.5em;font-size:80%;overflow:auto;
 max-height:30em}figure{margin:1em 0}"""
