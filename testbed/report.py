@@ -164,9 +164,9 @@ def gantt_figure(results: dict, path: Path) -> Path | None:
     for t in rows:
         k = flows.index(t.get("flow", 0))
         y = ypos[(t["src"], t["dst"])]
-        ax.plot([(t["send_start_ns"] - t0) / 1e9, (t["recv_start_ns"] - t0) / 1e9], [y, y], color=cmap(k % 20), lw=1)
+        ax.plot([(t["send_start_ns"] - t0) / 1e9, (t["recv_start_ns"] - t0) / 1e9], [y, y], color=cmap(k % 20), lw=1, zorder=1)
         ax.barh(y, (t["recv_end_ns"] - t["recv_start_ns"]) / 1e9, left=(t["recv_start_ns"] - t0) / 1e9, height=0.7,
-                color=cmap(k % 20), edgecolor="black", linewidth=0.3)
+                color=cmap(k % 20), edgecolor="black", linewidth=0.3, zorder=2)
     ax.set_yticks(range(len(pairs)), [f"{a}->{b}" for a, b in pairs], fontsize=7)
     ax.invert_yaxis()
     ax.set_xlabel("seconds since the iteration's first send")
@@ -366,8 +366,9 @@ document.body.dataset.imagesOk=im.filter(i=>i.complete&&i.naturalWidth>0).length
 document.body.dataset.errors=window.__errors.length;});"""
 
 
-def _run_section(entry: dict, out: Path, n: int) -> tuple[str, dict]:
-    """HTML for one results.json; returns (html, figures)."""
+def _run_section(entry: dict, out: Path, n: int, table: bool = True) -> tuple[str, dict]:
+    """HTML for one results.json (its variants table unless ``table`` is false: the page
+    has it already); returns (html, figures)."""
     res, figs = entry["results"], {}
     exp = res["experiment"]
     figs["gantt"] = gantt_figure(res, out / f"gantt-{n}.png")
@@ -379,7 +380,8 @@ def _run_section(entry: dict, out: Path, n: int) -> tuple[str, dict]:
                  f"{len(topo.get('links', []))} links), scale {exp.get('scale')}, "
                  f"{exp['workload'].get('bytes')} bytes, {exp.get('repetitions')} repetition(s), "
                  f"{exp['workload'].get('iterations')} iteration(s) + {exp['workload'].get('warmup')} warm-up</p>")
-    parts.append(_table(variant_rows(res), VARIANT_COLUMNS))
+    if table:
+        parts.append(_table(variant_rows(res), VARIANT_COLUMNS))
     cold = [{"variant": r["variant"], "repetition": r["repetition"], "warmup_cct_s": ", ".join(
         f"{c:.4g}" for c in r.get("warmup_cct_s", []))} for r in res.get("runs", []) if r.get("warmup_cct_s")]
     if cold:
@@ -415,11 +417,13 @@ def write_report(folders: list[Path], out: Path | None = None) -> Path:
         for p in s["sweep"].get("points", []):
             if p.get("dir") and (s["dir"] / p["dir"] / "results.json").exists():
                 runs.append({**load(s["dir"] / p["dir"]), "point": p})
-    prefix = len({e["results"]["experiment"]["name"] for e in runs}) > 1 or any("point" in e for e in runs)
+    names = [e["results"]["experiment"]["name"] for e in runs]
     cct_entries, vrows, lrows = [], [], []
     for e in runs:
         res = e["results"]
-        tag = (f"p{e['point']['index']}:" if "point" in e else f"{res['experiment']['name']}:") if prefix else ""
+        # several results: prefix each variant with its sweep point, experiment or folder name
+        tag = "" if len(runs) == 1 else f"p{e['point']['index']}:" if "point" in e else \
+            f"{res['experiment']['name']}:" if names.count(res["experiment"]["name"]) == 1 else f"{e['dir'].name}:"
         for v in res.get("variants", []):
             cct_entries.append((tag + v["label"], {**v, "_runs": [r for r in res.get("runs", [])
                                                                   if r["variant"] == v["label"]]}))
@@ -443,7 +447,7 @@ def write_report(folders: list[Path], out: Path | None = None) -> Path:
         body.append(_table(vrows, (["point"] if any("point" in r for r in vrows) else []) + VARIANT_COLUMNS))
     body.append("<p>Tables as CSV: variants.csv, links.csv" + (", sweep.csv" if sweeps else "") + "</p>")
     for n, e in enumerate(runs if len(runs) <= 8 else runs[:8]):  # per-run detail; sweeps: the first points
-        section, _ = _run_section(e, out, n)
+        section, _ = _run_section(e, out, n, table=len(runs) > 1)
         body.append(section)
     page = (f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>testbed report</title><style>{CSS}</style>"
             f"<script>{CHECK_JS}</script></head><body>\n" + "\n".join(body) + "\n</body></html>\n")
