@@ -380,8 +380,12 @@ def _run_section(entry: dict, out: Path, n: int, table: bool = True) -> tuple[st
                  f"{len(topo.get('links', []))} links), scale {exp.get('scale')}, "
                  f"{exp['workload'].get('bytes')} bytes, {exp.get('repetitions')} repetition(s), "
                  f"{exp['workload'].get('iterations')} iteration(s) + {exp['workload'].get('warmup')} warm-up</p>")
-    if table:
+    if table and res.get("variants"):
         parts.append(_table(variant_rows(res), VARIANT_COLUMNS))
+    if res.get("processes"):  # an `exec` run
+        parts.append(f"<p>command: <code>{html.escape(' '.join(res['command']))}</code></p>" + _table(
+            [{"datacenter": dc, **p, "stdout": (p["stdout"].strip().splitlines() or [""])[-1]}
+             for dc, p in res["processes"].items()], ["datacenter", "rank", "exit_code", "wall_s", "stdout"]))
     cold = [{"variant": r["variant"], "repetition": r["repetition"], "warmup_cct_s": ", ".join(
         f"{c:.4g}" for c in r.get("warmup_cct_s", []))} for r in res.get("runs", []) if r.get("warmup_cct_s")]
     if cold:
