@@ -85,3 +85,11 @@ def rate_change_commands(intf: str, rate_mbps: float, icmp_priority: bool = Fals
     classes = ["1:1", "1:10"] + (["1:20"] if icmp_priority else [])
     return [["tc", "class", "change", "dev", intf, "classid", cid, "htb", *htb_class_args(rate_mbps)]
             for cid in classes]
+
+
+def standing_queue_ms(d: LinkDir, method: str, frame_bytes: int) -> float:
+    """Queueing delay (ms) of a full sender queue of ``frame_bytes`` frames: the relay/htb
+    leaf is a byte FIFO of ``queue_pkts`` full-size frames, netem's a packet limit of which
+    ``queue_pkts`` are the standing queue (the rest are on the emulated wire)."""
+    qbytes = d.queue_pkts * (MTU + 14) if method in ("relay", "htb") else d.queue_pkts * frame_bytes
+    return qbytes * 8 / (d.rate_mbps * 1e3)
