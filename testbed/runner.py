@@ -65,9 +65,7 @@ def build_plan(exp: dict, scheme: dict | None = None):
     validate_connected(topo, source=exp["name"], key="topology")
     graph = topo.graph()
     params = {k: v for k, v in scheme.items() if k != "name"}
-    t = time.perf_counter()
     plan = make_plan(scheme["name"], graph, exp["workload"]["length"], params, elem_bytes=elem_bytes(exp))
-    plan.meta.setdefault("planner_s", time.perf_counter() - t)
     plan.validate()
     prediction = costmodel.predict(plan, graph, elem_bytes=elem_bytes(exp),
                                    stop_and_wait=exp["agents"]["stop_and_wait"])

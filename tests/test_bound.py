@@ -10,11 +10,11 @@ import pytest
 from scipy.optimize import linprog
 
 from testbed.plan import Tree
-from testbed.planners.bound import (cut_bound, is_symmetric, optimum, pack_arborescences,
-                                    pack_spanning_trees, simple_bound, spanning_tree,
-                                    tree_roundtrip_s, wan_view)
 from testbed.costmodel import predict
 from testbed.planners import make_plan, schemes
+from testbed.planners.bound import (cut_bound, is_symmetric, optimum, pack_arborescences,
+                                    pack_spanning_trees, simple_bound, spanning_tree)
+from testbed.planners.common import tree_roundtrip_s, wan_view
 from testbed.topology import load_topology
 from wan_graphs import random_wan, wan
 

@@ -153,7 +153,7 @@ def test_network_aware_split_beats_even_split():
 @pytest.mark.parametrize("params, needle", [
     ({"active": ["n0"]}, "at least two distinct workers"),
     ({"active": ["n0", "n0"]}, "at least two distinct workers"),
-    ({"active": ["n0", "zz"]}, "'zz' is not a node"),
+    ({"active": ["n0", "zz"]}, "unknown datacenter 'zz'"),
     ({"chunks": -1}, "chunks"),
 ])
 def test_bad_parameters_are_named(params, needle):

@@ -8,8 +8,9 @@ spanning-tree packing below, which is solved instead (faster).  The undirected m
 model; their planners use it, but it is not an upper bound on asymmetric links (issue 15:
 crew-mesh-8, netstorm-internet2-9).
 
-This module registers no scheme; it is a plain library of functions that planners
-(:mod:`.mtree`, :mod:`.blink`, :mod:`.hierarchical`) and the reporting code import.
+This module registers no scheme; it is the optimum (and the spanning-tree packings it is
+built from, which :mod:`.blink` reuses) that the run reports and planners compare with.
+The tree and graph helpers it uses live in :mod:`.common`.
 
 Rate model (the one MTREE, Sec. III-B, MILP (1b), and BLINK use)
 ================================================================
@@ -44,97 +45,15 @@ from __future__ import annotations
 
 import math
 import time
-from collections import defaultdict, deque
-from dataclasses import dataclass, field
+from collections import defaultdict
 from typing import Iterable, Mapping, Sequence
 
 import networkx as nx
 import numpy as np
 from scipy.optimize import linprog
 
-from testbed.errors import ConfigError
-from testbed.plan import Tree
-
-INF = float("inf")
-
-
-# ---------------------------------------------------------------------------
-# Input checks shared by the tree planners (errors name the parameter, as the CLI expects).
-# ---------------------------------------------------------------------------
-def require(ok: bool, param: str, message: str) -> None:
-    """Raise ``ConfigError`` keyed ``params.<param>`` unless ``ok``."""
-    if not ok:
-        raise ConfigError(message, key=f"params.{param}")
-
-
-def check_wan(graph: nx.DiGraph, scheme: str) -> None:
-    """The WAN must have >= 2 nodes, every pair routable, and positive link rates."""
-    if graph.number_of_nodes() < 2:
-        raise ConfigError(f"{scheme} needs at least two datacenters")
-    if not nx.is_strongly_connected(graph):
-        raise ConfigError(f"{scheme}: the topology is not connected")
-    for u, v, d in graph.edges(data=True):
-        if not d.get("rate_mbps", 0) > 0:
-            raise ConfigError(f"{scheme}: link {u}->{v} has no positive rate_mbps")
-
-
-# ---------------------------------------------------------------------------
-# Undirected view of the WAN.
-# ---------------------------------------------------------------------------
-@dataclass
-class WanView:
-    """Undirected view of a directed WAN graph (tree capacities, symmetric latency).
-
-    ``edges[k] = (i, j)`` with ``i < j`` indexes into ``nodes`` (sorted names);
-    ``cap[k] = min(rate(i->j), rate(j->i))`` Mbit/s and ``delay_ms[k] = max(delay(i->j),
-    delay(j->i))`` (one-way, ms).  Links with only one direction are dropped: a tree
-    needs both directions (reduce up, broadcast down).
-    """
-
-    nodes: list[str]
-    edges: list[tuple[int, int]]
-    cap: np.ndarray
-    delay_ms: np.ndarray
-    index: dict[str, int] = field(default_factory=dict)
-
-    @property
-    def n(self) -> int:
-        return len(self.nodes)
-
-    @property
-    def m(self) -> int:
-        return len(self.edges)
-
-    def edge_index(self) -> dict[tuple[int, int], int]:
-        """(i, j) -> k for both orientations."""
-        d = {}
-        for k, (i, j) in enumerate(self.edges):
-            d[(i, j)] = k
-            d[(j, i)] = k
-        return d
-
-    def names(self, k: int) -> tuple[str, str]:
-        i, j = self.edges[k]
-        return self.nodes[i], self.nodes[j]
-
-
-def wan_view(graph: nx.DiGraph, nodes: Iterable[str] | None = None) -> WanView:
-    """Build the :class:`WanView` of ``graph`` (restricted to ``nodes`` if given:
-    the induced subgraph).  Nodes are sorted by name so results are deterministic."""
-    names = sorted(graph.nodes if nodes is None else nodes)
-    keep = set(names)
-    index = {u: i for i, u in enumerate(names)}
-    edges, cap, delay = [], [], []
-    for u, v in graph.edges:
-        if u not in keep or v not in keep or not (index[u] < index[v]) or not graph.has_edge(v, u):
-            continue
-        a, b = graph[u][v], graph[v][u]
-        edges.append((index[u], index[v]))
-        cap.append(min(float(a["rate_mbps"]), float(b["rate_mbps"])))
-        delay.append(max(float(a.get("delay_ms", 0.0)), float(b.get("delay_ms", 0.0))))
-    order = sorted(range(len(edges)), key=lambda k: edges[k])
-    return WanView(names, [edges[k] for k in order], np.array([cap[k] for k in order], float),
-                   np.array([delay[k] for k in order], float), index)
+from testbed.planners.common import (INF, WanView, max_utilisation, parents_from_edges, tree_centre,
+                                     tree_roundtrip_s, wan_view)
 
 
 # ---------------------------------------------------------------------------
@@ -179,102 +98,9 @@ def spanning_tree(n: int, edges: Sequence[tuple[int, int]], weight: np.ndarray, 
     return out
 
 
-def parents_from_edges(nodes: Sequence[str], edge_pairs: Iterable[tuple[str, str]], root: str
-                       ) -> dict[str, str | None]:
-    """Orient an undirected tree (pairs of names) away from ``root``: node -> parent."""
-    adj: dict[str, list[str]] = defaultdict(list)
-    for u, v in edge_pairs:
-        adj[u].append(v)
-        adj[v].append(u)
-    parent: dict[str, str | None] = {root: None}
-    q = deque([root])
-    while q:
-        u = q.popleft()
-        for w in sorted(adj[u]):
-            if w not in parent:
-                parent[w] = u
-                q.append(w)
-    missing = set(nodes) - set(parent)
-    if missing:
-        raise ValueError(f"edges do not span {sorted(missing)}")
-    return parent
-
-
-def path_delay_s(graph: nx.DiGraph, path: Sequence[str]) -> float:
-    """One-way delay of a node path in seconds (sum of per-direction ``delay_ms``)."""
-    return sum(float(graph[a][b].get("delay_ms", 0.0)) for a, b in zip(path, path[1:])) / 1e3
-
-
-def _hop_delay_s(graph: nx.DiGraph, a: str, b: str, paths: Mapping | None) -> float:
-    if graph.has_edge(a, b):
-        return float(graph[a][b].get("delay_ms", 0.0)) / 1e3
-    if paths is None:
-        raise ValueError(f"{a}->{b} is not a link; pass routes")
-    return path_delay_s(graph, paths[(a, b)])
-
-
-def tree_roundtrip_s(graph: nx.DiGraph, parent: Mapping[str, str | None],
-                     paths: Mapping | None = None) -> float:
-    """Latency of one reduce-then-broadcast over a rooted tree (seconds): the largest
-    leaf->root delay (reduce) plus the largest root->leaf delay (broadcast), with
-    per-direction link delays.  Logical (multi-hop) tree edges use ``paths``."""
-    up: dict[str, float] = {}
-    down: dict[str, float] = {}
-
-    def resolve(n: str) -> None:
-        chain = []
-        while n not in up:
-            p = parent[n]
-            if p is None:
-                up[n] = down[n] = 0.0
-                break
-            chain.append(n)
-            n = p
-        for c in reversed(chain):
-            p = parent[c]
-            up[c] = up[p] + _hop_delay_s(graph, c, p, paths)
-            down[c] = down[p] + _hop_delay_s(graph, p, c, paths)
-
-    for n in parent:
-        resolve(n)
-    return max(up.values()) + max(down.values())
-
-
-def center_root(graph: nx.DiGraph, nodes: Sequence[str], edge_pairs: Sequence[tuple[str, str]]
-                ) -> str:
-    """The root minimising :func:`tree_roundtrip_s` (ties: smallest name)."""
-    best, best_t = None, INF
-    for r in sorted(nodes):
-        t = tree_roundtrip_s(graph, parents_from_edges(nodes, edge_pairs, r))
-        if t < best_t - 1e-12:
-            best, best_t = r, t
-    return best
-
-
 # ---------------------------------------------------------------------------
-# Link loads and bounds.
+# Bounds.
 # ---------------------------------------------------------------------------
-def tree_link_loads(graph: nx.DiGraph, trees: Iterable[Tree], paths: Mapping | None = None
-                    ) -> dict[tuple[str, str], float]:
-    """Per-direction load (Mbit/s) of trees running at ``tree.rate_mbps``: each tree
-    edge (child, parent) carries the rate child->parent (reduce) and parent->child
-    (broadcast).  A tree edge that is not a WAN link is charged on every link of its
-    route in ``paths`` (latency-shortest routes, :func:`testbed.routing.shortest_paths`)."""
-    load: dict[tuple[str, str], float] = defaultdict(float)
-    for t in trees:
-        for c, p in t.edges():
-            for a, b in ((c, p), (p, c)):
-                route = [a, b] if graph.has_edge(a, b) else paths[(a, b)]
-                for x, y in zip(route, route[1:]):
-                    load[(x, y)] += t.rate_mbps
-    return dict(load)
-
-
-def max_utilisation(graph: nx.DiGraph, loads: Mapping[tuple[str, str], float]) -> float:
-    """max over directed links of load / rate_mbps."""
-    return max((l / float(graph[a][b]["rate_mbps"]) for (a, b), l in loads.items()), default=0.0)
-
-
 def simple_bound(graph: nx.DiGraph, nodes: Iterable[str] | None = None) -> float:
     """MTREE's normaliser (Sec. IV-A-3): ``sum_j b_j / (|V| - 1)`` over undirected links,
     ``b_j`` the tree capacity (min of the two directions) -- an upper bound on the total
@@ -588,7 +414,7 @@ def optimum(graph: nx.DiGraph, size_bytes: float, *, nodes: Iterable[str] | None
         method = "spanning-tree packing (symmetric links: equal to the directed packing)"
         for edges, rate in used:
             pairs = [wv.names(k) for k in edges]
-            root = center_root(graph, wv.nodes, pairs)
+            root = tree_centre(graph, wv.nodes, pairs)
             parent = parents_from_edges(wv.nodes, pairs, root)
             trees.append({"root": root, "parent": parent, "broadcast_parent": parent,
                           "rate_mbps": rate, "roundtrip_s": tree_roundtrip_s(graph, parent)})

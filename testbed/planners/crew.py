@@ -17,7 +17,6 @@ the experiment.
 from __future__ import annotations
 
 import math
-import time
 
 import networkx as nx
 import numpy as np
@@ -26,8 +25,8 @@ from scipy.optimize import linprog
 from testbed.plan import Plan, ProgramBuilder
 from testbed.routing import data_paths
 
-from . import Param, planner
-from .baselines import ACTIVE, _bad, _check_graph, _members, _partial, path_rate
+from testbed.planners import Param, planner
+from testbed.planners.common import ACTIVE, check_graph, partial, path_rate, members as workers_of
 
 CREW_REF = "CREW (Luo et al.) §III-IV: weighted scatter, controlled reduce, way-back multicast; LP (2), Alg. 1"
 
@@ -102,14 +101,14 @@ def split_model(weights: list[float], k: int, rounding: str = "floor") -> list[r
 
 
 @planner(
-    "crew",
+    "crew", CREW_REF,
     active=ACTIVE,  # the group P of this partial reduce; null = every node (CREW is then an AllReduce)
     aggregators=Param(str, "all", "all = every worker aggregates a block (CREW); members = only P (OPR)",
                       choices=("all", "members")),
     split=Param(str, "network-aware", "block weights: network-aware = LP (2) (N-A), even = 1/aggregators (E-D)",
                 choices=("network-aware", "even")),
     chunks=Param(int, 0, "k, fixed-size chunks of the model (paper: k >> n, value not given); 0 = 8 per "
-                         "aggregator"),
+                         "aggregator", ge=0),
     pipelined=Param(bool, True, "multicast each chunk once its p copies are reduced (true) or a block only once "
                                 "all of it is reduced (false: completion about T, the bound's upper end)"),
     rounding=Param(str, "floor", "Alg. 1 block bounds: floor = as printed (l < j <= u); nearest = round u "
@@ -122,12 +121,9 @@ def plan_crew(graph: nx.DiGraph, length: int, *, elem_bytes: int = 4, active=Non
               split: str = "network-aware", chunks: int = 0, pipelined: bool = True,
               scheduling: str = "fcfs", rounding: str = "floor") -> Plan:
     """CREW (or OPR) partial reduce of group ``active`` (§III, LP (2), Alg. 1, FL-FCFS)."""
-    t0 = time.perf_counter()
-    nodes = _check_graph(graph)
-    members = _members(graph, active)
+    nodes = check_graph(graph, "crew")
+    members = workers_of(graph, active)
     aggs = nodes if aggregators == "all" else members
-    if chunks < 0 or isinstance(chunks, bool):
-        raise _bad("chunks", f"must be >= 0, got {chunks!r}")
     k = min(chunks or 8 * len(aggs), length)
     b = pair_rates(graph)
     if split == "network-aware":
@@ -163,7 +159,6 @@ def plan_crew(graph: nx.DiGraph, length: int, *, elem_bytes: int = 4, active=Non
                                  channel=mc_channel, flow=f, chunk=c, phase="multicast")
     model_mbit = length * elem_bytes * 8 / 1e6
     meta = {
-        "reference": CREW_REF,
         "members": members,
         "aggregators": aggs,
         "aggregators_rule": aggregators,
@@ -177,7 +172,6 @@ def plan_crew(graph: nx.DiGraph, length: int, *, elem_bytes: int = 4, active=Non
         "t_scatter_s": t_s * model_mbit,
         "t_multicast_s": t_m * model_mbit,
         "bound_s": [(t_s + t_m) * model_mbit / 2, (t_s + t_m) * model_mbit],  # T/2 <= T_CREW <= T (§III)
-        "planner_s": time.perf_counter() - t0,
     }
-    return Plan("crew", nodes, length, bld.programs, participants=_partial(nodes, members),
-                receivers=_partial(nodes, members), meta=meta)
+    return Plan("crew", nodes, length, bld.programs, participants=partial(nodes, members),
+                receivers=partial(nodes, members), meta=meta)

@@ -51,9 +51,9 @@ from dataclasses import dataclass, field
 
 import networkx as nx
 
-from testbed.errors import ConfigError
 from testbed.plan import Plan, ProgramBuilder, Tree, split_lengths
-from testbed.planners import Param, planner
+from testbed.planners import Param, ParamError, planner
+from testbed.planners.common import check_graph
 from testbed.routing import shortest_paths
 
 REFERENCE = ("MultiTree: Huang et al., 'Communication Algorithm-Architecture Co-Design for "
@@ -508,17 +508,13 @@ def compile_plan(sched: MultiTreeSchedule, nodes: list[str], length: int, *, chu
 # ---------------------------------------------------------------------------
 # Planner
 # ---------------------------------------------------------------------------
-def _bad(param: str, message: str) -> ConfigError:
-    return ConfigError(message, key=f"params.{param}")
-
-
 @planner(
-    "multitree",
+    "multitree", REFERENCE,
     lockstep=Param(bool, False, "add the NI lockstep discipline (Sec. IV-A): a node starts step s only "
                                 "after finishing its step s-1 ops; false = free-running, data "
                                 "dependencies only"),
     chunks=Param(int, 1, "split each tree's block into this many chunks pipelined through the same "
-                         "schedule (our extension; the paper sends one message per block)"),
+                         "schedule (our extension; the paper sends one message per block)", ge=1),
     neighbour_order=Param(str, "auto", "Alg. 1 line 10 neighbour order: yx = Y (same col) then X "
                                        "(same row) neighbours as in the paper; auto = yx when nodes have "
                                        "row/col, else id order", choices=NEIGHBOUR_ORDERS),
@@ -545,23 +541,13 @@ def plan_multitree(graph: nx.DiGraph, length: int, *, elem_bytes: int = 4, locks
     lockstep.  ``plan.meta`` holds the trees, construction steps, both schedules, the
     per-node schedule tables (Fig. 5 format) and per-step link use."""
     t0 = time.perf_counter()
-    if graph.number_of_nodes() == 0:
-        raise ConfigError("the topology has no nodes")
-    if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
-        raise _bad("chunks", f"must be a positive integer, got {chunks!r}")
-    for name, val, options in (("neighbour_order", neighbour_order, NEIGHBOUR_ORDERS),
-                               ("dim_order", dim_order, DIM_ORDERS), ("tree_order", tree_order, TREE_ORDERS),
-                               ("variant", variant, VARIANTS), ("channels", channels, CHANNELS)):
-        if val not in options:
-            raise _bad(name, f"must be one of {list(options)}, got {val!r}")
+    check_graph(graph, "multitree")
     ends = _endpoints(graph)
-    if len(ends) > 1 and not nx.is_strongly_connected(graph):
-        raise ConfigError("the topology is not (strongly) connected: MultiTree cannot span it")
     try:
         sched = build_trees(graph, neighbour_order=neighbour_order, dim_order=dim_order,
                             tree_order=tree_order, rr_restart=rr_restart, variant=variant)
     except ValueError as exc:
-        raise _bad("variant", str(exc)) from exc
+        raise ParamError("variant", str(exc)) from exc
     t_build = time.perf_counter() - t0
     nodes = list(graph.nodes)
     participants = None if len(ends) == len(nodes) else ends
@@ -581,7 +567,6 @@ def plan_multitree(graph: nx.DiGraph, length: int, *, elem_bytes: int = 4, locks
         trees_meta.append(d)
     use = sched.link_use()
     plan.meta.update({
-        "reference": REFERENCE,
         "algorithm": "MultiTree Algorithm 1 (concurrent top-down spanning trees, one per node)",
         "node_ids": sched.ids,
         "roots": [t.root for t in sched.trees],
@@ -601,6 +586,5 @@ def plan_multitree(graph: nx.DiGraph, length: int, *, elem_bytes: int = 4, locks
         "variant": variant,
         "channels": channels,
         "build_s": t_build,
-        "planner_s": time.perf_counter() - t0,
     })
     return plan
