@@ -133,7 +133,7 @@ def _print_plan(exp: dict, variant: dict, args) -> None:
             print(f"  {k}: {v}")
     print(f"predicted CCT {prediction['cct_s']:.4f}s ({prediction.get('model', '')}); "
           + (f"bound: rate {bound['rate_mbps']:.1f} Mbit/s, CCT {bound['cct_s']:.4f}s" if bound else
-             "no bound: the spanning-tree packing bounds an AllReduce of every node, this is a partial reduce"))
+             "no bound: the tree-packing optimum bounds an AllReduce of every node, this is a partial reduce"))
 
 
 def cmd_doctor(args) -> int:
