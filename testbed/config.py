@@ -45,6 +45,7 @@ from typing import Any
 import yaml
 
 from testbed.emulator import DEFAULT_TCP_CC
+from testbed.emulator.shaping import CHOICES as SHAPING_CHOICES
 from testbed.errors import ConfigError
 
 EXPERIMENT_DIR = Path(__file__).resolve().parent.parent / "experiments"
@@ -224,7 +225,7 @@ def validate(data: dict, source: str = "<experiment>") -> dict:
     _check_compute(c, w["compute_s"], nodes)
 
     e = exp["emulator"]
-    c.choice(e["method"], "emulator.method", ("auto", "netem", "relay"))
+    c.choice(e["method"], "emulator.method", SHAPING_CHOICES)
     c.number(e["relay_procs"], "emulator.relay_procs", integer=True, minimum=0)
     c.number(e["max_late_ms"], "emulator.max_late_ms", positive=True)
     if not (isinstance(e["tcp_cc"], str) and re.fullmatch(r"[a-z0-9_]+", e["tcp_cc"])):

@@ -70,7 +70,7 @@ def build_plan(exp: dict, scheme: dict | None = None):
     plan.validate()
     prediction = costmodel.predict(plan, graph, elem_bytes=elem_bytes(exp),
                                    stop_and_wait=exp["agents"]["stop_and_wait"])
-    # The optimum is a packing of spanning trees over every node, i.e. a bound for an AllReduce
+    # The optimum is a packing of reduce/broadcast trees over every node, a bound for an AllReduce
     # of all of them; a partial reduce (CREW's group P, forest's active workers) has none here.
     partial = set(plan.contributing()) != set(plan.nodes) or set(plan.finishing()) != set(plan.nodes)
     bound = None if partial else optimum(graph, exp["workload"]["bytes"])
