@@ -15,7 +15,9 @@ Format (YAML; every key but ``name``, ``topology`` and ``scheme.name`` is option
       size: 4MB                  # or  model: resnet50   (size = the model's parameters)
       dtype: float32             # float32 | float64
       iterations: 1
-      warmup: 0                  # iterations run (and checked) first, left out of CCT statistics
+      warmup: 1                  # iterations run (and checked) first, left out of CCT statistics
+                                 # (the first one is dominated by TCP's start); their times
+                                 # are kept apart in results.json (runs[].warmup_cct_s)
       compute_s: 0               # seconds per iteration: a number, {uniform: [lo, hi]},
                                  # {normal: [mean, std]}, or {per_worker: {dc: s or [s per iteration]}}
     emulator: {method: auto, relay_procs: 0, max_late_ms: 2, tcp_cc: cubic}
@@ -28,6 +30,9 @@ Format (YAML; every key but ``name``, ``topology`` and ``scheme.name`` is option
     variants:                    # optional: more schemes run on the SAME network, compared
       - {label: ps, scheme: {name: ps}}     # in one results.json (the main scheme runs first)
     output: {dir: results}
+    sweep:                       # optional: run the experiment once per point (see expand_sweep)
+      grid: {scheme.chunks: [1, 4, 16], workload.size: [4MB, 64MB]}   # every combination
+      points: [{seed: 2, scale: 0.5}]                                  # and/or explicit points
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ import yaml
 
 from testbed.checks import Checker
 from testbed.emulator import DEFAULT_TCP_CC
+from testbed.emulator.shaping import CHOICES as SHAPING_CHOICES
 from testbed.errors import ConfigError
 from testbed.wan import Topology
 
@@ -51,13 +57,14 @@ DEFAULTS: dict[str, Any] = {
     "scale": 1.0,
     "seed": 0,
     "repetitions": 1,
-    "workload": {"size": "1MB", "model": None, "dtype": "float32", "iterations": 1, "warmup": 0, "compute_s": 0},
+    "workload": {"size": "1MB", "model": None, "dtype": "float32", "iterations": 1, "warmup": 1, "compute_s": 0},
     "emulator": {"method": "auto", "relay_procs": 0, "max_late_ms": 2.0, "tcp_cc": DEFAULT_TCP_CC},
     "agents": {"timeout_s": 120.0, "stop_and_wait": False},
     "dynamics": [],
     "faults": [],
     "variants": [],
     "output": {"dir": "results"},
+    "sweep": None,
 }
 TOP_KEYS = {"name", "topology", "scheme", *DEFAULTS}
 
@@ -127,6 +134,7 @@ class Experiment:
     emulator: EmulatorSettings
     agents: AgentSettings
     output_dir: str
+    sweep: dict | None  # {"keys": [key paths], "points": [{"values": {key: value}, "experiment": Experiment}]}
     resolved: dict = field(repr=False)
 
     @property
@@ -135,7 +143,12 @@ class Experiment:
         return self.variants[0].scheme
 
     def to_dict(self) -> dict:
-        return copy.deepcopy(self.resolved)
+        d = copy.deepcopy(self.resolved)
+        if self.sweep:
+            d["sweep"] = {"keys": list(self.sweep["keys"]),
+                          "points": [{"values": p["values"], "experiment": p["experiment"].to_dict()}
+                                     for p in self.sweep["points"]]}
+        return d
 
 
 def load_yaml(path: str | Path, what: str = "experiment") -> dict:
@@ -169,14 +182,19 @@ def apply_overrides(data: dict, overrides: list[str], source: str) -> dict:
             value = yaml.safe_load(raw)
         except yaml.YAMLError:
             value = raw
-        cur = data
-        keys = path.strip().split(".")
-        for k in keys[:-1]:
-            if not isinstance(cur.get(k, {}), dict):
-                raise ConfigError(f"cannot set {path}: {k} is not a mapping", source=source, key=path)
-            cur = cur.setdefault(k, {})
-        cur[keys[-1]] = value
+        set_path(data, path.strip(), value, source)
     return data
+
+
+def set_path(data: dict, path: str, value, source: str) -> None:
+    """``data[a][b][c] = value`` for ``path`` ``a.b.c`` (as ``--set`` and ``sweep`` use it)."""
+    cur = data
+    keys = path.split(".")
+    for k in keys[:-1]:
+        if not isinstance(cur.get(k, {}), dict):
+            raise ConfigError(f"cannot set {path}: {k} is not a mapping", source=source, key=path)
+        cur = cur.setdefault(k, {})
+    cur[keys[-1]] = value
 
 
 def _merge(defaults: dict, given: dict) -> dict:
@@ -252,7 +270,7 @@ def validate(data: dict, source: str = "<experiment>") -> Experiment:
     _check_compute(c, w["compute_s"], nodes)
 
     e = exp["emulator"]
-    c.choice(e["method"], "emulator.method", ("auto", "netem", "relay"))
+    c.choice(e["method"], "emulator.method", SHAPING_CHOICES)
     c.number(e["relay_procs"], "emulator.relay_procs", integer=True, minimum=0)
     c.number(e["max_late_ms"], "emulator.max_late_ms", positive=True)
     if not (isinstance(e["tcp_cc"], str) and re.fullmatch(r"[a-z0-9_]+", e["tcp_cc"])):
@@ -268,13 +286,60 @@ def validate(data: dict, source: str = "<experiment>") -> Experiment:
 
     exp["dynamics"] = validate_dynamics(exp["dynamics"], topo, c, source)
     exp["faults"] = validate_faults(exp["faults"], topo, c)
+    sweep = expand_sweep(c, data, source) if data.get("sweep") is not None else None
     return Experiment(
         name=exp["name"], source=source, topology=topo.scaled(exp["scale"]), scale=exp["scale"], seed=exp["seed"],
         repetitions=exp["repetitions"], workload=Workload(**w),
         variants=(Variant(exp["scheme"]["name"], exp["scheme"]),
                   *(Variant(v["label"], v["scheme"]) for v in exp["variants"])),
         dynamics=tuple(exp["dynamics"]), faults=tuple(exp["faults"]), emulator=EmulatorSettings(**e),
-        agents=AgentSettings(**a), output_dir=exp["output"]["dir"], resolved=copy.deepcopy(exp))
+        agents=AgentSettings(**a), output_dir=exp["output"]["dir"], sweep=sweep,
+        resolved=copy.deepcopy({**exp, "sweep": None}))
+
+
+SWEEP_FIXED = {"name", "sweep", "output"}  # keys a sweep point may not change
+
+
+def expand_sweep(c: Checker, data: dict, source: str) -> dict:
+    """``sweep: {grid: {key.path: [values]}, points: [{key.path: value}]}`` -> ``{"keys",
+    "points": [{"values", "experiment"}]}``: the grid's every combination (first key
+    slowest), then the explicit points; each point is the experiment with its values set as
+    ``--set`` would, validated here in full, so a bad point stops the sweep before it starts."""
+    sw = c.mapping(data["sweep"], "sweep", {"grid", "points"})
+    grid = c.mapping(sw.get("grid", {}), "sweep.grid")
+    points = sw.get("points", [])
+    if not isinstance(points, list):
+        c.fail("sweep.points", "expected a list of {key.path: value} mappings")
+    for k, vals in grid.items():
+        if not isinstance(vals, list) or not vals:
+            c.fail(f"sweep.grid.{k}", "expected a non-empty list of values")
+    combos = [{}]
+    for k, vals in grid.items():
+        combos = [{**cmb, k: v} for cmb in combos for v in vals]
+    combos = combos if grid else []
+    for i, p in enumerate(points):
+        c.mapping(p, f"sweep.points[{i}]")
+        if not p:
+            c.fail(f"sweep.points[{i}]", "expected at least one key.path: value")
+    combos += points
+    if not combos:
+        c.fail("sweep", "no points: give grid and/or points")
+    keys = list(dict.fromkeys(k for cmb in combos for k in cmb))
+    for k in keys:
+        if not isinstance(k, str) or k.split(".")[0] not in TOP_KEYS or k.split(".")[0] in SWEEP_FIXED:
+            c.fail(f"sweep.{k}", f"cannot sweep {k!r} (any experiment key path but {', '.join(sorted(SWEEP_FIXED))})")
+    base = {k: v for k, v in data.items() if k != "sweep"}
+    out = []
+    for i, values in enumerate(combos):
+        point = copy.deepcopy(base)
+        for k, v in values.items():
+            set_path(point, k, v, source)
+        try:
+            out.append({"values": values, "experiment": validate(point, source)})
+        except ConfigError as e:
+            desc = ", ".join(f"{k}={v}" for k, v in values.items())
+            raise ConfigError(e.message, source=source, key=f"sweep point {i} ({desc}): {e.key}") from None
+    return {"keys": keys, "points": out}
 
 
 def _scheme(c: Checker, scheme, key: str, nodes: list[str]) -> dict:

@@ -4,6 +4,7 @@ results.json; the command line writes it."""
 
 from __future__ import annotations
 
+import contextlib
 import random
 from pathlib import Path
 from typing import Callable
@@ -50,7 +51,7 @@ def build_plan(exp: Experiment, scheme: dict | None = None):
     plan = make_plan(scheme["name"], graph, w.length, params, elem_bytes=w.elem_bytes)
     plan.validate()
     prediction = costmodel.predict(plan, graph, elem_bytes=w.elem_bytes, stop_and_wait=exp.agents.stop_and_wait)
-    # The optimum is a packing of spanning trees over every node, i.e. a bound for an AllReduce
+    # The optimum is a packing of reduce/broadcast trees over every node, a bound for an AllReduce
     # of all of them; a partial reduce (CREW's group P, forest's active workers) has none here.
     partial = set(plan.contributing()) != set(plan.nodes) or set(plan.finishing()) != set(plan.nodes)
     bound = None if partial else optimum(graph, w.bytes)
@@ -107,20 +108,29 @@ def add_summaries(results: dict, planned: list, exp: Experiment) -> dict:
     return results
 
 
-def run_experiment(exp: Experiment, out_dir: Path, progress: Callable[[str], None]) -> dict:
-    """Plan every variant, build the WAN once, run every variant ``repetitions`` times on it,
-    tear down, return results."""
+def open_network(exp: Experiment, progress: Callable[[str], None], caps=None):
+    """The experiment's emulated WAN (a context manager: built on entry, torn down on exit)."""
+    from testbed.emulator.network import WanNetwork
+
+    em = exp.emulator
+    return WanNetwork(exp.topology, method=em.method, relay_procs=em.relay_procs, seed=exp.seed, log=progress,
+                      caps=caps, tcp_cc=em.tcp_cc)
+
+
+def run_experiment(exp: Experiment, out_dir: Path, progress: Callable[[str], None], net=None) -> dict:
+    """Plan every variant, build the WAN once (or use ``net``, an open network of the same
+    topology: a sweep reuses one), run every variant ``repetitions`` times on it, tear down
+    what it built, return results."""
     from testbed.emulator.capabilities import probe
     from testbed.emulator.dynamics import Scheduler
     from testbed.emulator.hosts import EmulatedHosts
-    from testbed.emulator.network import WanNetwork
 
     planned = plan_variants(exp, progress)
-    caps, em = probe(), exp.emulator
+    caps = probe()
     results: dict = {"experiment": exp.to_dict(), "environment": environment(caps), "runs": []}
-    with WanNetwork(exp.topology, method=em.method, relay_procs=em.relay_procs, seed=exp.seed, log=progress,
-                    caps=caps, tcp_cc=em.tcp_cc) as net:
+    with (open_network(exp, progress, caps) if net is None else contextlib.nullcontext(net)) as net:
         results["links"] = net.link_report()
+        results["events_t0_s"] = net.t0  # events[].t_s count from here (Unix time), transfers are Unix ns
         results["environment"]["host_sysctls"] = net.host_sysctls
         sched = Scheduler(net, exp.dynamics, exp.faults, scale=exp.scale, log=progress).start()
         net.reset_relay_window()  # judge the emulator on the measured phase only
@@ -136,7 +146,7 @@ def run_experiment(exp: Experiment, out_dir: Path, progress: Callable[[str], Non
             except Exception as e:  # never mask the run's own error with a reporting one
                 relay, results["events"] = [], results["events"] + [{"error": f"relay statistics: {e}"}]
             results["emulation"] = _emulation_health(net.method, len(net.relays), relay, cpu_util, steal,
-                                                      em.max_late_ms)
+                                                      exp.emulator.max_late_ms)
     return add_summaries(results, planned, exp)
 
 
@@ -158,6 +168,7 @@ def _summarise_run(rep: int, label: str, result: dict, warmup: int = 0) -> dict:
     incorrect = sorted({n for it in its for n, wk in it["workers"].items() if not wk.get("correct", True)})
     return {"variant": label, "repetition": rep,
             "cct_s": stats([it["cct_s"] for it in its if not it["warmup"]])["mean"],
+            "warmup_cct_s": [it["cct_s"] for it in its if it["warmup"]],  # cold: TCP start on fresh connections
             "iterations": its, "correct": all(it["correct"] for it in its) and not incorrect,
             "incorrect": incorrect, "transfers": result.get("transfers"), "links": _per_link(result.get("transfers"))}
 

@@ -437,13 +437,17 @@ def solve_weights(caps: dict[tuple[str, str], float], roots: list[str], reduce_t
     b[e2:e2 + m] = [caps[e] for e in edges]
     c = np.zeros(nv)
     c[:nr] = -1.0
-    if central:
+    # Central duals come from interior point without crossover; HiGHS sometimes stops that
+    # at an unrecognised status (15) on valid instances (issue 15), so fall back to IPM with
+    # crossover, then to HiGHS' default (simplex): vertex duals still price correctly.
+    attempts = ([("highs-ipm", {"run_crossover": "off"}), ("highs-ipm", {})] if central else []) \
+        + [("highs", {})]
+    for method, options in attempts:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            res = linprog(c, A_ub=A, b_ub=b, bounds=(0, None), method="highs-ipm",
-                          options={"run_crossover": "off"})
-    else:
-        res = linprog(c, A_ub=A, b_ub=b, bounds=(0, None), method="highs")
+            res = linprog(c, A_ub=A, b_ub=b, bounds=(0, None), method=method, options=options)
+        if res.status == 0:
+            break
     if res.status != 0:
         raise RuntimeError(f"forest LP failed: {res.message}")
     x = res.x
