@@ -97,15 +97,6 @@ def check_number(x: Any, *, source: str = "", key: str = "", integer: bool = Fal
     return x
 
 
-_FIELD_RULES: dict[str, dict] = {
-    "rate_mbps": dict(minimum=0, min_open=True, what="a rate in Mbit/s"),
-    "delay_ms": dict(minimum=0, what="a delay in ms"),
-    "jitter_ms": dict(minimum=0, what="a jitter in ms"),
-    "loss": dict(minimum=0, maximum=1, max_open=True, what="a loss probability"),
-    "queue_pkts": dict(integer=True, minimum=0, min_open=True, what="a queue length in packets (integer)"),
-}
-
-
 def known_nodes(nodes: Sequence[str]) -> str:
     """The ``known: ...`` list of an unknown-datacenter message (first 12 names)."""
     return ", ".join(nodes[:12]) + (" ..." if len(nodes) > 12 else "")
