@@ -110,7 +110,7 @@ def cmd_shell(args) -> int:
 
 def cmd_deploy(args) -> int:
     from testbed import config
-    from testbed.deploy import deploy
+    from testbed.deploy import check_deployable, deploy
     from testbed.progress import Progress
     from testbed.results import new_run_dir, write_json_atomic
 
@@ -119,8 +119,9 @@ def cmd_deploy(args) -> int:
         raise ConfigError("sweeps run with `run`, not `deploy`", source=args.experiment, key="sweep")
     progress = Progress(quiet=args.quiet)
     progress(f"experiment {exp.name!r}: scheme {exp.scheme['name']} on the real hosts of {args.hosts}")
+    hosts = check_deployable(exp, args.hosts)  # before the results folder is made
     out = Path(args.out) if args.out else new_run_dir(exp.output_dir, f"{exp.name}-deploy")
-    results = deploy(exp, args.hosts, out, progress)
+    results = deploy(exp, hosts, out, progress)
     write_json_atomic(out / "results.json", results)
     return _report(results, out)
 

@@ -242,10 +242,9 @@ def check_deployable(exp: Experiment, hosts_path: str | Path) -> HostsFile:
     return load_hosts(hosts_path, exp.topology.nodes)
 
 
-def deploy(exp: Experiment, hosts_path: str | Path, out_dir: Path, progress: Callable[[str], None]) -> dict:
-    """Run every scheme of ``exp`` on the real hosts of ``hosts_path`` (agent logs in
-    ``out_dir``); the data of results.json."""
-    hosts_file = check_deployable(exp, hosts_path)
+def deploy(exp: Experiment, hosts_file: HostsFile, out_dir: Path, progress: Callable[[str], None]) -> dict:
+    """Run every scheme of ``exp`` on the real hosts of ``hosts_file`` (from
+    :func:`check_deployable`; agent logs in ``out_dir``); the data of results.json."""
     planned = plan_variants(exp, progress)
     results: dict = {"experiment": exp.to_dict(), "environment": environment(), "runs": []}
     with SshHosts(hosts_file, log=progress) as hosts:
