@@ -36,8 +36,7 @@ def cmd_run(args) -> int:
         return _run_sweep(exp, out, progress, report=not args.no_report)
     progress(f"experiment {exp.name!r}: scheme {exp.scheme['name']} on {exp.topology.name}, "
              f"{exp.repetitions} repetition(s); results -> {out}")
-    results = run_experiment(exp, out, progress)
-    write_json_atomic(out / "results.json", results)
+    results = run_experiment(exp, out, progress, save=lambda r: write_json_atomic(out / "results.json", r))
     code = _report(results, out)
     if not args.no_report:
         _write_report([out], out)

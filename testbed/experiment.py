@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Callable
 
 from testbed.config import Experiment
+from testbed.errors import TestbedError
 from testbed.hosts import Hosts, run_agents
 from testbed.results import STEAL_MAX, CpuMeter, environment, stats
 
@@ -59,9 +60,10 @@ def build_plan(exp: Experiment, scheme: dict | None = None):
 
 
 def run_variants(exp: Experiment, planned: list, hosts: Hosts, out_dir: Path,
-                 progress: Callable[[str], None]) -> list[dict]:
+                 progress: Callable[[str], None], on_run: Callable[[list], None] | None = None) -> list[dict]:
     """Run every planned variant ``repetitions`` times on ``hosts``, interleaved (so slow
-    drifts hit all variants alike); one summarised record per run."""
+    drifts hit all variants alike); one summarised record per run, ``on_run(runs so far)``
+    after each."""
     w, a = exp.workload, exp.agents
     runs = []
     for rep in range(exp.repetitions):
@@ -74,6 +76,8 @@ def run_variants(exp: Experiment, planned: list, hosts: Hosts, out_dir: Path,
                                 stop_and_wait=a.stop_and_wait, timeout_s=a.timeout_s, progress=progress)
             r = _summarise_run(rep, v.label, result, w.warmup)
             runs.append(r)
+            if on_run:
+                on_run(runs)
             progress(f"repetition {rep + 1} of {v.label}: CCT {r['cct_s']:.3f}s, correct={r['correct']}")
             if not r["correct"]:  # results are still written; the CLI exits 1
                 progress(f"WRONG RESULT at {', '.join(r['incorrect']) or 'some workers (digests differ)'}")
@@ -117,17 +121,39 @@ def open_network(exp: Experiment, progress: Callable[[str], None], caps=None):
                       caps=caps, tcp_cc=em.tcp_cc)
 
 
-def run_experiment(exp: Experiment, out_dir: Path, progress: Callable[[str], None], net=None) -> dict:
+def run_experiment(exp: Experiment, out_dir: Path, progress: Callable[[str], None], net=None,
+                   save: Callable[[dict], None] | None = None) -> dict:
     """Plan every variant, build the WAN once (or use ``net``, an open network of the same
     topology: a sweep reuses one), run every variant ``repetitions`` times on it, tear down
-    what it built, return results."""
+    what it built, return results.  ``save(results so far)`` after every run, and with
+    ``error`` set when a run fails (the error is raised after it), so a later failure keeps
+    what finished."""
     from testbed.emulator.capabilities import probe
-    from testbed.emulator.dynamics import Scheduler
-    from testbed.emulator.hosts import EmulatedHosts
 
     planned = plan_variants(exp, progress)
     caps = probe()
     results: dict = {"experiment": exp.to_dict(), "environment": environment(caps), "runs": []}
+
+    def checkpoint(runs: list) -> None:
+        results["runs"] = runs
+        if save:
+            save(add_summaries(results, planned, exp))
+
+    try:
+        _run_on_network(exp, planned, results, out_dir, progress, caps, net, checkpoint)
+    except TestbedError as e:
+        results["error"] = str(e)
+        if save:
+            save(add_summaries(results, planned, exp))
+        raise
+    return add_summaries(results, planned, exp)
+
+
+def _run_on_network(exp: Experiment, planned: list, results: dict, out_dir: Path, progress, caps, net,
+                    checkpoint: Callable[[list], None]) -> None:
+    from testbed.emulator.dynamics import Scheduler
+    from testbed.emulator.hosts import EmulatedHosts
+
     with (open_network(exp, progress, caps) if net is None else contextlib.nullcontext(net)) as net:
         results["links"] = net.link_report()
         results["events_t0_s"] = net.t0  # events[].t_s count from here (Unix time), transfers are Unix ns
@@ -136,7 +162,7 @@ def run_experiment(exp: Experiment, out_dir: Path, progress: Callable[[str], Non
         net.reset_relay_window()  # judge the emulator on the measured phase only
         cpu = CpuMeter().start()
         try:
-            results["runs"] = run_variants(exp, planned, EmulatedHosts(net), out_dir, progress)
+            run_variants(exp, planned, EmulatedHosts(net), out_dir, progress, on_run=checkpoint)
         finally:
             sched.stop()
             cpu_util, steal = cpu.stop()
@@ -147,7 +173,6 @@ def run_experiment(exp: Experiment, out_dir: Path, progress: Callable[[str], Non
                 relay, results["events"] = [], results["events"] + [{"error": f"relay statistics: {e}"}]
             results["emulation"] = _emulation_health(net.method, len(net.relays), relay, cpu_util, steal,
                                                       exp.emulator.max_late_ms)
-    return add_summaries(results, planned, exp)
 
 
 def _comparison(variants: list[dict]) -> list[dict]:
