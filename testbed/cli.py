@@ -37,6 +37,7 @@ def cmd_run(args) -> int:
     progress(f"experiment {exp.name!r}: scheme {exp.scheme['name']} on {exp.topology.name}, "
              f"{exp.repetitions} repetition(s); results -> {out}")
     results = run_experiment(exp, out, progress, save=lambda r: write_json_atomic(out / "results.json", r))
+    write_json_atomic(out / "results.json", results)  # complete: with the emulation's health and events
     code = _report(results, out)
     if not args.no_report:
         _write_report([out], out)
