@@ -180,7 +180,8 @@ def _comparison(variants: list[dict]) -> list[dict]:
     ref = variants[0]["summary"]["cct_s"]["mean"]
     return [{"label": v["label"], "cct_s": v["summary"]["cct_s"]["mean"],
              "predicted_cct_s": v["summary"]["predicted_cct_s"], "efficiency": v["summary"]["efficiency"],
-             "cct_ratio_to_first": (v["summary"]["cct_s"]["mean"] / ref) if ref else None}
+             "cct_ratio_to_first": (v["summary"]["cct_s"]["mean"] / ref)
+             if ref and v["summary"]["cct_s"]["mean"] is not None else None}  # None: no run yet (a checkpoint)
             for v in variants]
 
 
