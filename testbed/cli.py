@@ -155,8 +155,11 @@ def _num(value, width: int, digits: int) -> str:
 
 def cmd_validate(args) -> int:
     from testbed import config
+    from testbed.experiment import plan_variants
 
     exp = config.load_experiment(args.experiment, args.overrides)
+    for point in [p["experiment"] for p in exp.sweep["points"]] if exp.sweep else [exp]:
+        plan_variants(point, lambda m: None, source=args.experiment)  # what planning rejects, before any run
     t = exp.topology
     print(f"{args.experiment}: ok — scheme {exp.scheme['name']}, topology {t.name} "
           f"({len(t.nodes)} datacenters, {len(t.links)} links), "
@@ -184,9 +187,10 @@ def cmd_plan(args) -> int:
 
 
 def _print_plan(exp: dict, variant: dict, args) -> None:
-    from testbed.experiment import build_plan
+    from testbed.experiment import build_plan, scheme_key
 
-    topo, graph, plan, prediction, bound = build_plan(exp, variant.scheme)
+    topo, graph, plan, prediction, bound = build_plan(exp, variant.scheme, source=args.experiment,
+                                                      key=scheme_key(exp.variants.index(variant)))
     if args.json:
         print(json.dumps({"label": variant.label, "plan": plan.to_dict() if args.full else plan.meta,
                           "prediction": prediction, "bound": bound}, indent=1, default=str))

@@ -37,19 +37,21 @@ def compute_times(spec, nodes: list[str], iterations: int, seed: int) -> dict[st
     return out
 
 
-def build_plan(exp: Experiment, scheme: dict | None = None):
+def build_plan(exp: Experiment, scheme: dict | None = None, *, source: str = "", key: str = "scheme"):
     """(topology scaled, graph, plan, prediction, bound) for a validated experiment and one of
-    its schemes (default: the main one) — pure planning, no network."""
+    its schemes (default: the main one) — pure planning, no network.  What the planner rejects
+    (a disconnected topology, a parameter) is a ConfigError naming ``source`` and ``key``."""
     from testbed import costmodel
     from testbed.planners import make_plan
     from testbed.planners.bound import optimum
     from testbed.wan import validate_connected
 
     scheme, topo, w = scheme or exp.scheme, exp.topology, exp.workload
-    validate_connected(topo, source=exp.name, key="topology")
+    validate_connected(topo, source=source or exp.name, key="topology")
     graph = topo.graph()
     params = {k: v for k, v in scheme.items() if k != "name"}
-    plan = make_plan(scheme["name"], graph, w.length, params, elem_bytes=w.elem_bytes)
+    plan = make_plan(scheme["name"], graph, w.length, params, elem_bytes=w.elem_bytes, source=source or exp.name,
+                     key=key)
     plan.validate()
     prediction = costmodel.predict(plan, graph, elem_bytes=w.elem_bytes, stop_and_wait=exp.agents.stop_and_wait)
     # The optimum is a packing of reduce/broadcast trees over every node, a bound for an AllReduce
@@ -84,16 +86,22 @@ def run_variants(exp: Experiment, planned: list, hosts: Hosts, out_dir: Path,
     return runs
 
 
-def plan_variants(exp: Experiment, progress: Callable[[str], None]) -> list:
-    """[(variant, plan, prediction, bound)] for every scheme of ``exp``."""
+def plan_variants(exp: Experiment, progress: Callable[[str], None], source: str = "") -> list:
+    """[(variant, plan, prediction, bound)] for every scheme of ``exp``; ConfigError (naming
+    ``source`` and the scheme's key) for what a planner rejects."""
     planned = []
-    for v in exp.variants:
+    for i, v in enumerate(exp.variants):
         progress(f"planning {v.label} ({v.scheme['name']}) for {exp.workload.bytes / 1e6:.3g} MB")
-        _, _, plan, prediction, bound = build_plan(exp, v.scheme)
+        _, _, plan, prediction, bound = build_plan(exp, v.scheme, source=source, key=scheme_key(i))
         progress(f"  {sum(len(p) for p in plan.programs.values())} ops; predicted CCT {prediction['cct_s']:.3f}s, "
                  + (f"bound {bound['cct_s']:.3f}s" if bound else "no bound (partial reduce)"))
         planned.append((v, plan, prediction, bound))
     return planned
+
+
+def scheme_key(i: int) -> str:
+    """Where variant ``i`` of ``Experiment.variants`` (0: the main scheme) is in the file."""
+    return "scheme" if i == 0 else f"variants[{i - 1}].scheme"
 
 
 def add_summaries(results: dict, planned: list, exp: Experiment) -> dict:
