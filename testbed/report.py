@@ -11,7 +11,8 @@ Figures (matplotlib, no pyplot state, so it works in threads and without a displ
   configured rate (which ``dynamics`` change), with dynamics and faults marked.  Transfers
   between non-adjacent datacenters are charged to every link of their routed path
   (:func:`testbed.routing.data_paths`, the emulator's routes); bytes are spread evenly over
-  a transfer's receive start .. end;
+  a transfer's receive start .. end (application-level: a receiver draining its socket
+  buffer shows short peaks above the rate); light lines: where each variant's run starts;
 * ``sweep.png`` — for sweeps: the first swept parameter on x, mean CCT on y, one line per
   scheme (and per value of the other swept parameters).
 """
@@ -240,6 +241,8 @@ def links_figure(results: dict, path: Path) -> Path | None:
                 overlap = min(b, (i + 1) * width) - max(a, i * width)
                 if overlap > 0:
                     bins[i] += t["bytes"] * overlap / dur
+    starts = [(min(t["send_start_ns"] for t in _transfers(r)) / 1e9 - origin, r) for r in results.get("runs", [])
+              if _transfers(r)]
     hops = sorted(load, key=lambda h: -sum(load[h]))[:MAX_LINK_PANELS]
     hops.sort()
     # events are timed from the network's start: without it they cannot be placed
@@ -260,8 +263,14 @@ def links_figure(results: dict, path: Path) -> Path | None:
             fault = e["event"] != "rate"
             if fault or hop in ((e.get("src"), e.get("dst")),):
                 ax.axvline(e["t_s"], color="red" if fault else "grey", lw=0.8, ls=":" if not fault else "-")
+        for x, _ in starts:
+            ax.axvline(x, color="#bbbbbb", lw=0.6)
         ax.set_title(f"{hop[0]}->{hop[1]}", fontsize=8)
         ax.tick_params(labelsize=7)
+    for x, r in starts:  # which variant ran when, on the first row
+        for ax in axes[0]:
+            ax.text(x, 0.98, f"{r['variant']}#{r['repetition']}", transform=ax.get_xaxis_transform(), fontsize=6,
+                    va="top", ha="left", rotation=90, color="#555555", clip_on=True)
     for ax in list(axes.flat)[len(hops):]:
         ax.set_visible(False)
     axes[0][0].legend(fontsize=7)
