@@ -125,6 +125,7 @@ def cct_figure(entries: list[tuple[str, dict]], path: Path) -> Path:
     ax.set_xticks(list(xs), [lbl for lbl, _ in entries], rotation=30 if len(entries) > 4 else 0, ha="right"
                   if len(entries) > 4 else "center")
     ax.set_ylabel("CCT (s)")
+    ax.margins(y=0.1)
     ax.set_title("Collective completion time per variant (efficiency = bound / measured)")
     ax.legend(fontsize=8, loc="upper left")
     return _save(fig, path)
