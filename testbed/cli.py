@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 from testbed.emulator import DEFAULT_TCP_CC
+from testbed.emulator.shaping import CHOICES as SHAPING_CHOICES
 from testbed.errors import ConfigError, TestbedError
 
 
@@ -204,7 +205,7 @@ def _print_plan(exp: dict, variant: dict, args) -> None:
             print(f"  {k}: {v}")
     print(f"predicted CCT {prediction['cct_s']:.4f}s ({prediction.get('model', '')}); "
           + (f"bound: rate {bound['rate_mbps']:.1f} Mbit/s, CCT {bound['cct_s']:.4f}s" if bound else
-             "no bound: the spanning-tree packing bounds an AllReduce of every node, this is a partial reduce"))
+             "no bound: the tree-packing optimum bounds an AllReduce of every node, this is a partial reduce"))
 
 
 def cmd_doctor(args) -> int:
@@ -224,11 +225,11 @@ def cmd_doctor(args) -> int:
     for name, ok in rows:
         print(f"  {'yes' if ok else 'NO ':3}  {name}")
     print(f"  kernel {caps.kernel}")
+    from testbed.emulator.shaping import METHODS
+
     method = caps.shaping_method
-    print("link shaping used by run: " + {
-        "netem": "HTB rate + netem delay/jitter/loss (kernel)",
-        "relay": "HTB rate + user-space delay relay for delay/jitter/loss (no netem in this kernel)",
-        None: "none — cannot run experiments here"}[method])
+    print("link shaping used by run: " + (METHODS[method].description if method else
+                                           "none — cannot run experiments here"))
     for note in caps.notes:
         print(f"note: {note}")
     for p in caps.problems():
@@ -323,17 +324,19 @@ def build_parser() -> argparse.ArgumentParser:
     c = sub.add_parser("clean", help="remove namespaces, interfaces, bridges and processes a crashed run left")
     c.set_defaults(func=cmd_clean)
 
-    lc = sub.add_parser("linkcheck", help="measure every link's rate (iperf3) and delay (ping) against the topology")
+    lc = sub.add_parser("linkcheck", help="measure every link direction's rate, delay, jitter, loss and queue "
+                                           "against the topology (UDP probes, iperf3, ping)")
     lc.add_argument("topology", help="topology name (topologies/) or file")
     lc.add_argument("--out", help="output folder for linkcheck.json (default: a new folder under results/)")
     lc.add_argument("--scale", type=float, default=1.0, help="multiply every rate by this factor")
     lc.add_argument("--concurrent", action="store_true", help="only the phase with all links loaded at once")
     lc.add_argument("--single", action="store_true", help="only the link-by-link phase")
     lc.add_argument("--seconds", type=float, default=6.0,
-                    help="iperf3 measuring time per direction after its warm-up (default 6)")
-    lc.add_argument("--method", choices=("auto", "netem", "relay"), default="auto", help="link shaping method")
+                    help="measuring time per direction and measurement after warm-up (default 6)")
+    lc.add_argument("--method", choices=SHAPING_CHOICES, default="auto", help="link shaping method")
     lc.add_argument("--tcp-cc", default=DEFAULT_TCP_CC,
-                    help=f"TCP congestion control of the hosts (as emulator.tcp_cc; default {DEFAULT_TCP_CC})")
+                    help=f"TCP congestion control of the hosts (as emulator.tcp_cc; default {DEFAULT_TCP_CC}): "
+                         "the informative TCP goodput column, and the concurrent rate on lossless links")
     lc.set_defaults(func=cmd_linkcheck)
 
     b = sub.add_parser("bench", help="benchmarks that report ratios measured in one run")

@@ -45,6 +45,7 @@ from typing import Any
 import yaml
 
 from testbed.emulator import DEFAULT_TCP_CC
+from testbed.emulator.shaping import CHOICES as SHAPING_CHOICES
 from testbed.errors import ConfigError
 
 EXPERIMENT_DIR = Path(__file__).resolve().parent.parent / "experiments"
@@ -63,7 +64,6 @@ DEFAULTS: dict[str, Any] = {
     "sweep": None,
 }
 TOP_KEYS = {"name", "topology", "scheme", *DEFAULTS}
-NODE_PARAMS, NODE_LIST_PARAMS = {"hub", "root"}, {"order", "active"}
 
 
 class _Checker:
@@ -225,7 +225,7 @@ def validate(data: dict, source: str = "<experiment>") -> dict:
     _check_compute(c, w["compute_s"], nodes)
 
     e = exp["emulator"]
-    c.choice(e["method"], "emulator.method", ("auto", "netem", "relay"))
+    c.choice(e["method"], "emulator.method", SHAPING_CHOICES)
     c.number(e["relay_procs"], "emulator.relay_procs", integer=True, minimum=0)
     c.number(e["max_late_ms"], "emulator.max_late_ms", positive=True)
     if not (isinstance(e["tcp_cc"], str) and re.fullmatch(r"[a-z0-9_]+", e["tcp_cc"])):
@@ -292,37 +292,13 @@ def expand_sweep(c: _Checker, data: dict, source: str) -> dict:
 
 
 def _scheme(c: _Checker, scheme, key: str, nodes: list[str]) -> dict:
-    """Validate ``{name: ..., <param>: ...}`` against the planner's parameter table and
-    return it with every default filled in."""
-    from testbed.planners import schemes
+    """Validate ``{name: ..., <param>: ...}`` with the planner registry (the scheme's
+    parameter table: types, choices, bounds, datacenters) and return it with every default
+    filled in."""
+    from testbed.planners import resolve_scheme
 
     c.mapping(scheme, key)
-    name = scheme.get("name")
-    known = schemes()
-    if name not in known:
-        c.fail(f"{key}.name", f"unknown scheme {name!r} (known: {', '.join(sorted(known))})")
-    spec = known[name]
-    params = {k: v for k, v in scheme.items() if k != "name"}
-    for k, v in params.items():
-        pkey = f"{key}.{k}"
-        if k not in spec.params:
-            c.fail(pkey, f"scheme {name!r} has no parameter {k!r} (parameters: {', '.join(spec.params) or 'none'})")
-        p = spec.params[k]
-        types = p.type if isinstance(p.type, tuple) else (p.type,)
-        if float in types and isinstance(v, int) and not isinstance(v, bool):
-            v = params[k] = float(v)
-        if list in types and isinstance(v, tuple):
-            v = params[k] = list(v)
-        if not isinstance(v, types) or (isinstance(v, bool) and bool not in types):
-            c.fail(pkey, f"expected {' or '.join(t.__name__ for t in types)}, got {v!r}")
-        if p.choices:
-            c.choice(v, pkey, p.choices)
-        if k in NODE_PARAMS and v:
-            c.node(v, pkey, nodes)
-        if k in NODE_LIST_PARAMS and v is not None:
-            for i, n in enumerate(v):
-                c.node(n, f"{pkey}[{i}]", nodes)
-    return {"name": name, **{k: p.default for k, p in spec.params.items()}, **params}
+    return resolve_scheme(scheme, nodes, source=c.source, key=key)
 
 
 def _check_compute(c: _Checker, spec, nodes: list[str]) -> None:

@@ -66,13 +66,11 @@ def build_plan(exp: dict, scheme: dict | None = None):
     validate_connected(topo, source=exp["name"], key="topology")
     graph = topo.graph()
     params = {k: v for k, v in scheme.items() if k != "name"}
-    t = time.perf_counter()
     plan = make_plan(scheme["name"], graph, exp["workload"]["length"], params, elem_bytes=elem_bytes(exp))
-    plan.meta.setdefault("planner_s", time.perf_counter() - t)
     plan.validate()
     prediction = costmodel.predict(plan, graph, elem_bytes=elem_bytes(exp),
                                    stop_and_wait=exp["agents"]["stop_and_wait"])
-    # The optimum is a packing of spanning trees over every node, i.e. a bound for an AllReduce
+    # The optimum is a packing of reduce/broadcast trees over every node, a bound for an AllReduce
     # of all of them; a partial reduce (CREW's group P, forest's active workers) has none here.
     partial = set(plan.contributing()) != set(plan.nodes) or set(plan.finishing()) != set(plan.nodes)
     bound = None if partial else optimum(graph, exp["workload"]["bytes"])
