@@ -88,8 +88,8 @@ def cmd_exec(args) -> int:
 
     exp = config.load_experiment(args.experiment, args.overrides)
     out = Path(args.out) if args.out else new_run_dir(exp["output"]["dir"], f"{exp['name']}-exec")
-    results = exec_command(exp, args.command, out, on=args.on.split(",") if args.on else None, master_port=args.master_port,
-                           timeout_s=args.timeout, progress=Progress(quiet=args.quiet))
+    results = exec_command(exp, args.command, out, on=args.on.split(",") if args.on else None,
+                           master_port=args.master_port, timeout_s=args.timeout, progress=Progress(quiet=args.quiet))
     write_json_atomic(out / "results.json", results)
     for dc, p in results["processes"].items():
         wall = f"{p['wall_s']:.3f}s" if p["wall_s"] is not None else "timed out"

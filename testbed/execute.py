@@ -20,7 +20,6 @@ the host) carrying the node address.
 from __future__ import annotations
 
 import os
-import subprocess
 import time
 from pathlib import Path
 from typing import Callable

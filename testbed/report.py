@@ -6,7 +6,8 @@ Figures (matplotlib, no pyplot state, so it works in threads and without a displ
 * ``cct.png`` — CCT per variant: mean bar, min..max spread, every repetition, the cost
   model's prediction and the spanning-tree-packing bound beside it, efficiency = bound/CCT;
 * ``gantt-N.png`` — one measured iteration of the main scheme: every transfer as a bar on
-  its (sender -> receiver) row while it is being received (a thin line while sent but not yet arriving), coloured by flow (tree);
+  its (sender -> receiver) row while it is being received (a thin line while sent but not
+  yet arriving), coloured by flow (tree);
 * ``links-N.png`` — goodput of every WAN link direction over the run against its
   configured rate (which ``dynamics`` change), with dynamics and faults marked.  Transfers
   between non-adjacent datacenters are charged to every link of their routed path
@@ -22,7 +23,6 @@ from __future__ import annotations
 import base64
 import csv
 import html
-import io
 import json
 import math
 from pathlib import Path
@@ -167,8 +167,8 @@ def gantt_figure(results: dict, path: Path) -> Path | None:
         k = flows.index(t.get("flow", 0))
         y = ypos[(t["src"], t["dst"])]
         ax.plot([(t["send_start_ns"] - t0) / 1e9, (t["recv_start_ns"] - t0) / 1e9], [y, y], color=cmap(k % 20), lw=1, zorder=1)
-        ax.barh(y, (t["recv_end_ns"] - t["recv_start_ns"]) / 1e9, left=(t["recv_start_ns"] - t0) / 1e9, height=0.7,
-                color=cmap(k % 20), edgecolor="black", linewidth=0.3, zorder=2)
+        ax.barh(y, (t["recv_end_ns"] - t["recv_start_ns"]) / 1e9, left=(t["recv_start_ns"] - t0) / 1e9,
+                height=0.7, color=cmap(k % 20), edgecolor="black", linewidth=0.3, zorder=2)
     ax.set_yticks(range(len(pairs)), [f"{a}->{b}" for a, b in pairs], fontsize=7)
     ax.invert_yaxis()
     ax.set_xlabel("seconds since the iteration's first send")
@@ -364,7 +364,8 @@ def _warnings(results: dict) -> list[str]:
 
 CSS = """body{font-family:sans-serif;margin:1.5em;max-width:1100px}table{border-collapse:collapse;font-size:85%;
 margin:.5em 0;display:block;overflow-x:auto}td,th{border:1px solid #bbb;padding:2px 6px;text-align:right}th{background:#eee}
-.warn{background:#fde2e1;border:2px solid #c00;color:#900;padding:.6em 1em;font-weight:bold}
+.warn{background:#fde2e1;border:2px solid #c00;color:#900;padding:.6em 1em;
+font-weight:bold}
 img{max-width:100%;border:1px solid #ddd}pre{background:#f6f6f6;padding:.5em;font-size:80%;overflow:auto;
 max-height:30em}figure{margin:1em 0}"""
 
