@@ -146,7 +146,8 @@ class Coordinator:
                  compute_s: Mapping[str, list[float] | float] | None = None, stop_and_wait: bool = False,
                  timeout_s: float = 60.0, bind: tuple[str, int] = ("0.0.0.0", 0),
                  progress: Callable[[str], None] | None = None, register_timeout_s: float | None = None,
-                 health: Callable[[], str | None] | None = None, predicted_s: float | None = None):
+                 health: Callable[[], str | None] | None = None, predicted_s: float | None = None,
+                 handshake_s: float = wire.HANDSHAKE_TIMEOUT_S):
         plan.validate()
         np.dtype(dtype)
         self.plan, self.secret, self.data_port = plan, wire.as_secret(secret), data_port
@@ -157,6 +158,7 @@ class Coordinator:
                           for n, v in (compute_s or {}).items()}
         self.progress = progress or (lambda s: None)
         self.health = health
+        self.handshake_s = float(handshake_s)
         self.silence_s = max(1.5, self.timeout_s / 2)
         self.heartbeat_s = min(1.0, self.silence_s / 6)
         # communication of one iteration: the stall limit plus a margin over the prediction
@@ -214,7 +216,7 @@ class Coordinator:
 
         try:
             wire.tune(sock)
-            ident = wire.server_handshake(sock, self.secret, check, time.monotonic() + wire.HANDSHAKE_TIMEOUT_S)
+            ident = wire.server_handshake(sock, self.secret, check, time.monotonic() + self.handshake_s)
             sock.settimeout(self.silence_s)
         except (wire.ProtocolError, wire.Closed, OSError) as e:
             log.warning("refused connection from %s: %s", who, wire.sanitize(e))
@@ -456,7 +458,7 @@ class Coordinator:
 
     def ready_limit(self) -> float:
         """JOB to READY: peers connect (retrying while they start) and authenticate."""
-        return self.timeout_s + 3 * wire.HANDSHAKE_TIMEOUT_S
+        return self.timeout_s + 3 * self.handshake_s
 
     def _iteration_limit(self) -> float:
         compute = max((max(v) for v in self.compute_s.values() if v), default=0.0)

@@ -167,7 +167,7 @@ def cmd_doctor(args) -> int:
 def cmd_clean(args) -> int:
     from testbed.emulator.cleanup import clean
 
-    clean()
+    clean(everything=args.all)
     return 0
 
 
@@ -223,6 +223,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.set_defaults(func=cmd_doctor)
 
     c = sub.add_parser("clean", help="remove namespaces, interfaces, bridges and processes a crashed run left")
+    c.add_argument("--all", action="store_true", help="also those of runs still going (default: only runs whose "
+                                                      "owner process is gone)")
     c.set_defaults(func=cmd_clean)
 
     lc = sub.add_parser("linkcheck", help="measure every link's rate (iperf3) and delay (ping) against the topology")

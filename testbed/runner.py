@@ -103,7 +103,10 @@ class EmulatedHosts:
                                          cwd=str(REPO), env=dict(os.environ, PYTHONPATH=str(REPO)))
 
     def health(self) -> str | None:
-        """Why a run cannot go on (an agent process exited), or None."""
+        """Why a run cannot go on (an agent process exited, the network broke), or None."""
+        problem = self.net.health()
+        if problem:
+            return problem
         for dc, p in self._procs.items():
             if p.poll() is not None:
                 return f"{dc}: agent process exited with code {p.returncode} (log: agents/{dc}.log)"
@@ -116,7 +119,7 @@ class EmulatedHosts:
 
 def run_agents(hosts, plan, out_dir: Path, *, iterations: int = 1, seed: int = 0, dtype: str = "float32",
                compute_s: dict | None = None, stop_and_wait: bool = False, timeout_s: float = 120.0,
-               progress: Callable[[str], None] = lambda m: None) -> dict:
+               progress: Callable[[str], None] = lambda m: None, predicted_s: float | None = None) -> dict:
     """Start a coordinator here and one agent per datacenter on ``hosts`` (an
     :class:`EmulatedHosts` or :class:`testbed.deploy.SshHosts`), run ``plan``
     ``iterations`` times, and return the coordinator's results.  Agents are stopped
@@ -131,7 +134,7 @@ def run_agents(hosts, plan, out_dir: Path, *, iterations: int = 1, seed: int = 0
     coord = Coordinator(plan, addresses=hosts.addresses(), data_port=None, secret=secret_file.read_text(),
                         iterations=iterations, seed=seed, dtype=dtype, compute_s=compute_s,
                         stop_and_wait=stop_and_wait, timeout_s=timeout_s, bind=hosts.coordinator_bind,
-                        progress=progress, health=hosts.health)
+                        progress=progress, health=hosts.health, predicted_s=predicted_s)
     coord.start()
     try:
         for dc in plan.nodes:
@@ -149,13 +152,14 @@ def run_variants(exp: dict, planned: list, hosts, out_dir: Path, progress: Calla
     w, a = exp["workload"], exp["agents"]
     runs = []
     for rep in range(exp["repetitions"]):
-        for v, plan, _, _ in planned:
+        for v, plan, prediction, _ in planned:
             progress(f"repetition {rep + 1}/{exp['repetitions']} of {v['label']}: starting {len(plan.nodes)} agents")
             seed = exp["seed"] * 1000 + rep
             n_its = w["warmup"] + w["iterations"]
             result = run_agents(hosts, plan, out_dir, iterations=n_its, seed=seed, dtype=w["dtype"],
                                 compute_s=compute_times(w["compute_s"], plan.nodes, n_its, seed),
-                                stop_and_wait=a["stop_and_wait"], timeout_s=a["timeout_s"], progress=progress)
+                                stop_and_wait=a["stop_and_wait"], timeout_s=a["timeout_s"], progress=progress,
+                                predicted_s=prediction["cct_s"])
             r = _summarise_run(rep, v["label"], result, w["warmup"])
             runs.append(r)
             progress(f"repetition {rep + 1} of {v['label']}: CCT {r['cct_s']:.3f}s, correct={r['correct']}")
@@ -248,7 +252,7 @@ def _summarise_run(rep: int, label: str, result: dict, warmup: int = 0) -> dict:
     return {"variant": label, "repetition": rep,
             "cct_s": stats([it["cct_s"] for it in its if not it["warmup"]])["mean"],
             "iterations": its, "correct": all(it["correct"] for it in its) and not incorrect,
-            "incorrect": incorrect, "transfers": result.get("transfers"), "links": _per_link(result.get("transfers"))}
+            "incorrect": incorrect, "errors": result.get("errors", []), "transfers": result.get("transfers"), "links": _per_link(result.get("transfers"))}
 
 
 def _per_link(transfers: dict | None) -> list[dict]:
