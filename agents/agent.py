@@ -6,7 +6,9 @@ node.json::
      "bind": "0.0.0.0", "secret_file": "/path/secret", "log_file": "/tmp/h1.log"}
 
 ``data_port`` 0 picks a free port (reported to the coordinator); ``log_file`` is
-optional (logs always go to stderr too).  Life cycle: listen on the data port, connect
+optional (logs always go to stderr too); optional ``handshake_timeout_s`` (one deadline
+per handshake, default 10) and ``connect_retry_s`` (how long connects are retried while a
+server starts, default 10).  Life cycle: listen on the data port, connect
 and authenticate to the coordinator (retrying while it starts), receive the JOB, open
 the outgoing data connections, report READY, then per iteration wait for GO, sleep the
 compute time, run the program, check the result and report DONE.  Exit 0 after FINISH,
@@ -50,7 +52,6 @@ log = logging.getLogger("agents")
 
 CONNECT_RETRY_S = 10.0
 MAX_PENDING = 64  # unauthenticated connections at once; more are refused
-SILENCE_S = 30.0  # coordinator silence tolerated until its WELCOME says otherwise
 
 
 class Aborted(Exception):
@@ -103,6 +104,7 @@ class Agent:
         self.coord_addr = (host.strip("[]"), int(port))
         self.coord = f"coordinator at {host}:{port}"
         self.handshake_s = float(cfg.get("handshake_timeout_s", wire.HANDSHAKE_TIMEOUT_S))
+        self.retry_s = float(cfg.get("connect_retry_s", CONNECT_RETRY_S))
         self.listener = socket.create_server((cfg.get("bind", "0.0.0.0"), int(cfg.get("data_port", 0))),
                                              backlog=socket.SOMAXCONN)
         self.data_port = self.listener.getsockname()[1]
@@ -113,7 +115,7 @@ class Agent:
         self.ex: Executor | None = None
         self.job_ready = threading.Event()
         self.stopping = False
-        self.silence_s = SILENCE_S
+        self.silence_s = self.handshake_s  # until the coordinator's WELCOME says otherwise
 
     # -- control channel ---------------------------------------------------------
     def send(self, obj: dict, typ: int = wire.CTRL) -> None:
@@ -206,7 +208,7 @@ class Agent:
             addr = self.job.peers[peer]
             try:
                 sock = wire.connect(addr, self.secret, {"role": "data", "name": self.name, "channel": ch},
-                                    timeout_s=self.handshake_s, retry_s=CONNECT_RETRY_S)
+                                    timeout_s=self.handshake_s, retry_s=self.retry_s)
             except (OSError, wire.ProtocolError) as e:
                 raise ConnectionError(f"data connection to peer {peer} (channel {ch}, expected listening at "
                                       f"{addr[0]}:{addr[1]}): {e}") from None
@@ -241,14 +243,15 @@ class Agent:
         ident = {"role": "agent", "name": self.name, "data_port": self.data_port, "pid": os.getpid(),
                  "host": socket.gethostname()}
         self.ctrl = wire.connect(self.coord_addr, self.secret, ident, timeout_s=self.handshake_s,
-                                 retry_s=CONNECT_RETRY_S)
+                                 retry_s=self.retry_s)
+        self.silence_s = self.handshake_s  # the WELCOME is part of registering
         self.ctrl.settimeout(self.silence_s)
         log.info("registered with coordinator %s:%d (data port %d)", *self.coord_addr, self.data_port)
         threading.Thread(target=self._ctrl_reader, daemon=True, name="ctrl-reader").start()
         threading.Thread(target=wire.serve, daemon=True, name="accept",
                          args=(self.listener, wire.Gate(MAX_PENDING), self._handshake,
                                lambda: self.stopping, log)).start()
-        welcome = self.next_msg("welcome", SILENCE_S)
+        welcome = self.next_msg("welcome", self.handshake_s)
         threading.Thread(target=self._heartbeat, args=(float(welcome["heartbeat_s"]),), daemon=True,
                          name="heartbeat").start()
         self.job = job = Job.from_dict(self.next_msg("job", float(welcome["job_within_s"]))["job"])

@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import queue
 import socket
 import sys
@@ -87,6 +88,18 @@ class Failure(RunError):
     def __init__(self, message: str, culprit: str | None = None, link: tuple[str, str] | None = None):
         super().__init__(message)
         self.culprit, self.link, self.results = culprit, link, None
+
+
+def _off_cpu_since_start() -> float:
+    """Seconds this process has existed without running (stopped, or waiting for a CPU);
+    Linux, 0 where unknown."""
+    try:
+        f = open("/proc/self/stat").read().rsplit(")", 1)[1].split()
+        tck = os.sysconf("SC_CLK_TCK")
+        age = float(open("/proc/uptime").read().split()[0]) - int(f[19]) / tck
+        return age - (int(f[11]) + int(f[12])) / tck
+    except (OSError, ValueError, IndexError):
+        return 0.0
 
 
 class _Conn:
@@ -172,6 +185,7 @@ class Coordinator:
         self._events: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._closed = False
+        self._stalled: str | None = None  # set when this process was stopped for longer than silence_s
         self._iterations: list[dict] = []
         self._rows: list[list] = []
         self._errors: list[str] = []
@@ -258,14 +272,20 @@ class Coordinator:
             wire.close_quietly(conn.sock)
 
     def _ticker(self) -> None:
-        """Heartbeats to every agent; notices when this process itself was stopped."""
+        """Heartbeats to every agent; notices when this process itself was stopped (also
+        before it got here: a process that took longer than the silence limit to start)."""
         last = time.monotonic()
+        off_cpu = _off_cpu_since_start()
+        if off_cpu > self.silence_s + 1:
+            self._stalled = (f"the coordinator was held up {off_cpu:.1f} s while starting (stopped or starved): "
+                             "its agents gave up on it")
         while not self._closed:
             time.sleep(self.heartbeat_s)
             now = time.monotonic()
             if now - last > self.silence_s:
-                self._events.put(("self", "coordinator", f"the coordinator itself was stopped or starved for "
-                                                         f"{now - last:.1f} s: its agents gave up on it"))
+                self._stalled = (f"the coordinator itself was stopped or starved for {now - last:.1f} s: "
+                                 "its agents gave up on it")
+                self._events.put(("self", "coordinator", self._stalled))
             last = now
             with self._lock:
                 conns = list(self._conns.values())
@@ -345,8 +365,8 @@ class Coordinator:
                 self.progress(f"all {len(self.plan.nodes)} agents registered")
                 return
             if time.monotonic() > deadline:
-                self._diagnose(("deadline", missing[0], f"{', '.join(missing)}: did not register within "
-                                                        f"{self.register_timeout_s:g} s"))
+                self._diagnose(("deadline", missing[0], f"did not register within {self.register_timeout_s:g} s"
+                                + (f" (nor did {', '.join(missing[1:])})" if missing[1:] else "")))
             ev = self._next(deadline)
             if ev and ev[0] != "registered" and not (ev[0] == "msg" and ev[2].get("msg") == "status"):
                 self._diagnose(ev)
@@ -385,8 +405,10 @@ class Coordinator:
             ask = [n for n in self._conns if n not in dead]
         for n in ask:
             self._conns[n].put({"msg": "status"})
-        deadline = time.monotonic() + max(1.5, min(5.0, self.silence_s))
-        while time.monotonic() < deadline and any(n not in statuses and n not in dead for n in ask):
+        start = time.monotonic()
+        deadline = start + max(1.5, min(5.0, self.silence_s))
+        while time.monotonic() < deadline and (any(n not in statuses and n not in dead for n in ask)
+                                               or time.monotonic() < start + 2 * self.heartbeat_s):
             try:
                 note(self._events.get(timeout=max(0.0, min(0.2, deadline - time.monotonic()))))
             except queue.Empty:
@@ -396,7 +418,7 @@ class Coordinator:
                 node = problem.split(":", 1)[0]
                 note(("lost", node if node in self.plan.nodes else None, problem))
         unresponsive = [n for n in ask if n not in statuses and n not in dead]
-        culprit, link, why = self._blame(first, me, dead, unresponsive, errors, statuses)
+        culprit, link, why = self._blame(first, me or self._stalled, dead, unresponsive, errors, statuses)
         lines = [f"{culprit}: {why}" if culprit else why]
         lines += [f"{n}: {e.get('message')}" for n, e in errors.items()]
         lines += [f"{n}: {d}" for n, d in dead.items() if n != culprit]

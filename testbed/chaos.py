@@ -1,0 +1,144 @@
+"""Fault injection on real agent and coordinator processes over loopback (issue 16): shared by
+``tests/test_chaos.py`` (a few seeded trials) and ``python3 -m testbed bench chaos`` (many).
+
+One trial: a coordinator process (``python3 -m agents.coordinator``) and one agent process
+per node of a 3-node ring run many short iterations; at a seeded random moment one of them
+(an agent or the coordinator) gets SIGSTOP or SIGKILL.  The trial passes when every process
+ends within its deadline, the coordinator exits 1 (unless it was killed) naming the right
+node in its error and in ``results.json`` (valid, with the iterations that completed), the
+agents exit 1 (an agent stopped by SIGSTOP once it is continued), and none is left.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from agents.local import local_address
+from testbed.plan import Plan
+
+REPO = Path(__file__).resolve().parent.parent
+TIMEOUT_S = 2.0  # agents' stall limit; silence limit = 1.5 s
+HANDSHAKE_S = 3.0
+DEADLINE_S = 15.0  # from the signal to the end of every process
+
+
+def ring(length: int = 30_000) -> Plan:
+    """The ring planner's plan on the 3-datacenter topology ``small-3``."""
+    from testbed.planners import make_plan
+    from testbed.topology import load_topology
+
+    return make_plan("ring", load_topology("small-3").graph(), length)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _dead_within(p: subprocess.Popen, seconds: float) -> bool:
+    try:
+        p.wait(timeout=max(0.01, seconds))
+        return True
+    except subprocess.TimeoutExpired:
+        return False
+
+
+def trial(seed: int, tmp: Path, iterations: int = 40, compute_s: float = 0.04) -> dict:
+    """Run one seeded trial in ``tmp``; return what happened (``ok`` and ``problems``)."""
+    rng = random.Random(seed)
+    plan = ring()
+    nodes = list(plan.nodes)
+    target = rng.choice(["coordinator", *nodes])
+    sig = rng.choice([signal.SIGSTOP, signal.SIGKILL])
+    early = rng.random() < 0.2  # while processes start and register; else during the iterations
+    at = rng.uniform(0.0, 1.0) if early else rng.uniform(0.0, 1.5)
+    tmp.mkdir(parents=True, exist_ok=True)
+    (tmp / "plan.json").write_text(plan.to_json())
+    (tmp / "addresses.json").write_text(json.dumps({n: local_address(i) for i, n in enumerate(nodes)}))
+    (tmp / "compute.json").write_text(json.dumps({n: [compute_s] for n in nodes}))
+    secret = tmp / "secret"
+    secret.touch(mode=0o600)
+    secret.write_text(secrets.token_hex(16))
+    port, out = _free_port(), tmp / "results.json"
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    py = [sys.executable, "-m"]
+    procs = {"coordinator": subprocess.Popen(
+        py + ["agents.coordinator", "--plan", str(tmp / "plan.json"), "--addresses", str(tmp / "addresses.json"),
+              "--secret-file", str(secret), "--port", str(port), "--bind", "127.0.0.1", "--out", str(out),
+              "--iterations", str(iterations), "--timeout", str(TIMEOUT_S), "--register-timeout", "4",
+              "--compute", str(tmp / "compute.json")],
+        cwd=REPO, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+        stderr=open(tmp / "coordinator.log", "wb"))}
+    for i, n in enumerate(nodes):
+        cfg = tmp / f"{n}.json"
+        cfg.write_text(json.dumps({"name": n, "coordinator": f"127.0.0.1:{port}", "data_port": 0,
+                                   "bind": local_address(i), "secret_file": str(secret),
+                                   "handshake_timeout_s": HANDSHAKE_S, "connect_retry_s": HANDSHAKE_S}))
+        procs[n] = subprocess.Popen(py + ["agents.agent", "--config", str(cfg)], cwd=REPO, env=env,
+                                    stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                    stderr=open(tmp / f"{n}.log", "wb"))
+    if not early:  # count from the moment every agent registered
+        deadline = time.monotonic() + 20
+        while "agents registered" not in (tmp / "coordinator.log").read_text(errors="replace"):
+            if time.monotonic() > deadline or procs["coordinator"].poll() is not None:
+                break
+            time.sleep(0.02)
+    time.sleep(at)
+    t_sig = time.monotonic()
+    procs[target].send_signal(sig)
+    problems = []
+    others = [n for n in procs if n != target]
+    try:
+        for n in others:
+            if not _dead_within(procs[n], t_sig + DEADLINE_S - time.monotonic()):
+                problems.append(f"{n} still running {DEADLINE_S:g} s after the signal")
+        if sig == signal.SIGSTOP:
+            procs[target].send_signal(signal.SIGCONT)
+            if not _dead_within(procs[target], 3 * HANDSHAKE_S + 2):
+                problems.append(f"{target} still running after SIGCONT")
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    rc = {n: p.returncode for n, p in procs.items()}
+    finished = rc["coordinator"] == 0  # the signal came after the run was over
+    log = (tmp / "coordinator.log").read_text(errors="replace")
+    error = next((l for l in log.splitlines() if l.startswith("error:")), "")
+    if not finished:
+        for n in nodes:
+            if rc[n] != 1 and not (n == target and sig == signal.SIGKILL):
+                problems.append(f"{n} exited with {rc[n]}, expected 1")
+        if target != "coordinator" or sig == signal.SIGSTOP:
+            if rc["coordinator"] != 1:
+                problems.append(f"coordinator exited with {rc['coordinator']}, expected 1")
+            if not error.startswith(f"error: {target}:"):
+                problems.append(f"coordinator blamed the wrong node: {error!r}")
+            try:
+                res = json.loads(out.read_text())
+                if res["failure"]["culprit"] != target:
+                    problems.append(f"results.json names {res['failure']['culprit']}")
+                if not all(it["correct"] for it in res["iterations"]):
+                    problems.append("a completed iteration is not correct")
+            except (OSError, ValueError, KeyError, TypeError) as e:
+                problems.append(f"results.json missing or invalid: {e}")
+        else:  # a killed coordinator writes nothing; its agents notice at once
+            if out.exists():
+                problems.append("a killed coordinator left results.json")
+            for n in nodes:
+                if "coordinator" not in (tmp / f"{n}.log").read_text(errors="replace"):
+                    problems.append(f"{n}'s log does not name the coordinator")
+    return {"seed": seed, "target": target, "signal": signal.Signals(sig).name, "at_s": round(at, 3),
+            "from": "start" if early else "registration",
+            "finished_first": finished, "rc": rc, "error": error[:300], "problems": problems,
+            "ok": not problems, "seconds": round(time.monotonic() - t_sig, 2)}
