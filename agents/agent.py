@@ -45,7 +45,7 @@ import numpy as np
 from testbed.plan import Op
 
 from . import wire
-from .executor import Executor
+from .executor import Executor, Stalled
 from .inputs import expected_sum, make_input
 
 log = logging.getLogger("agents")
@@ -329,7 +329,8 @@ def main(argv: list[str] | None = None) -> int:
         log.error("failed: %s: %s", type(e).__name__, e)
         if agent and agent.ctrl:
             try:
-                agent.send({"msg": "error", "message": f"{type(e).__name__}: {e}",
+                agent.send({"msg": "error", "message": f"{type(e).__name__}: {e}", "peer": getattr(e, "peer", None),
+                            "stall": isinstance(e, Stalled),
                             "status": agent.ex.status() if agent.ex else {}}, wire.ERROR)
                 # let the coordinator diagnose (it asks every agent for its status) and abort
                 agent.inbox.get(timeout=agent.silence_s)

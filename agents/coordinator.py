@@ -60,7 +60,9 @@ def check_done(msg: dict, transfers: dict[int, tuple[str, str]], node: str) -> s
     """Why a DONE message is malformed (missing or mistyped field, a timing row of a transfer
     that is not this node's), or None."""
     for key, want in DONE_FIELDS.items():
-        v = msg.get(key)
+        if key not in msg:
+            return f"missing field {key!r}"
+        v = msg[key]
         if want == INT:
             ok = isinstance(v, int) and not isinstance(v, bool)
         elif want == NUM:
@@ -70,7 +72,7 @@ def check_done(msg: dict, transfers: dict[int, tuple[str, str]], node: str) -> s
         if not ok:
             what = want if isinstance(want, str) else "/".join(t.__name__ for t in (want if isinstance(want, tuple)
                                                                                     else (want,)))
-            return f"{'missing' if key not in msg else 'bad'} field {key!r} (expected {what})"
+            return f"bad field {key!r} (expected {what})"
     for key, width, side in (("sends", 3, 0), ("recvs", 5, 1)):
         for row in msg[key]:
             if not (isinstance(row, list) and len(row) == width
@@ -255,7 +257,8 @@ class Coordinator:
                 h, msg = wire.recv_json(conn.sock)
                 if h.type == wire.ERROR:
                     msg = {"msg": "error", "message": wire.sanitize(msg.get("message", msg), 2000),
-                           "stall": bool(msg.get("stall")), "status": msg.get("status")}
+                           "stall": bool(msg.get("stall")), "status": msg.get("status"),
+                           "peer": msg.get("peer") if msg.get("peer") in self.plan.nodes else None}
                 if msg.get("msg") != "alive":
                     self._events.put(("msg", name, msg))
         except socket.timeout:
@@ -439,6 +442,9 @@ class Coordinator:
             return n, None, f"does not answer (no status within {max(1.5, min(5.0, self.silence_s)):g} s: " \
                             "stopped or unreachable)"
         stalled = first[0] == "deadline" or any(e.get("stall") for e in errors.values())
+        if first[0] == "msg" and first[2].get("peer"):  # a peer sent it a bad frame
+            peer = first[2]["peer"]
+            return peer, (peer, first[1]), f"protocol violation on link {peer} -> {first[1]} (reported by {first[1]})"
         if first[0] == "msg" and not first[2].get("stall"):
             return first[1], None, first[2].get("message")
         if first[0] == "protocol":

@@ -57,6 +57,10 @@ class ExecError(Exception):
     """The program could not complete: timeout, a peer connection closed, an abort."""
 
 
+class Stalled(ExecError):
+    """No progress for ``timeout_s``, or an iteration over its limit."""
+
+
 def _summary(ids_by_peer: dict[str, list[int]]) -> str:
     parts = []
     for peer, ids in sorted(ids_by_peer.items()):
@@ -224,7 +228,9 @@ class Executor:
             self._fail(ExecError(f"data connection from {peer} (channel {ch}) closed by peer"))
         except ProtocolError as e:
             log.error("protocol error from %s (channel %d): %s; closing the connection", peer, ch, e)
-            self._fail(ProtocolError(f"from {peer} (channel {ch}): {e}"))
+            err = ProtocolError(f"from {peer} (channel {ch}): {e}")
+            err.peer = peer  # the sender of the bad frame: the coordinator blames it
+            self._fail(err)
         except OSError as e:
             if not self._closing:
                 log.error("data connection from %s (channel %d) failed: %s", peer, ch, e)
@@ -323,9 +329,9 @@ class Executor:
                 ev = self._events.get(timeout=poll)
             except queue.Empty:
                 if time.monotonic() - self._progress > self.timeout_s:
-                    raise ExecError(self._stall_message(queued, done)) from None
+                    raise Stalled(self._stall_message(queued, done)) from None
                 if self.limit_s and time.monotonic() - started > self.limit_s:
-                    raise ExecError(f"iteration {iteration} not done within its limit of {self.limit_s:g} s; "
+                    raise Stalled(f"iteration {iteration} not done within its limit of {self.limit_s:g} s; "
                                     + self._stall_message(queued, done)) from None
                 continue
             self._tick()

@@ -142,3 +142,99 @@ def trial(seed: int, tmp: Path, iterations: int = 40, compute_s: float = 0.04) -
             "from": "start" if early else "registration",
             "finished_first": finished, "rc": rc, "error": error[:300], "problems": problems,
             "ok": not problems, "seconds": round(time.monotonic() - t_sig, 2)}
+
+
+# -- the wire fuzzer -------------------------------------------------------------------
+# (name, first byte, end byte) of every header field; send_ts_ns is a measurement (the
+# sender's clock) that no receiver can check, so a changed value there is expected to pass.
+FIELDS = [("magic", 0, 4), ("version", 4, 5), ("type", 5, 6), ("phase", 6, 7), ("flags", 7, 8),
+          ("op_id", 8, 12), ("xfer", 12, 16), ("flow", 16, 20), ("chunk", 20, 24), ("payload_len", 24, 32),
+          ("send_ts_ns", 32, 40), ("route_len", 40, 41), ("route", 41, 57), ("reserved", 57, 64)]
+UNCHECKABLE = {"send_ts_ns"}
+
+
+def _rss_kb() -> int:
+    for line in open("/proc/self/status"):
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    return 0
+
+
+def fuzz_wire(frames: int, seed: int = 0, length: int = 16) -> dict:
+    """Feed ``frames`` seeded mutations of a valid DATA frame (one field, the payload, or a
+    truncation per frame) to a fresh executor receiving over a socket pair, in this process.
+    A mutation counts as detected when the frame is refused (ProtocolError) or, for the
+    payload, when the received bytes differ from the true ones (the exact check agents do).
+    Returns counts, ``missed`` (mutations neither refused nor caught), ``hangs``, and this
+    process's thread count and RSS before and after."""
+    import threading
+
+    import numpy as np
+
+    from agents import wire
+    from agents.executor import ExecError, Executor
+    from testbed.plan import ProgramBuilder
+
+    import logging
+
+    logging.getLogger("agents").setLevel(logging.CRITICAL)  # one refusal per frame: not worth a log line
+    rng = random.Random(seed)
+    b = ProgramBuilder(["p", "me"])
+    b.transfer("p", "me", 0, length, reduce=False, flow=2, chunk=5, phase="reduce")
+    op = b.programs["me"][0]
+    kinds = [f[0] for f in FIELDS] + ["payload", "truncated"]
+    counts = {k: 0 for k in kinds}
+    detected = {k: 0 for k in kinds}
+    missed, hangs = [], []
+    threads0, rss0 = threading.active_count(), _rss_kb()
+    for k in range(frames):
+        payload = np.array([rng.randint(-1000, 1000) for _ in range(length)], np.float32)
+        frame = bytearray(wire.encode_header(wire.Header(wire.DATA, wire.phase_code(op.phase), 0, 0, op.xfer,
+                                                         op.flow, op.chunk, payload.nbytes, time.time_ns()))
+                          + payload.tobytes())
+        kind = kinds[k % len(kinds)]
+        counts[kind] += 1
+        if kind == "truncated":
+            frame = frame[:rng.randrange(1, len(frame))]
+        else:
+            lo, hi = (64, len(frame)) if kind == "payload" else next((a, e) for n, a, e in FIELDS if n == kind)
+            while True:  # 1-3 random bytes of the field changed (at least one really)
+                new = bytearray(frame)
+                for _ in range(rng.randint(1, min(3, hi - lo))):
+                    i = rng.randrange(lo, hi)
+                    new[i] = rng.choice([0, 0xFF, 0x80, 1, rng.randrange(256)])
+                if new != frame:
+                    frame = new
+                    break
+        ex = Executor("me", [op], length=length, timeout_s=2.0)
+        sa, sb = socket.socketpair()
+        try:
+            ex.attach_incoming("p", 0, sb)
+            try:
+                sa.sendall(frame)
+                if kind == "truncated":
+                    sa.shutdown(socket.SHUT_WR)
+            except OSError:
+                pass  # the receiver refused the frame before reading all of it
+            try:
+                ex.run(0)
+                caught = ex.bufs["x"].tobytes() != payload.tobytes()
+            except wire.ProtocolError:
+                caught = True
+            except ExecError as e:
+                caught = kind == "truncated" and "closed" in str(e)
+                if "no progress" in str(e):
+                    hangs.append((k, kind))
+            if caught:
+                detected[kind] += 1
+            elif kind not in UNCHECKABLE:
+                missed.append((k, kind, bytes(frame[:64]).hex()))
+        finally:
+            ex.close()
+            sa.close()
+    deadline = time.monotonic() + 5
+    while threading.active_count() > threads0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return {"frames": frames, "seed": seed, "per_field": counts, "detected": detected, "missed": missed[:20],
+            "n_missed": len(missed), "hangs": hangs[:20], "threads": [threads0, threading.active_count()],
+            "rss_kb": [rss0, _rss_kb()]}
