@@ -6,6 +6,8 @@
   prediction (``costmodel.alpha_beta``) and the flow-level prediction.
 * ``planner`` — MTREE planner (tree generation + MILP) time on the 40-node, 231-link
   IDN-like topology, and every scheme's planning time on NetStorm's 9-DC overlay.
+* ``chaos`` / ``fuzz`` — ``testbed.chaos``: 100 seeded SIGSTOP/SIGKILL trials on loopback
+  (share ending right, time to end); 10^5 mutated wire frames (share detected per field).
 """
 
 from __future__ import annotations
@@ -103,7 +105,10 @@ def bench_planner(out: Path, progress) -> dict:
 def main(args) -> int:
     progress = Progress()
     out = Path(args.out) if args.out else new_run_dir("results", f"bench-{args.name}")
-    fn = {"dataplane": bench_dataplane, "ring": bench_ring, "planner": bench_planner}[args.name]
+    from testbed.chaos import bench_chaos, bench_fuzz
+
+    fn = {"dataplane": bench_dataplane, "ring": bench_ring, "planner": bench_planner, "chaos": bench_chaos,
+          "fuzz": bench_fuzz}[args.name]
     result = {"bench": args.name, **fn(out, progress), "environment": environment()}
     write_json_atomic(out / "bench.json", result)
     for k, v in result.items():

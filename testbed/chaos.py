@@ -238,3 +238,29 @@ def fuzz_wire(frames: int, seed: int = 0, length: int = 16) -> dict:
     return {"frames": frames, "seed": seed, "per_field": counts, "detected": detected, "missed": missed[:20],
             "n_missed": len(missed), "hangs": hangs[:20], "threads": [threads0, threading.active_count()],
             "rss_kb": [rss0, _rss_kb()]}
+
+
+# -- benchmarks (python3 -m testbed bench chaos|fuzz) -----------------------------------------
+def bench_chaos(out: Path, progress, trials: int = 100) -> dict:
+    """``trials`` seeded chaos trials, one after another: how many ended right, and how long
+    from the signal to the end of every process."""
+    results = []
+    for seed in range(trials):
+        r = trial(seed, out / "chaos" / f"t{seed}")
+        results.append(r)
+        progress(f"trial {seed}: {r['signal']} {r['target']} at {r['at_s']} s -> "
+                 f"{'ok' if r['ok'] else 'FAILED: ' + '; '.join(r['problems'])}")
+    secs = sorted(r["seconds"] for r in results)
+    return {"trials": trials, "ok": sum(r["ok"] for r in results), "ok_ratio": sum(r["ok"] for r in results) / trials,
+            "signal_before_end": sum(not r["finished_first"] for r in results),
+            "seconds_to_end_median": secs[len(secs) // 2], "seconds_to_end_max": secs[-1],
+            "failed": [r for r in results if not r["ok"]]}
+
+
+def bench_fuzz(out: Path, progress, frames: int = 100_000) -> dict:
+    """The wire fuzzer with ``frames`` mutated frames: detected ratio per field."""
+    t = time.monotonic()
+    res = fuzz_wire(frames, seed=1)
+    res["seconds"] = time.monotonic() - t
+    res["detected_ratio"] = {k: res["detected"][k] / n for k, n in res["per_field"].items() if n}
+    return res

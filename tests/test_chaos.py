@@ -437,3 +437,21 @@ def test_clean_spares_a_running_experiment(netenv, tmp_path):
     assert res.returncode == 0 and "nothing to clean" in res.stdout, res.stdout
     _, err = p.communicate(timeout=120)
     assert p.returncode == 0, err[-2000:]
+
+
+def test_deploy_workdir_is_private_and_refused_when_someone_else_owns_it(tmp_path):
+    from testbed.deploy import DEFAULT_WORKDIR, private_dir
+
+    assert not DEFAULT_WORKDIR.startswith("/")  # per user: under the login directory
+    run = lambda p: subprocess.run(["sh", "-c", private_dir(str(p))], capture_output=True, text=True)  # noqa: E731
+    assert run(tmp_path / "a b" / "h1").returncode == 0
+    assert (tmp_path / "a b" / "h1").stat().st_mode & 0o777 == 0o700
+    if os.geteuid() == 0:  # another user's directory, or a parent of it
+        for d in (tmp_path / "theirs", tmp_path / "their-parent"):
+            d.mkdir()
+            os.chown(d, 4242, 4242)
+        for p in (tmp_path / "theirs", tmp_path / "their-parent" / "h1"):
+            res = run(p)
+            assert res.returncode == 3 and "owned by uid 4242" in res.stderr, res.stderr
+    (tmp_path / "link").symlink_to(tmp_path / "a b")
+    assert "symbolic link" in run(tmp_path / "link").stderr
