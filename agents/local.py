@@ -107,7 +107,8 @@ class LocalCluster:
             named = [n for n in self.logs if re.search(rf"\b{re.escape(n)}\b", str(e))]
             time.sleep(0.2)  # let the agents log their side
             tails = "".join(f"\n--- {n} log ---\n{self.log_tail(n)}" for n in named[:4])
-            raise RunError(f"{e}{tails}") from None
+            e.args = (f"{e}{tails}",)  # the same error (culprit, link, results kept), logs appended
+            raise
 
     def close(self) -> None:
         if self.coordinator:
