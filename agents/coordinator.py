@@ -144,6 +144,8 @@ class Coordinator:
     or 0 uses the port each agent reports when it registers.  ``compute_s``: node ->
     list of per-iteration compute seconds (the last value repeats; a number is allowed).
     ``secret``: bytes or str, surrounding whitespace ignored (as in a secret file).
+    ``check_startup``: this is a process of its own (the command line): a start held up for
+    longer than the silence limit is laid to the coordinator.
     ``health``: optional callable polled while waiting; a returned string ``"NODE: why"``
     fails the run (e.g. "h3: agent process exited").  ``predicted_s``: the plan's predicted
     communication time per iteration (bounds a whole iteration, with ``timeout_s``).
@@ -162,7 +164,7 @@ class Coordinator:
                  timeout_s: float = 60.0, bind: tuple[str, int] = ("0.0.0.0", 0),
                  progress: Callable[[str], None] | None = None, register_timeout_s: float | None = None,
                  health: Callable[[], str | None] | None = None, predicted_s: float | None = None,
-                 handshake_s: float = wire.HANDSHAKE_TIMEOUT_S):
+                 handshake_s: float = wire.HANDSHAKE_TIMEOUT_S, check_startup: bool = False):
         plan.validate()
         np.dtype(dtype)
         self.plan, self.secret, self.data_port = plan, wire.as_secret(secret), data_port
@@ -174,6 +176,7 @@ class Coordinator:
         self.progress = progress or (lambda s: None)
         self.health = health
         self.handshake_s = float(handshake_s)
+        self.check_startup = check_startup  # a process of its own: was it held up before it got going?
         self.silence_s = max(1.5, self.timeout_s / 2)
         self.heartbeat_s = min(1.0, self.silence_s / 6)
         # communication of one iteration: the stall limit plus a margin over the prediction
@@ -278,7 +281,7 @@ class Coordinator:
         """Heartbeats to every agent; notices when this process itself was stopped (also
         before it got here: a process that took longer than the silence limit to start)."""
         last = time.monotonic()
-        off_cpu = _off_cpu_since_start()
+        off_cpu = _off_cpu_since_start() if self.check_startup else 0.0
         if off_cpu > self.silence_s + 1:
             self._stalled = (f"the coordinator was held up {off_cpu:.1f} s while starting (stopped or starved): "
                              "its agents gave up on it")
@@ -400,7 +403,7 @@ class Coordinator:
                 errors.setdefault(node, data)
             elif what in ("protocol", "deadline"):
                 other.append(f"{node}: {data}")
-            elif what == "msg":
+            elif what == "msg" and data.get("msg") not in ("ready", "done", "bye"):
                 other.append(f"{node}: unexpected {wire.sanitize(data.get('msg'), 40)!r} message")
 
         note(first)
@@ -613,7 +616,7 @@ def main(argv: list[str] | None = None) -> int:
                          compute_s=load(args.compute) if args.compute else None,
                          stop_and_wait=args.stop_and_wait, timeout_s=args.timeout,
                          bind=(args.bind, args.port), register_timeout_s=args.register_timeout,
-                         predicted_s=args.predicted,
+                         predicted_s=args.predicted, check_startup=True,
                          progress=lambda s: print(s, file=sys.stderr, flush=True)) as coord:
             try:
                 results = coord.run()
