@@ -167,6 +167,18 @@ def fuzz_wire(frames: int, seed: int = 0, length: int = 16) -> dict:
     payload, when the received bytes differ from the true ones (the exact check agents do).
     Returns counts, ``missed`` (mutations neither refused nor caught), ``hangs``, and this
     process's thread count and RSS before and after."""
+    import logging
+
+    agents_log = logging.getLogger("agents")
+    level = agents_log.level
+    agents_log.setLevel(logging.CRITICAL)  # one refusal per frame: not worth a log line
+    try:
+        return _fuzz(frames, seed, length)
+    finally:
+        agents_log.setLevel(level)
+
+
+def _fuzz(frames: int, seed: int, length: int) -> dict:
     import threading
 
     import numpy as np
@@ -175,9 +187,6 @@ def fuzz_wire(frames: int, seed: int = 0, length: int = 16) -> dict:
     from agents.executor import ExecError, Executor
     from testbed.plan import ProgramBuilder
 
-    import logging
-
-    logging.getLogger("agents").setLevel(logging.CRITICAL)  # one refusal per frame: not worth a log line
     rng = random.Random(seed)
     b = ProgramBuilder(["p", "me"])
     b.transfer("p", "me", 0, length, reduce=False, flow=2, chunk=5, phase="reduce")
