@@ -247,7 +247,7 @@ def cmd_doctor(args) -> int:
 def cmd_clean(args) -> int:
     from testbed.emulator.cleanup import clean
 
-    clean()
+    clean(everything=args.all)
     return 0
 
 
@@ -360,6 +360,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.set_defaults(func=cmd_doctor)
 
     c = sub.add_parser("clean", help="remove namespaces, interfaces, bridges and processes a crashed run left")
+    c.add_argument("--all", action="store_true", help="also those of runs still going (default: only runs whose "
+                                                      "owner process is gone)")
     c.set_defaults(func=cmd_clean)
 
     lc = sub.add_parser("linkcheck", help="measure every link direction's rate, delay, jitter, loss and queue "
@@ -378,7 +380,8 @@ def build_parser() -> argparse.ArgumentParser:
     lc.set_defaults(func=cmd_linkcheck)
 
     b = sub.add_parser("bench", help="benchmarks that report ratios measured in one run")
-    b.add_argument("name", choices=("dataplane", "ring", "planner"), help="which benchmark")
+    b.add_argument("name", choices=("dataplane", "ring", "planner", "chaos", "fuzz"),
+                   help="which benchmark")
     b.add_argument("--out", help="output folder")
     b.set_defaults(func=cmd_bench)
     return p

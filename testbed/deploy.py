@@ -8,7 +8,8 @@ would ask for a password fails instead).  The hosts file (YAML)::
 
     coordinator: 192.0.2.1:7000   # address:port the agents reach this machine at (port 0: any)
     python: python3               # interpreter on the hosts (needs numpy)
-    workdir: /tmp/testbed-agent   # each datacenter uses WORKDIR/NAME (relative: to the login dir)
+    workdir: .testbed-agent       # each datacenter uses WORKDIR/NAME (relative: to the login dir;
+                                  # created private, refused if someone else owns it)
     ssh_options: ["-p", "2222"]   # extra ssh arguments for every host
     hosts:
       dc1: {ssh: alice@dc1.example.org, address: 198.51.100.1}
@@ -70,6 +71,22 @@ class HostsFile:
     ssh_options: list[str]
 
 
+DEFAULT_WORKDIR = ".testbed-agent"  # per user: relative to the login (home) directory
+
+
+def private_dir(path: str) -> str:
+    """Shell command creating ``path`` private to the login user (mode 700, umask 077), and
+    refusing (exit 3, a message on stderr) a symbolic link, or a directory or parent owned
+    by another user (a parent may be root's): on a shared host another user could otherwise
+    create the directory first and read or replace the agent code and the secret."""
+    d = shlex.quote(path)
+    return (f"umask 077 && mkdir -p {d} && if [ -L {d} ]; then echo \"refusing workdir {d}: a symbolic link\" >&2; "
+            f"exit 3; fi && for x in \"$(dirname {d})\" {d}; do o=$(stat -c %u \"$x\"); "
+            f"if [ \"$o\" != \"$(id -u)\" ] && {{ [ \"$x\" = {d} ] || [ \"$o\" != 0 ]; }}; then "
+            f"echo \"refusing workdir {d}: $x is owned by uid $o, not by $(id -un)\" >&2; exit 3; fi; done && "
+            f"chmod 700 {d}")
+
+
 def load_hosts(path: str | Path, nodes: list[str]) -> HostsFile:
     """Read and check a hosts file against the experiment's datacenters ``nodes``."""
     source = str(path)
@@ -105,7 +122,7 @@ def load_hosts(path: str | Path, nodes: list[str]) -> HostsFile:
                 c.fail(f"{key}.address_from.{peer}", f"expected an IP address or host name, got {a!r}")
         data_port = c.number(h.get("data_port", DATA_PORT), f"{key}.data_port", integer=True, minimum=1)
         python = str(h.get("python", data.get("python", "python3")))
-        workdir = str(h.get("workdir", f"{data.get('workdir', '/tmp/testbed-agent')}/{name}"))
+        workdir = str(h.get("workdir", f"{data.get('workdir', DEFAULT_WORKDIR)}/{name}"))
         hosts[name] = Host(name, h["ssh"], address, dict(address_from), data_port, python, workdir)
     return HostsFile((host.strip("[]"), int(port)), hosts, options)
 
@@ -171,7 +188,7 @@ class SshHosts(Hosts):
 
         def one(h: Host) -> None:
             w, py = shlex.quote(h.workdir), h.python
-            out = self._run(h, f"mkdir -p {w} && tar -xzf - -C {w} && uname -r && cd {w} && {py} -c "
+            out = self._run(h, f"{private_dir(h.workdir)} && tar -xzf - -C {w} && uname -r && cd {w} && {py} -c "
                                + shlex.quote("import sys, numpy, agents.agent; "
                                              "print(sys.version.split()[0], numpy.__version__)"),
                             "installing the agent", stdin=bundle)

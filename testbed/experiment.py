@@ -69,13 +69,14 @@ def run_variants(exp: Experiment, planned: list, hosts: Hosts, out_dir: Path,
     w, a = exp.workload, exp.agents
     runs = []
     for rep in range(exp.repetitions):
-        for v, plan, _, _ in planned:
+        for v, plan, prediction, _ in planned:
             progress(f"repetition {rep + 1}/{exp.repetitions} of {v.label}: starting {len(plan.nodes)} agents")
             seed = exp.seed * 1000 + rep
             n_its = w.warmup + w.iterations
             result = run_agents(hosts, plan, out_dir, iterations=n_its, seed=seed, dtype=w.dtype,
                                 compute_s=compute_times(w.compute_s, plan.nodes, n_its, seed),
-                                stop_and_wait=a.stop_and_wait, timeout_s=a.timeout_s, progress=progress)
+                                stop_and_wait=a.stop_and_wait, timeout_s=a.timeout_s, progress=progress,
+                                predicted_s=prediction["cct_s"])
             r = _summarise_run(rep, v.label, result, w.warmup)
             runs.append(r)
             if on_run:
@@ -203,7 +204,7 @@ def _summarise_run(rep: int, label: str, result: dict, warmup: int = 0) -> dict:
             "cct_s": stats([it["cct_s"] for it in its if not it["warmup"]])["mean"],
             "warmup_cct_s": [it["cct_s"] for it in its if it["warmup"]],  # cold: TCP start on fresh connections
             "iterations": its, "correct": all(it["correct"] for it in its) and not incorrect,
-            "incorrect": incorrect, "transfers": result.get("transfers"), "links": _per_link(result.get("transfers"))}
+            "incorrect": incorrect, "errors": result.get("errors", []), "transfers": result.get("transfers"), "links": _per_link(result.get("transfers"))}
 
 
 def _per_link(transfers: dict | None) -> list[dict]:

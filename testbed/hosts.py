@@ -36,7 +36,7 @@ class Hosts(Protocol):
 
 def run_agents(hosts: Hosts, plan, out_dir: Path, *, iterations: int = 1, seed: int = 0, dtype: str = "float32",
                compute_s: dict | None = None, stop_and_wait: bool = False, timeout_s: float = 120.0,
-               progress: Callable[[str], None] = lambda m: None) -> dict:
+               progress: Callable[[str], None] = lambda m: None, predicted_s: float | None = None) -> dict:
     """Start a coordinator here and one agent per datacenter on ``hosts``, run ``plan``
     ``iterations`` times, and return the coordinator's results.  Agents are stopped
     (killed if need be) before returning, also on error."""
@@ -50,7 +50,7 @@ def run_agents(hosts: Hosts, plan, out_dir: Path, *, iterations: int = 1, seed: 
     coord = Coordinator(plan, addresses=hosts.addresses(), data_port=None, secret=secret_file.read_text(),
                         iterations=iterations, seed=seed, dtype=dtype, compute_s=compute_s,
                         stop_and_wait=stop_and_wait, timeout_s=timeout_s, bind=hosts.coordinator_bind,
-                        progress=progress, health=hosts.health)
+                        progress=progress, health=hosts.health, predicted_s=predicted_s)
     coord.start()
     try:
         for dc in plan.nodes:

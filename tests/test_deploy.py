@@ -41,7 +41,7 @@ def test_hosts_file_defaults_and_address_map(tmp_path):
                     NODES)
     assert hf.coordinator == ("192.0.2.1", 7000)
     a, b = hf.hosts["a"], hf.hosts["b"]
-    assert (a.address, a.data_port, a.python, a.workdir) == ("a.example.org", 7100, "python3", "/tmp/testbed-agent/a")
+    assert (a.address, a.data_port, a.python, a.workdir) == ("a.example.org", 7100, "python3", ".testbed-agent/a")
     assert (b.data_port, b.python) == (7200, "/opt/py/bin/python3")
     addresses = SshHosts(hf).addresses()
     assert addresses["a"] == {"b": "172.16.0.2", "c": "c.example.org"}  # a uses b's private address

@@ -34,7 +34,10 @@ class EmulatedHosts(Hosts):
                                          cwd=str(REPO), env=dict(os.environ, PYTHONPATH=str(REPO)))
 
     def health(self) -> str | None:
-        """Why a run cannot go on (an agent process exited), or None."""
+        """Why a run cannot go on (an agent process exited, the network broke), or None."""
+        problem = self.net.health()
+        if problem:
+            return problem
         for dc, p in self._procs.items():
             if p.poll() is not None:
                 return f"{dc}: agent process exited with code {p.returncode} (log: agents/{dc}.log)"

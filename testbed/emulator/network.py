@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from testbed.emulator import DEFAULT_TCP_CC, shaping
+from testbed.emulator import DEFAULT_TCP_CC, cleanup, shaping
 from testbed.emulator.capabilities import Capabilities, probe
 from testbed.errors import RunError
 from testbed.routing import shortest_paths
@@ -129,6 +129,7 @@ class WanNetwork:
             raise RunError(f"interface {CONTROL_BRIDGE} exists: another run is active, or a crashed run left "
                            "its network behind (remove it with: python3 -m testbed clean)")
         self._allow_tcp_cc()
+        self.run_id = cleanup.claim()  # inherited by every process of this network (clean spares live runs)
         setLogLevel("error")
         self._owns_bridge = True  # from here on, stop() removes what this run made
         self.log(f"building {len(self.topo.nodes)} datacenters, {len(self.topo.links)} links "
@@ -166,6 +167,8 @@ class WanNetwork:
         net.start()
         _check(subprocess.run(["ip", "addr", "replace", f"{CONTROL_IP}/16", "dev", CONTROL_BRIDGE],
                               capture_output=True, text=True), "control bridge address")
+        _check(subprocess.run(["ip", "link", "set", "dev", CONTROL_BRIDGE, "alias",
+                               cleanup.ALIAS_PREFIX + self.run_id], capture_output=True, text=True), "bridge alias")
         self._configure_hosts()
         if wan is not None:
             self._start_relays(wan, relay_pairs)
@@ -263,6 +266,17 @@ class WanNetwork:
             self.relays.append(r)
             r.start(wan.popen)
         self.log(f"user-space delay relay: {len(groups)} process(es) for {len(pairs)} links")
+
+    def health(self) -> str | None:
+        """Why the network cannot carry a run any more (a relay or a host's shell, which holds
+        its namespace, is gone — e.g. killed from outside), or None."""
+        for k, r in enumerate(self.relays):
+            if not r.running:
+                return f"relay: WAN delay relay process {k} exited (code {r.proc.poll() if r.proc else '?'})"
+        for dc, h in self.hosts.items():
+            if h.shell is None or h.shell.poll() is not None:
+                return f"{dc}: the datacenter's host (network namespace) is gone"
+        return None
 
     # -- addressing --------------------------------------------------------------
     def host(self, dc: str):
