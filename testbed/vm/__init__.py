@@ -1,0 +1,147 @@
+"""A Debian guest built from packages and booted with qemu, to run the testbed where the
+kernel has netem (its ``htb+netem`` path) and to test the provisioning script for real.
+
+``build.sh`` makes the image (debootstrap + Debian's kernel + ``testbed/setup.sh`` in the new
+root); :func:`image` caches it under a key of the files that decide its content, so a change
+to them rebuilds it and nothing else does.  :func:`boot` starts qemu with direct kernel boot,
+the serial console on stdout and ``-snapshot`` (the cached image is never written: after a
+power-off an image is rebuilt, never edited), hands the guest this checkout and a command over
+9p (``guest-init.sh``), and returns the command's exit code; the guest's ``/mnt/xfer/out``
+comes back to the host.  Every step runs under a timeout.
+
+Acceleration: TCG by default.  KVM is faster only on real hardware virtualisation; where
+``/dev/kvm`` is itself nested/paravirtual (this project's CI) a stock kernel runs ~400x slower
+under KVM than under TCG, so KVM is an explicit choice (``--accel kvm``), never a guess.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent.parent
+# the files whose content decides the image (change one and the image is rebuilt)
+IMAGE_INPUTS = ("testbed/vm/build.sh", "testbed/vm/guest-init.sh", "testbed/setup.sh")
+CACHE = Path(os.environ.get("TESTBED_VM_CACHE", "/var/cache/testbed-vm"))
+BUILD_TIMEOUT_S = 1800
+
+
+class VmError(Exception):
+    """The guest could not be built or booted, or gave no exit code."""
+
+
+def checkout_tar(dest: Path, repo: Path = REPO) -> Path:
+    """This checkout's files (tracked and untracked-but-not-ignored, as git lists them;
+    every file but .git/ and build outputs if it is no git checkout) as a tar."""
+    try:
+        names = subprocess.run(["git", "-C", str(repo), "ls-files", "-z", "--cached", "--others",
+                                "--exclude-standard"], capture_output=True, check=True,
+                               timeout=60).stdout.decode().split("\0")
+    except (OSError, subprocess.SubprocessError):
+        names = [str(p.relative_to(repo)) for p in repo.rglob("*")
+                 if p.is_file() and not {".git", "build", "__pycache__", "results"} & set(p.parts)]
+    with tarfile.open(dest, "w") as tar:
+        for name in sorted(n for n in names if n and (repo / n).is_file()):
+            tar.add(repo / name, arcname=name)
+    return dest
+
+
+def image_key(repo: Path = REPO) -> str:
+    h = hashlib.sha256()
+    for name in IMAGE_INPUTS:
+        h.update(name.encode() + b"\0" + (repo / name).read_bytes())
+    h.update(os.environ.get("TESTBED_VM_SUITE", "bookworm").encode())
+    return h.hexdigest()[:16]
+
+
+def image(rebuild: bool = False, cache: Path = CACHE, log=print) -> Path:
+    """The folder holding vmlinuz, initrd.img and root.img for this checkout's image
+    inputs, built (``build.sh``, at most BUILD_TIMEOUT_S) if not cached.  Older images in
+    ``cache`` are removed.  Concurrent callers wait for one build (a file lock)."""
+    cache.mkdir(parents=True, exist_ok=True)
+    out = cache / image_key()
+    with open(cache / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if rebuild or not (out / "root.img").exists():
+            shutil.rmtree(out, ignore_errors=True)
+            t0 = time.monotonic()
+            with tempfile.TemporaryDirectory() as tmp:
+                tar = checkout_tar(Path(tmp) / "checkout.tar")
+                try:
+                    proc = subprocess.run(["bash", str(HERE / "build.sh"), str(out), str(tar)],
+                                          timeout=BUILD_TIMEOUT_S)
+                except subprocess.TimeoutExpired:
+                    shutil.rmtree(out, ignore_errors=True)
+                    raise VmError(f"building the guest image took more than {BUILD_TIMEOUT_S} s: stopped")
+            if proc.returncode != 0 or not (out / "root.img").exists():
+                shutil.rmtree(out, ignore_errors=True)
+                raise VmError(f"building the guest image failed (build.sh exit {proc.returncode}, see above)")
+            (out / "build_s").write_text(f"{time.monotonic() - t0:.0f}\n")
+        else:
+            log(f"vm: cached image {out} (inputs unchanged: {', '.join(IMAGE_INPUTS)})")
+        for old in cache.iterdir():
+            if old.is_dir() and old != out and not old.name.startswith("."):
+                shutil.rmtree(old, ignore_errors=True)
+    return out
+
+
+def qemu_command(img: Path, xfer: Path, *, cpus: int, memory_mb: int, accel: str) -> list[str]:
+    append = ("console=ttyS0 root=/dev/vda rw init=/sbin/testbed-init panic=-1 quiet loglevel=3 "
+              "net.ifnames=0")
+    return ["qemu-system-x86_64", "-accel", accel, "-cpu", "max" if accel == "tcg" else "host",
+            "-smp", str(cpus), "-m", str(memory_mb), "-nodefaults", "-no-user-config",
+            "-display", "none", "-serial", "stdio", "-no-reboot",
+            "-kernel", str(img / "vmlinuz"), "-initrd", str(img / "initrd.img"), "-append", append,
+            "-drive", f"file={img / 'root.img'},format=raw,if=virtio,snapshot=on",
+            "-virtfs", f"local,path={xfer},mount_tag=xfer,security_model=none",
+            "-device", "virtio-rng-pci"]
+
+
+def boot(command: str, *, timeout_s: float, img: Path, out: Path | None = None, cpus: int = 1,
+         memory_mb: int = 3072, accel: str = "tcg", console=sys.stdout) -> int:
+    """Boot the guest, run ``command`` (bash, from the checkout's copy at /root/testbed)
+    for at most ``timeout_s``, power off; return its exit code.  The console is copied to
+    ``console`` as it comes; the guest's /mnt/xfer/out is copied to ``out``.  Raises
+    VmError when the guest gives no exit code (boot failure, panic, or qemu killed after
+    ``timeout_s`` + a margin for boot and power-off)."""
+    with tempfile.TemporaryDirectory(prefix="testbed-vm-") as tmp:
+        xfer = Path(tmp)
+        checkout_tar(xfer / "checkout.tar")
+        (xfer / "cmd").write_text(command + "\n")
+        (xfer / "timeout").write_text(f"{int(timeout_s)}\n")
+        limit = timeout_s + 180  # boot (~12 s under TCG) and power-off, with a wide margin
+        proc = subprocess.Popen(qemu_command(img, xfer, cpus=cpus, memory_mb=memory_mb, accel=accel),
+                                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+
+        def copy():
+            for raw in proc.stdout:
+                console.write(raw.decode(errors="replace").replace("\r", ""))
+                console.flush()
+
+        reader = threading.Thread(target=copy, daemon=True)
+        reader.start()
+        try:
+            proc.wait(timeout=limit)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            raise VmError(f"the guest did not power off within {limit:.0f} s: qemu killed")
+        finally:
+            reader.join(timeout=10)
+            if out is not None and (xfer / "out").is_dir():
+                shutil.copytree(xfer / "out", out, dirs_exist_ok=True)
+        rc = xfer / "rc"
+        if not rc.exists():
+            raise VmError(f"the guest gave no exit code (qemu exit {proc.returncode}): "
+                          "it did not boot, or its init failed; the console is above")
+        return int(rc.read_text())
