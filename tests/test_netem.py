@@ -18,7 +18,7 @@ from fidelity import fidelity
 
 pytestmark = pytest.mark.net
 
-DELAY_MS, JITTER_MS, LOSS, PINGS = 10, 2, 0.03, 600
+DELAY_MS, JITTER_MS, LOSS, PINGS = 30, 2, 0.03, 600
 
 
 def _lossy_pair():
@@ -36,9 +36,11 @@ def _skip_without(method):
 @pytest.mark.parametrize("method", ["relay", "netem"])
 def test_delay_jitter_and_loss_as_configured(netenv, method):
     """600 pings a->b->a at 10 ms intervals.  Round-trip loss 1-(1-p)^2 within 4 binomial
-    standard deviations; mean RTT 2*delay within max(1 ms, 5 %); RTT spread that of two
+    standard deviations; median RTT 2*delay within max(1 ms, 5 %); RTT spread that of two
     independent normal jitters, sqrt(2)*jitter, within [0.6, 1.5]x (netem draws from its
-    normal table, the relay truncates at 3 sigma and keeps FIFO order)."""
+    normal table, the relay truncates at 3 sigma and keeps FIFO order).  Median and
+    interquartile range, not mean and standard deviation: a machine's own scheduling
+    outliers (a busy host, a guest under software emulation) must not decide."""
     _skip_without(method)
     p_rt = 1 - (1 - LOSS) ** 2
     sd = (p_rt * (1 - p_rt) / PINGS) ** 0.5
@@ -59,12 +61,13 @@ def test_delay_jitter_and_loss_as_configured(netenv, method):
         bad = []
         if abs(lost - p_rt) > 4 * sd:
             bad.append(f"round-trip loss {lost:.3f}, expected {p_rt:.3f} +- {4 * sd:.3f}")
-        mean, spread = statistics.fmean(rtts), statistics.pstdev(rtts)
-        if abs(mean - 2 * DELAY_MS) > max(1.0, 0.05 * 2 * DELAY_MS):
-            bad.append(f"mean RTT {mean:.2f} ms, expected {2 * DELAY_MS} ms")
+        q1, median, q3 = statistics.quantiles(rtts, n=4)
+        spread = (q3 - q1) / 1.349  # the standard deviation of a normal distribution
+        if abs(median - 2 * DELAY_MS) > max(1.0, 0.05 * 2 * DELAY_MS):
+            bad.append(f"median RTT {median:.2f} ms, expected {2 * DELAY_MS} ms")
         want = 2 ** 0.5 * JITTER_MS
         if not 0.6 * want <= spread <= 1.5 * want:
-            bad.append(f"RTT standard deviation {spread:.2f} ms, expected ~{want:.2f} ms")
+            bad.append(f"RTT spread (IQR/1.349) {spread:.2f} ms, expected ~{want:.2f} ms")
         return bad
 
     _, _, qdiscs, links = fidelity(measure, problems)

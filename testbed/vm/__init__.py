@@ -145,3 +145,39 @@ def boot(command: str, *, timeout_s: float, img: Path, out: Path | None = None, 
             raise VmError(f"the guest gave no exit code (qemu exit {proc.returncode}): "
                           "it did not boot, or its init failed; the console is above")
         return int(rc.read_text())
+
+
+def compare_linkchecks(a: dict, b: dict, labels=("relay", "netem")) -> str:
+    """Two ``linkcheck.json`` results of the same topology and scale (e.g. the host's
+    relay and the guest's netem) side by side: per direction and phase the rate ratio
+    (measured/configured) and the one-way-delay error (measured RTT/2 - configured, ms),
+    then per phase the range of each over all directions."""
+    def rows(r):
+        return {(d["phase"], d["src"], d["dst"]): d for d in r["directions"]}
+
+    def err(d):
+        return d["measured_owd_ms"] - d["expected_owd_ms"] if d.get("measured_owd_ms") is not None else None
+
+    def fmt(x, spec):
+        return "-" if x is None else format(x, spec)
+
+    ra, rb = rows(a), rows(b)
+    la, lb = labels
+    head = (f"{'phase':10} {'src':>4} {'dst':>4} {'Mbit/s':>7} {'ratio ' + la:>12} {'ratio ' + lb:>12} "
+            f"{'owd ms':>7} {'err ' + la:>10} {'err ' + lb:>10}")
+    out = [f"{a.get('topology')} at scale {a.get('scale')}: {la} ({a.get('method')}) vs {lb} ({b.get('method')})",
+           head]
+    for key in sorted(set(ra) & set(rb), key=lambda k: (k[0] != "single", k[1], k[2])):
+        da, db = ra[key], rb[key]
+        out.append(f"{key[0]:10} {key[1]:>4} {key[2]:>4} {da['rate_mbps']:7.2f} {fmt(da.get('rate_ratio'), '12.3f')} "
+                   f"{fmt(db.get('rate_ratio'), '12.3f')} {da['expected_owd_ms']:7.1f} {fmt(err(da), '+10.2f')} "
+                   f"{fmt(err(db), '+10.2f')}")
+    for phase in sorted({k[0] for k in set(ra) & set(rb)}, reverse=True):
+        for lab, r in ((la, ra), (lb, rb)):
+            ds = [d for k, d in r.items() if k[0] == phase]
+            ratios = [d["rate_ratio"] for d in ds if d.get("rate_ratio") is not None]
+            errs = [abs(err(d)) for d in ds if err(d) is not None]
+            out.append(f"{phase} {lab}: rate ratio {min(ratios, default=0):.3f}-{max(ratios, default=0):.3f}, "
+                       f"|owd error| <= {max(errs, default=0):.2f} ms, {sum(d['ok'] for d in ds)}/{len(ds)} "
+                       "directions within tolerance")
+    return "\n".join(out)

@@ -4,18 +4,20 @@
   run [options] -- COMMAND ...      boot, run COMMAND (bash, in the checkout's copy), power off;
                                     exit with COMMAND's exit code
   stage [options]                   the CI stage: testbed/vm/stage.sh in the guest
+  compare A.json B.json             two linkcheck results (relay vs netem) side by side
 
 Exit codes: the guest command's own; 1 when the guest could not be built or booted or
 gave no exit code (a message says which); 2 for bad arguments.
 """
 
 import argparse
+import json
 import shlex
 import sys
 import time
 from pathlib import Path
 
-from testbed.vm import VmError, boot, image
+from testbed.vm import VmError, boot, compare_linkchecks, image
 
 
 def main(argv=None) -> int:
@@ -37,8 +39,18 @@ def main(argv=None) -> int:
     sub.choices["run"].add_argument("command", nargs=argparse.REMAINDER, help="the command (after --)")
     sub.choices["stage"].add_argument("--scale", type=float, default=0.1,
                                       help="rate scale of the guest's link checks and quickstart (default 0.1: TCG)")
+    c = sub.add_parser("compare", help="two linkcheck.json files (relay on the host, netem in the guest) side by side")
+    c.add_argument("files", nargs=2, metavar="LINKCHECK.json")
+    c.add_argument("--labels", nargs=2, default=("relay", "netem"))
     args = p.parse_args(argv)
-    if args.verb != "build" and (args.timeout <= 0 or args.cpus < 1 or args.memory < 512):
+    if args.verb == "compare":
+        try:
+            a, b = (json.loads(Path(f).read_text()) for f in args.files)
+        except (OSError, ValueError) as e:
+            p.error(f"compare: {e}")
+        print(compare_linkchecks(a, b, tuple(args.labels)))
+        return 0
+    if args.verb in ("run", "stage") and (args.timeout <= 0 or args.cpus < 1 or args.memory < 512):
         p.error("--timeout must be > 0, --cpus >= 1, --memory >= 512")
     if args.verb == "run":
         cmd = args.command[1:] if args.command[:1] == ["--"] else args.command
