@@ -15,7 +15,7 @@ REPO=$(cd "$(dirname "$0")/../.." && pwd)
 SUITE=${TESTBED_VM_SUITE:-bookworm}
 MIRROR=${TESTBED_VM_MIRROR:-http://deb.debian.org/debian}
 # Debian's kernel (ships sch_netem as a module) + the Python stack from Debian.
-INCLUDE=linux-image-amd64,kmod,python3,python3-numpy,python3-networkx,python3-scipy,python3-yaml,python3-pytest,mininet
+INCLUDE=linux-image-amd64,kmod,python3,python3-numpy,python3-networkx,python3-scipy,python3-yaml,python3-pytest,python3-matplotlib,mininet
 
 [ "$(id -u)" -eq 0 ] || { echo "build.sh: run as root (debootstrap, chroot)" >&2; exit 2; }
 need=""
