@@ -5,7 +5,7 @@
 # 1. testbed/setup.sh again (the image was provisioned by it: a second run must change
 #    nothing; it builds the relay and runs doctor on the guest's kernel);
 # 2. doctor must report netem and choose it;
-# 3. the netem-path tests (skipped on a host without netem);
+# 3. the netem-path tests (skipped on a host without netem; method auto is netem here);
 # 4. linkcheck of netstorm-internet2-9 and of lossy-jitter-4 (loss + jitter on every link):
 #    every direction within tolerance, every link shaped htb+netem;
 # 5. experiments/quickstart.yaml: correct, its links htb+netem.
@@ -51,7 +51,8 @@ step "doctor reports netem" doctor_netem
 step "python is the interpreter with the packages" python -c 'import mininet.net, numpy, scipy, yaml, testbed'
 
 step "netem-path tests" python3 -m pytest -q -p no:cacheprovider tests/test_netem.py \
-  "tests/test_emulator.py::test_small3_rates_and_delays_within_tolerance"
+  "tests/test_emulator.py::test_small3_rates_and_delays_within_tolerance" \
+  "tests/test_emulator.py::test_lossy_jittery_link_is_measured_within_tolerance"
 for topo in netstorm-internet2-9 testbed/vm/lossy-jitter-4.yaml; do
   name=$(basename "$topo" .yaml)
   step "linkcheck $name (scale $SCALE)" python3 -m testbed linkcheck "$topo" --scale "$SCALE" --tcp-cc bbr \
