@@ -38,8 +38,13 @@ trap cleanup EXIT
 ROOT=$WORK/rootfs
 t0=$(date +%s)
 echo "vm-build: debootstrap $SUITE (minbase + kernel + Python stack) into $ROOT"
-debootstrap --variant=minbase --include="$INCLUDE" "$SUITE" "$ROOT" "$MIRROR" > "$WORK/debootstrap.log" 2>&1 \
-  || { tail -20 "$WORK/debootstrap.log" >&2; echo "vm-build: debootstrap failed (log above)" >&2; exit 1; }
+for try in 1 2 3; do  # a mirror's transient "Couldn't download packages" must not fail CI
+  debootstrap --variant=minbase --include="$INCLUDE" "$SUITE" "$ROOT" "$MIRROR" > "$WORK/debootstrap.log" 2>&1 && break
+  tail -5 "$WORK/debootstrap.log" >&2
+  [ "$try" = 3 ] && { echo "vm-build: debootstrap failed 3 times (log above)" >&2; exit 1; }
+  echo "vm-build: debootstrap failed (try $try of 3), again in 20 s" >&2
+  umount -R "$ROOT/proc" "$ROOT/sys" 2>/dev/null || true; rm -rf "$ROOT"; sleep 20
+done
 t1=$(date +%s)
 
 # Provision with the project's own set-up script, as on a bare machine.  No daemon may start
