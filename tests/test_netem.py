@@ -10,7 +10,8 @@ import statistics
 import pytest
 
 from testbed.emulator.capabilities import probe
-from testbed.emulator.network import METHOD_NAMES, WanNetwork
+from testbed.emulator.network import WanNetwork
+from testbed.emulator.shaping import METHODS
 from testbed.results import CpuMeter
 from testbed.topology import load_topology
 
@@ -71,7 +72,7 @@ def test_delay_jitter_and_loss_as_configured(netenv, method):
         return bad
 
     _, _, qdiscs, links = fidelity(measure, problems)
-    assert {d["method"] for d in links} == {METHOD_NAMES[method]}
+    assert {d["method"] for d in links} == {METHODS[method].label}
     assert ("qdisc netem" in qdiscs) == (method == "netem"), qdiscs
 
 
