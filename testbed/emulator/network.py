@@ -21,6 +21,7 @@ Routes are static: a link taken down is not routed around (faults mean unreachab
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import time
@@ -199,6 +200,9 @@ class WanNetwork:
         (this only permits it; the machine's own default is unchanged)."""
         proc = Path("/proc/sys/net/ipv4")
         available = (proc / "tcp_available_congestion_control").read_text().split()
+        if self.tcp_cc not in available and shutil.which("modprobe"):  # e.g. Debian's kernel: bbr is a module
+            subprocess.run(["modprobe", f"tcp_{self.tcp_cc}"], capture_output=True, timeout=30)
+            available = (proc / "tcp_available_congestion_control").read_text().split()
         if self.tcp_cc not in available:
             raise RunError(f"TCP congestion control {self.tcp_cc!r} is not available in this kernel "
                            f"(available: {', '.join(available)})")
