@@ -16,6 +16,8 @@ compute time, run the program, check the result and report DONE.  Exit 0 after F
     coordinator -> agent: job, go, finish; abort (ERROR frame)
 
 Only ``testbed.plan`` is imported from the harness: this runs on real hosts too.
+``clock_offset_ms`` in node.json (optional, for tests) shifts every timestamp the agent
+reports, as on a host whose clock is off (:mod:`agents.clock`).
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ import numpy as np
 
 from testbed.plan import Op
 
-from . import wire
+from . import clock, wire
 from .executor import Executor
 from .inputs import expected_sum, make_input
 
@@ -260,6 +262,7 @@ def main(argv: list[str] | None = None) -> int:
     with open(args.config) as f:
         cfg = json.load(f)
     setup_logging(cfg.get("name", "?"), cfg.get("log_file"))
+    clock.shift(float(cfg.get("clock_offset_ms", 0)))
     agent = None
     try:
         agent = Agent(cfg)

@@ -60,7 +60,8 @@ class Coordinator:
     list of per-iteration compute seconds (the last value repeats; a number is allowed).
     ``secret``: bytes or str, surrounding whitespace ignored (as in a secret file).
     ``health``: optional callable polled while waiting; a returned string fails the run
-    (e.g. "agent process h3 exited").
+    (e.g. "agent process h3 exited").  ``clock_offsets_ns``: node -> its agent's clock minus
+    this machine's (:mod:`testbed.clock`); every timestamp is reported on this machine's clock.
     """
 
     def __init__(self, plan: Plan, *, addresses: Mapping, data_port: int | None, secret: bytes | str,
@@ -68,7 +69,8 @@ class Coordinator:
                  compute_s: Mapping[str, list[float] | float] | None = None, stop_and_wait: bool = False,
                  timeout_s: float = 60.0, bind: tuple[str, int] = ("0.0.0.0", 0),
                  progress: Callable[[str], None] | None = None, register_timeout_s: float | None = None,
-                 health: Callable[[], str | None] | None = None):
+                 health: Callable[[], str | None] | None = None,
+                 clock_offsets_ns: Mapping[str, int] | None = None):
         plan.validate()
         np.dtype(dtype)
         self.plan, self.secret, self.data_port = plan, wire.as_secret(secret), data_port
@@ -79,6 +81,8 @@ class Coordinator:
                           for n, v in (compute_s or {}).items()}
         self.progress = progress or (lambda s: None)
         self.health = health
+        self.clock_offsets_ns = dict(clock_offsets_ns or {})
+        self._sender = {op.xfer: src for src, op in plan.transfers()}
         self._peer_ip = self._resolve_addresses(addresses)
         self.listener = socket.create_server(tuple(bind), backlog=socket.SOMAXCONN)
         self.address = self.listener.getsockname()[:2]
@@ -277,6 +281,7 @@ class Coordinator:
                 for n in nodes:
                     self._send(n, {"msg": "go", "iteration": it})
                 done = self._collect("done", nodes, self.timeout_s, iteration=it)
+                done = {n: self._on_my_clock(n, d) for n, d in done.items()}
                 result = self._summarise(it, go_ns, done, errors)
                 iterations.append(result)
                 rows.extend(self._transfer_rows(it, done))
@@ -293,6 +298,19 @@ class Coordinator:
         return {"scheme": self.plan.scheme, "nodes": nodes, "length": self.plan.length, "dtype": self.dtype,
                 "seed": self.seed, "stop_and_wait": self.stop_and_wait, "iterations": iterations,
                 "transfers": {"columns": TRANSFER_COLUMNS, "rows": rows}, "errors": errors}
+
+    def _on_my_clock(self, node: str, done: dict) -> dict:
+        """``node``'s DONE with its timestamps moved from the agents' clocks to this machine's
+        (a recv row's ``send_ts_ns`` is on the sender's clock, the rest on ``node``'s)."""
+        off = self.clock_offsets_ns
+        if not off:
+            return done
+        me = off.get(node, 0)
+        return {**done, **{k: done[k] - me for k in ("go_ns", "compute_end_ns", "comm_start_ns", "comm_done_ns")
+                           if isinstance(done.get(k), int)},
+                "sends": [[x, s - me, e - me] for x, s, e in done.get("sends", ())],
+                "recvs": [[x, ts - off.get(self._sender.get(x), 0), first - me, last - me, applied - me]
+                          for x, ts, first, last, applied in done.get("recvs", ())]}
 
     def _summarise(self, it: int, go_ns: int, done: dict, errors: list) -> dict:
         receivers = self.plan.finishing()

@@ -93,6 +93,10 @@ class EmulatedHosts:
     def addresses(self) -> dict:
         return self.net.address_map()
 
+    def clock_offsets(self) -> dict:
+        """None to correct: every agent runs on this machine's clock."""
+        return {}
+
     def start_agent(self, dc: str, cfg: dict, out_dir: Path, secret_file: Path) -> None:
         path = out_dir / "agents" / f"{dc}.json"
         path.parent.mkdir(exist_ok=True)
@@ -123,6 +127,7 @@ def run_agents(hosts, plan, out_dir: Path, *, iterations: int = 1, seed: int = 0
     (killed if need be) before returning, also on error."""
     from agents.coordinator import Coordinator
 
+    offsets = hosts.clock_offsets()  # node -> testbed.clock.Offset of its host's clock from ours
     out_dir.mkdir(parents=True, exist_ok=True)
     secret_file = out_dir / "secret"
     if not secret_file.exists():
@@ -131,13 +136,18 @@ def run_agents(hosts, plan, out_dir: Path, *, iterations: int = 1, seed: int = 0
     coord = Coordinator(plan, addresses=hosts.addresses(), data_port=None, secret=secret_file.read_text(),
                         iterations=iterations, seed=seed, dtype=dtype, compute_s=compute_s,
                         stop_and_wait=stop_and_wait, timeout_s=timeout_s, bind=hosts.coordinator_bind,
-                        progress=progress, health=hosts.health)
+                        progress=progress, health=hosts.health,
+                        clock_offsets_ns={n: o.offset_ns for n, o in offsets.items()})
     coord.start()
     try:
         for dc in plan.nodes:
             hosts.start_agent(dc, {"name": dc, "coordinator": f"{hosts.coordinator_host}:{coord.address[1]}"},
                               out_dir, secret_file)
-        return coord.run()
+        result = coord.run()
+        if offsets:
+            result["clock_offsets"] = {n: {"offset_ms": o.offset_ns / 1e6, "rtt_ms": o.rtt_ns / 1e6}
+                                       for n, o in offsets.items()}
+        return result
     finally:
         coord.close()
         hosts.stop_agents()
@@ -157,6 +167,7 @@ def run_variants(exp: dict, planned: list, hosts, out_dir: Path, progress: Calla
                                 compute_s=compute_times(w["compute_s"], plan.nodes, n_its, seed),
                                 stop_and_wait=a["stop_and_wait"], timeout_s=a["timeout_s"], progress=progress)
             r = _summarise_run(rep, v["label"], result, w["warmup"])
+            r.update({k: result[k] for k in ("clock_offsets",) if k in result})  # real hosts: their clocks
             runs.append(r)
             progress(f"repetition {rep + 1} of {v['label']}: CCT {r['cct_s']:.3f}s, correct={r['correct']}")
             if not r["correct"]:  # results are still written; the CLI exits 1
