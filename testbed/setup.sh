@@ -2,9 +2,9 @@
 # One-step, idempotent set-up for testbed on Debian 12 / Ubuntu 22.04 / 24.04 (run as root).
 #   sudo bash testbed/setup.sh
 # Installs the system tools (Mininet's mnexec, iperf3, iproute2, ethtool, bridge-utils, ping,
-# gcc for the user-space delay relay, the ssh client for deploy), the Python dependencies
-# for the python3 on PATH, sets the sysctls a Linux bridge needs, and builds the delay
-# relay.  A second run changes nothing.
+# gcc for the user-space delay relay), the Python dependencies for the python3 on PATH
+# (paramiko is deploy's SSH client: no ssh binary is needed), sets the sysctls a Linux
+# bridge needs, and builds the delay relay.  A second run changes nothing.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -14,7 +14,7 @@ if [ "$(id -u)" -ne 0 ]; then
   exit 2
 fi
 
-APT_PKGS="mininet iperf3 iproute2 ethtool bridge-utils iputils-ping net-tools procps psmisc gcc libc6-dev openssh-client python3 python3-pip python3-venv"
+APT_PKGS="mininet iperf3 iproute2 ethtool bridge-utils iputils-ping net-tools procps psmisc gcc libc6-dev python3 python3-pip python3-venv"
 missing=""
 for p in $APT_PKGS; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing="$missing $p"
@@ -31,15 +31,16 @@ fi
 # Python packages for the interpreter that will run `python3 -m testbed`
 if ! "$PY" - <<'PYEOF' 2>/dev/null
 import importlib.metadata as m, sys
-need = {"numpy": "1.24", "networkx": "2.8", "scipy": "1.10", "PyYAML": "6.0", "pytest": "7.0", "mininet": "2.3"}
+need = {"numpy": "1.24", "networkx": "2.8", "scipy": "1.10", "PyYAML": "6.0", "pytest": "7.0", "mininet": "2.3",
+        "paramiko": "3.2"}
 for name in need:
     m.version(name)
-import mininet.nodelib, numpy, networkx, scipy.optimize, yaml  # noqa
+import mininet.nodelib, numpy, networkx, scipy.optimize, yaml, paramiko  # noqa
 PYEOF
 then
   echo "setup: installing Python packages for $("$PY" -c 'import sys; print(sys.executable)')"
   PIP=("$PY" -m pip install -q --disable-pip-version-check --root-user-action=ignore)
-  REQS=(numpy networkx scipy pyyaml pytest mininet)
+  REQS=(numpy networkx scipy pyyaml pytest mininet "paramiko>=3.2")
   # Debian/Ubuntu mark the system interpreter "externally managed" (PEP 668); this is a
   # root tool on a dedicated machine/VM, so install beside apt's packages there.
   "${PIP[@]}" "${REQS[@]}" 2>/dev/null || "${PIP[@]}" --break-system-packages "${REQS[@]}"
