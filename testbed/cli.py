@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 from testbed.emulator import DEFAULT_TCP_CC
+from testbed.emulator.shaping import CHOICES as SHAPING_CHOICES
 from testbed.errors import ConfigError, TestbedError
 
 
@@ -30,11 +31,80 @@ def cmd_run(args) -> int:
     exp = config.load_experiment(args.experiment, args.overrides)
     progress = Progress(quiet=args.quiet)
     out = Path(args.out) if args.out else new_run_dir(exp["output"]["dir"], exp["name"])
+    if exp["sweep"]:
+        return _run_sweep(exp, out, progress, report=not args.no_report)
     progress(f"experiment {exp['name']!r}: scheme {exp['scheme']['name']} on {exp['topology']['name']}, "
              f"{exp['repetitions']} repetition(s); results -> {out}")
     results = run_experiment(exp, out, progress)
     write_json_atomic(out / "results.json", results)
-    return _report(results, out)
+    code = _report(results, out)
+    if not args.no_report:
+        _write_report([out], out)
+    return code
+
+
+def _write_report(folders: list[Path], out: Path) -> None:
+    """Figures, CSV and report.html; the last line printed names the HTML file."""
+    from testbed.report import write_report
+
+    print(f"report: {write_report(folders, out)}")
+
+
+def _run_sweep(exp: dict, out: Path, progress, report: bool) -> int:
+    from testbed.report import sweep_columns, sweep_rows
+    from testbed.sweep import run_sweep
+
+    progress(f"sweep {exp['name']!r} over {', '.join(exp['sweep']['keys'])}: {len(exp['sweep']['points'])} points; "
+             f"results -> {out}")
+    record = run_sweep(exp, out, progress)
+    cols = [c for c in sweep_columns(record) if c not in ("scheme", "cct_stdev_s", "repetitions", "error")]
+    print("  ".join(f"{c[:14]:>14}" for c in cols))
+    for row in sweep_rows(record):
+        print("  ".join(f"{_cell(row.get(c))[:14]:>14}" for c in cols))
+    print(f"results: {out / 'sweep.json'}, {out / 'sweep.csv'}")
+    if report:
+        _write_report([out], out)
+    bad = [p for p in record["points"] if p["status"] != "ok"]
+    for p in bad:
+        print(f"error: sweep point {p['index']} {p['status']}: {p.get('error', 'wrong reduction result')}",
+              file=sys.stderr)
+    return 1 if bad else 0
+
+
+def _cell(v) -> str:
+    return f"{v:.4g}" if isinstance(v, float) else "" if v is None else str(v)
+
+
+def cmd_report(args) -> int:
+    _write_report([Path(d) for d in args.dirs], Path(args.out) if args.out else Path(args.dirs[0]))
+    return 0
+
+
+def cmd_exec(args) -> int:
+    from testbed import config
+    from testbed.execute import exec_command
+    from testbed.results import new_run_dir, write_json_atomic
+    from testbed.runner import Progress
+
+    exp = config.load_experiment(args.experiment, args.overrides)
+    out = Path(args.out) if args.out else new_run_dir(exp["output"]["dir"], f"{exp['name']}-exec")
+    results = exec_command(exp, args.command, out, on=args.on.split(",") if args.on else None, master_port=args.master_port,
+                           timeout_s=args.timeout, progress=Progress(quiet=args.quiet))
+    write_json_atomic(out / "results.json", results)
+    for dc, p in results["processes"].items():
+        wall = f"{p['wall_s']:.3f}s" if p["wall_s"] is not None else "timed out"
+        print(f"{dc:12} rank {p['rank']:3}  exit {p['exit_code']:4}  {wall:>10}  output: {out}/exec/{dc}.out")
+    print(f"results: {out / 'results.json'}")
+    return 0 if results["ok"] else 1
+
+
+def cmd_shell(args) -> int:
+    from testbed import config
+    from testbed.execute import shell
+    from testbed.runner import Progress
+
+    shell(config.load_experiment(args.experiment, args.overrides), Progress())
+    return 0
 
 
 def cmd_deploy(args) -> int:
@@ -43,6 +113,8 @@ def cmd_deploy(args) -> int:
     from testbed.runner import Progress
 
     exp = config.load_experiment(args.experiment, args.overrides)
+    if exp["sweep"]:
+        raise ConfigError("sweeps run with `run`, not `deploy`", source=args.experiment, key="sweep")
     progress = Progress(quiet=args.quiet)
     progress(f"experiment {exp['name']!r}: scheme {exp['scheme']['name']} on the real hosts of {args.hosts}")
     results, out = deploy(exp, args.hosts, Path(args.out) if args.out else None, progress)
@@ -83,7 +155,8 @@ def cmd_validate(args) -> int:
     t = exp["topology"]
     print(f"{args.experiment}: ok — scheme {exp['scheme']['name']}, topology {t['name']} "
           f"({len(t['datacenters'])} datacenters, {len(t['links'])} links), "
-          f"{exp['workload']['bytes']} bytes, {exp['repetitions']} repetition(s)")
+          f"{exp['workload']['bytes']} bytes, {exp['repetitions']} repetition(s)"
+          + (f", a sweep of {len(exp['sweep']['points'])} points" if exp["sweep"] else ""))
     if args.hosts:
         from testbed.deploy import check_deployable
 
@@ -132,7 +205,7 @@ def _print_plan(exp: dict, variant: dict, args) -> None:
             print(f"  {k}: {v}")
     print(f"predicted CCT {prediction['cct_s']:.4f}s ({prediction.get('model', '')}); "
           + (f"bound: rate {bound['rate_mbps']:.1f} Mbit/s, CCT {bound['cct_s']:.4f}s" if bound else
-             "no bound: the spanning-tree packing bounds an AllReduce of every node, this is a partial reduce"))
+             "no bound: the tree-packing optimum bounds an AllReduce of every node, this is a partial reduce"))
 
 
 def cmd_doctor(args) -> int:
@@ -152,11 +225,11 @@ def cmd_doctor(args) -> int:
     for name, ok in rows:
         print(f"  {'yes' if ok else 'NO ':3}  {name}")
     print(f"  kernel {caps.kernel}")
+    from testbed.emulator.shaping import METHODS
+
     method = caps.shaping_method
-    print("link shaping used by run: " + {
-        "netem": "HTB rate + netem delay/jitter/loss (kernel)",
-        "relay": "HTB rate + user-space delay relay for delay/jitter/loss (no netem in this kernel)",
-        None: "none — cannot run experiments here"}[method])
+    print("link shaping used by run: " + (METHODS[method].description if method else
+                                           "none — cannot run experiments here"))
     for note in caps.notes:
         print(f"note: {note}")
     for p in caps.problems():
@@ -193,7 +266,33 @@ def build_parser() -> argparse.ArgumentParser:
     _experiment_args(r)
     r.add_argument("--out", help="output folder (default: a new timestamped folder under output.dir, i.e. results/)")
     r.add_argument("--quiet", action="store_true", help="no progress lines")
+    r.add_argument("--no-report", action="store_true", help="do not write figures, CSV and report.html")
     r.set_defaults(func=cmd_run)
+
+    rp = sub.add_parser("report", help="figures, CSV tables and one self-contained HTML page from results folders",
+                        description="Read DIR/results.json (or a sweep's DIR/sweep.json) of every DIR; write PNG "
+                                    "figures, variants.csv, links.csv and report.html into --out.")
+    rp.add_argument("dirs", nargs="+", metavar="DIR", help="results folder(s) of run or of a sweep")
+    rp.add_argument("--out", help="output folder (default: the first DIR)")
+    rp.set_defaults(func=cmd_report)
+
+    ex = sub.add_parser("exec", help="run your own program in every datacenter of an experiment's emulated WAN",
+                        description="Build the experiment's WAN (with its dynamics and faults), run CMD in every "
+                                    "datacenter with RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, LOCAL_RANK, "
+                                    "TESTBED_DC, TESTBED_NODE_ADDRS set ({dc} and {rank} in ARGS replaced), record "
+                                    "exit codes, wall times and output in DIR/results.json, tear down.")
+    _experiment_args(ex)
+    ex.add_argument("--on", metavar="DC,DC", help="only these datacenters (default: all)")
+    ex.add_argument("--out", help="output folder (default: a new timestamped folder under output.dir)")
+    ex.add_argument("--master-port", type=int, default=29500, help="MASTER_PORT (default 29500)")
+    ex.add_argument("--timeout", type=float, help="seconds before the processes are killed (default agents.timeout_s)")
+    ex.add_argument("--quiet", action="store_true", help="no progress lines")
+    ex.add_argument("command", nargs="*", metavar="-- CMD ARGS", help="the program and its arguments, after --")
+    ex.set_defaults(func=cmd_exec)
+
+    sh = sub.add_parser("shell", help="Mininet's interactive CLI on an experiment's emulated WAN")
+    _experiment_args(sh)
+    sh.set_defaults(func=cmd_shell)
 
     dp = sub.add_parser("deploy", help="run an experiment's schemes with the same agents on real hosts over SSH",
                         description="Plan as `run` does, start one agent per datacenter on its real host over "
@@ -225,17 +324,19 @@ def build_parser() -> argparse.ArgumentParser:
     c = sub.add_parser("clean", help="remove namespaces, interfaces, bridges and processes a crashed run left")
     c.set_defaults(func=cmd_clean)
 
-    lc = sub.add_parser("linkcheck", help="measure every link's rate (iperf3) and delay (ping) against the topology")
+    lc = sub.add_parser("linkcheck", help="measure every link direction's rate, delay, jitter, loss and queue "
+                                           "against the topology (UDP probes, iperf3, ping)")
     lc.add_argument("topology", help="topology name (topologies/) or file")
     lc.add_argument("--out", help="output folder for linkcheck.json (default: a new folder under results/)")
     lc.add_argument("--scale", type=float, default=1.0, help="multiply every rate by this factor")
     lc.add_argument("--concurrent", action="store_true", help="only the phase with all links loaded at once")
     lc.add_argument("--single", action="store_true", help="only the link-by-link phase")
     lc.add_argument("--seconds", type=float, default=6.0,
-                    help="iperf3 measuring time per direction after its warm-up (default 6)")
-    lc.add_argument("--method", choices=("auto", "netem", "relay"), default="auto", help="link shaping method")
+                    help="measuring time per direction and measurement after warm-up (default 6)")
+    lc.add_argument("--method", choices=SHAPING_CHOICES, default="auto", help="link shaping method")
     lc.add_argument("--tcp-cc", default=DEFAULT_TCP_CC,
-                    help=f"TCP congestion control of the hosts (as emulator.tcp_cc; default {DEFAULT_TCP_CC})")
+                    help=f"TCP congestion control of the hosts (as emulator.tcp_cc; default {DEFAULT_TCP_CC}): "
+                         "the informative TCP goodput column, and the concurrent rate on lossless links")
     lc.set_defaults(func=cmd_linkcheck)
 
     b = sub.add_parser("bench", help="benchmarks that report ratios measured in one run")
@@ -246,7 +347,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    command = None
+    if argv[:1] == ["exec"] and "--" in argv:  # exec's CMD ARGS: everything after "--", options included
+        argv, command = argv[:argv.index("--")], argv[argv.index("--") + 1:]
     args = build_parser().parse_args(argv)
+    if command is not None:
+        args.command = command
 
     def on_term(signum, frame):
         raise KeyboardInterrupt

@@ -15,7 +15,9 @@ Format (YAML; every key but ``name``, ``topology`` and ``scheme.name`` is option
       size: 4MB                  # or  model: resnet50   (size = the model's parameters)
       dtype: float32             # float32 | float64
       iterations: 1
-      warmup: 0                  # iterations run (and checked) first, left out of CCT statistics
+      warmup: 1                  # iterations run (and checked) first, left out of CCT statistics
+                                 # (the first one is dominated by TCP's start); their times
+                                 # are kept apart in results.json (runs[].warmup_cct_s)
       compute_s: 0               # seconds per iteration: a number, {uniform: [lo, hi]},
                                  # {normal: [mean, std]}, or {per_worker: {dc: s or [s per iteration]}}
     emulator: {method: auto, relay_procs: 0, max_late_ms: 2, tcp_cc: cubic}
@@ -28,6 +30,9 @@ Format (YAML; every key but ``name``, ``topology`` and ``scheme.name`` is option
     variants:                    # optional: more schemes run on the SAME network, compared
       - {label: ps, scheme: {name: ps}}     # in one results.json (the main scheme runs first)
     output: {dir: results}
+    sweep:                       # optional: run the experiment once per point (see expand_sweep)
+      grid: {scheme.chunks: [1, 4, 16], workload.size: [4MB, 64MB]}   # every combination
+      points: [{seed: 2, scale: 0.5}]                                  # and/or explicit points
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ from typing import Any
 import yaml
 
 from testbed.emulator import DEFAULT_TCP_CC
+from testbed.emulator.shaping import CHOICES as SHAPING_CHOICES
 from testbed.errors import ConfigError
 
 EXPERIMENT_DIR = Path(__file__).resolve().parent.parent / "experiments"
@@ -48,16 +54,16 @@ DEFAULTS: dict[str, Any] = {
     "scale": 1.0,
     "seed": 0,
     "repetitions": 1,
-    "workload": {"size": "1MB", "model": None, "dtype": "float32", "iterations": 1, "warmup": 0, "compute_s": 0},
+    "workload": {"size": "1MB", "model": None, "dtype": "float32", "iterations": 1, "warmup": 1, "compute_s": 0},
     "emulator": {"method": "auto", "relay_procs": 0, "max_late_ms": 2.0, "tcp_cc": DEFAULT_TCP_CC},
     "agents": {"timeout_s": 120.0, "stop_and_wait": False},
     "dynamics": [],
     "faults": [],
     "variants": [],
     "output": {"dir": "results"},
+    "sweep": None,
 }
 TOP_KEYS = {"name", "topology", "scheme", *DEFAULTS}
-NODE_PARAMS, NODE_LIST_PARAMS = {"hub", "root"}, {"order", "active"}
 
 
 class _Checker:
@@ -132,14 +138,19 @@ def apply_overrides(data: dict, overrides: list[str], source: str) -> dict:
             value = yaml.safe_load(raw)
         except yaml.YAMLError:
             value = raw
-        cur = data
-        keys = path.strip().split(".")
-        for k in keys[:-1]:
-            if not isinstance(cur.get(k, {}), dict):
-                raise ConfigError(f"cannot set {path}: {k} is not a mapping", source=source, key=path)
-            cur = cur.setdefault(k, {})
-        cur[keys[-1]] = value
+        set_path(data, path.strip(), value, source)
     return data
+
+
+def set_path(data: dict, path: str, value, source: str) -> None:
+    """``data[a][b][c] = value`` for ``path`` ``a.b.c`` (as ``--set`` and ``sweep`` use it)."""
+    cur = data
+    keys = path.split(".")
+    for k in keys[:-1]:
+        if not isinstance(cur.get(k, {}), dict):
+            raise ConfigError(f"cannot set {path}: {k} is not a mapping", source=source, key=path)
+        cur = cur.setdefault(k, {})
+    cur[keys[-1]] = value
 
 
 def _merge(defaults: dict, given: dict) -> dict:
@@ -214,7 +225,7 @@ def validate(data: dict, source: str = "<experiment>") -> dict:
     _check_compute(c, w["compute_s"], nodes)
 
     e = exp["emulator"]
-    c.choice(e["method"], "emulator.method", ("auto", "netem", "relay"))
+    c.choice(e["method"], "emulator.method", SHAPING_CHOICES)
     c.number(e["relay_procs"], "emulator.relay_procs", integer=True, minimum=0)
     c.number(e["max_late_ms"], "emulator.max_late_ms", positive=True)
     if not (isinstance(e["tcp_cc"], str) and re.fullmatch(r"[a-z0-9_]+", e["tcp_cc"])):
@@ -230,41 +241,64 @@ def validate(data: dict, source: str = "<experiment>") -> dict:
 
     exp["dynamics"] = validate_dynamics(exp["dynamics"], topo, c, source)
     exp["faults"] = validate_faults(exp["faults"], topo, c)
+    if data.get("sweep") is not None:
+        exp["sweep"] = expand_sweep(c, data, source)
     return exp
 
 
+SWEEP_FIXED = {"name", "sweep", "output"}  # keys a sweep point may not change
+
+
+def expand_sweep(c: _Checker, data: dict, source: str) -> dict:
+    """``sweep: {grid: {key.path: [values]}, points: [{key.path: value}]}`` -> ``{"keys",
+    "points": [{"values", "experiment"}]}``: the grid's every combination (first key
+    slowest), then the explicit points; each point is the experiment with its values set as
+    ``--set`` would, validated here in full, so a bad point stops the sweep before it starts."""
+    sw = c.mapping(data["sweep"], "sweep", {"grid", "points"})
+    grid = c.mapping(sw.get("grid", {}), "sweep.grid")
+    points = sw.get("points", [])
+    if not isinstance(points, list):
+        c.fail("sweep.points", "expected a list of {key.path: value} mappings")
+    for k, vals in grid.items():
+        if not isinstance(vals, list) or not vals:
+            c.fail(f"sweep.grid.{k}", "expected a non-empty list of values")
+    combos = [{}]
+    for k, vals in grid.items():
+        combos = [{**cmb, k: v} for cmb in combos for v in vals]
+    combos = combos if grid else []
+    for i, p in enumerate(points):
+        c.mapping(p, f"sweep.points[{i}]")
+        if not p:
+            c.fail(f"sweep.points[{i}]", "expected at least one key.path: value")
+    combos += points
+    if not combos:
+        c.fail("sweep", "no points: give grid and/or points")
+    keys = list(dict.fromkeys(k for cmb in combos for k in cmb))
+    for k in keys:
+        if not isinstance(k, str) or k.split(".")[0] not in TOP_KEYS or k.split(".")[0] in SWEEP_FIXED:
+            c.fail(f"sweep.{k}", f"cannot sweep {k!r} (any experiment key path but {', '.join(sorted(SWEEP_FIXED))})")
+    base = {k: v for k, v in data.items() if k != "sweep"}
+    out = []
+    for i, values in enumerate(combos):
+        point = copy.deepcopy(base)
+        for k, v in values.items():
+            set_path(point, k, v, source)
+        try:
+            out.append({"values": values, "experiment": validate(point, source)})
+        except ConfigError as e:
+            desc = ", ".join(f"{k}={v}" for k, v in values.items())
+            raise ConfigError(e.message, source=source, key=f"sweep point {i} ({desc}): {e.key}") from None
+    return {"keys": keys, "points": out}
+
+
 def _scheme(c: _Checker, scheme, key: str, nodes: list[str]) -> dict:
-    """Validate ``{name: ..., <param>: ...}`` against the planner's parameter table and
-    return it with every default filled in."""
-    from testbed.planners import schemes
+    """Validate ``{name: ..., <param>: ...}`` with the planner registry (the scheme's
+    parameter table: types, choices, bounds, datacenters) and return it with every default
+    filled in."""
+    from testbed.planners import resolve_scheme
 
     c.mapping(scheme, key)
-    name = scheme.get("name")
-    known = schemes()
-    if name not in known:
-        c.fail(f"{key}.name", f"unknown scheme {name!r} (known: {', '.join(sorted(known))})")
-    spec = known[name]
-    params = {k: v for k, v in scheme.items() if k != "name"}
-    for k, v in params.items():
-        pkey = f"{key}.{k}"
-        if k not in spec.params:
-            c.fail(pkey, f"scheme {name!r} has no parameter {k!r} (parameters: {', '.join(spec.params) or 'none'})")
-        p = spec.params[k]
-        types = p.type if isinstance(p.type, tuple) else (p.type,)
-        if float in types and isinstance(v, int) and not isinstance(v, bool):
-            v = params[k] = float(v)
-        if list in types and isinstance(v, tuple):
-            v = params[k] = list(v)
-        if not isinstance(v, types) or (isinstance(v, bool) and bool not in types):
-            c.fail(pkey, f"expected {' or '.join(t.__name__ for t in types)}, got {v!r}")
-        if p.choices:
-            c.choice(v, pkey, p.choices)
-        if k in NODE_PARAMS and v:
-            c.node(v, pkey, nodes)
-        if k in NODE_LIST_PARAMS and v is not None:
-            for i, n in enumerate(v):
-                c.node(n, f"{pkey}[{i}]", nodes)
-    return {"name": name, **{k: p.default for k, p in spec.params.items()}, **params}
+    return resolve_scheme(scheme, nodes, source=c.source, key=key)
 
 
 def _check_compute(c: _Checker, spec, nodes: list[str]) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import secrets
@@ -65,13 +66,11 @@ def build_plan(exp: dict, scheme: dict | None = None):
     validate_connected(topo, source=exp["name"], key="topology")
     graph = topo.graph()
     params = {k: v for k, v in scheme.items() if k != "name"}
-    t = time.perf_counter()
     plan = make_plan(scheme["name"], graph, exp["workload"]["length"], params, elem_bytes=elem_bytes(exp))
-    plan.meta.setdefault("planner_s", time.perf_counter() - t)
     plan.validate()
     prediction = costmodel.predict(plan, graph, elem_bytes=elem_bytes(exp),
                                    stop_and_wait=exp["agents"]["stop_and_wait"])
-    # The optimum is a packing of spanning trees over every node, i.e. a bound for an AllReduce
+    # The optimum is a packing of reduce/broadcast trees over every node, a bound for an AllReduce
     # of all of them; a partial reduce (CREW's group P, forest's active workers) has none here.
     partial = set(plan.contributing()) != set(plan.nodes) or set(plan.finishing()) != set(plan.nodes)
     bound = None if partial else optimum(graph, exp["workload"]["bytes"])
@@ -203,19 +202,29 @@ def add_summaries(results: dict, planned: list, exp: dict) -> dict:
     return results
 
 
-def run_experiment(exp: dict, out_dir: Path, progress: Callable[[str], None]) -> dict:
-    """Plan every variant, build the WAN once, run every variant ``repetitions`` times on it,
-    tear down, return results."""
+def open_network(exp: dict, progress: Callable[[str], None], caps=None):
+    """The experiment's emulated WAN (a context manager: built on entry, torn down on exit)."""
+    from testbed.emulator.network import WanNetwork
+    from testbed.topology import load_topology
+
+    e = exp["emulator"]
+    return WanNetwork(load_topology(exp["topology"]).scaled(exp["scale"]), method=e["method"],
+                      relay_procs=e["relay_procs"], seed=exp["seed"], log=progress, caps=caps, tcp_cc=e["tcp_cc"])
+
+
+def run_experiment(exp: dict, out_dir: Path, progress: Callable[[str], None], net=None) -> dict:
+    """Plan every variant, build the WAN once (or use ``net``, an open network of the same
+    topology: a sweep reuses one), run every variant ``repetitions`` times on it, tear down
+    what it built, return results."""
     from testbed.emulator.capabilities import probe
     from testbed.emulator.dynamics import Scheduler
-    from testbed.emulator.network import WanNetwork
 
-    topo, planned = plan_variants(exp, progress)
+    _, planned = plan_variants(exp, progress)
     caps = probe()
     results: dict = {"experiment": exp, "environment": environment(caps), "runs": []}
-    with WanNetwork(topo, method=exp["emulator"]["method"], relay_procs=exp["emulator"]["relay_procs"],
-                    seed=exp["seed"], log=progress, caps=caps, tcp_cc=exp["emulator"]["tcp_cc"]) as net:
+    with (open_network(exp, progress, caps) if net is None else contextlib.nullcontext(net)) as net:
         results["links"] = net.link_report()
+        results["events_t0_s"] = net.t0  # events[].t_s count from here (Unix time), transfers are Unix ns
         results["environment"]["host_sysctls"] = net.host_sysctls
         sched = Scheduler(net, exp["dynamics"], exp["faults"], scale=exp["scale"], log=progress).start()
         net.reset_relay_window()  # judge the emulator on the measured phase only
@@ -258,6 +267,7 @@ def _summarise_run(rep: int, label: str, result: dict, warmup: int = 0) -> dict:
     incorrect = sorted({n for it in its for n, wk in it["workers"].items() if not wk.get("correct", True)})
     return {"variant": label, "repetition": rep,
             "cct_s": stats([it["cct_s"] for it in its if not it["warmup"]])["mean"],
+            "warmup_cct_s": [it["cct_s"] for it in its if it["warmup"]],  # cold: TCP start on fresh connections
             "iterations": its, "correct": all(it["correct"] for it in its) and not incorrect,
             "incorrect": incorrect, "transfers": result.get("transfers"), "links": _per_link(result.get("transfers"))}
 

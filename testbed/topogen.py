@@ -388,6 +388,27 @@ def full_mesh(n: Any = 4, *, rate_mbps: Any = 100, delay_ms: Any = 0) -> Topolog
                     f"full mesh of {n} nodes")
 
 
+def leaf_spine(leaves: Any = 8, spines: Any = 8, hosts_per_leaf: Any = 8, *, rate_mbps: Any = 100,
+               delay_ms: Any = 0) -> Topology:
+    """Two-tier leaf-spine (folded Clos) fabric: hosts ``h{leaf * hosts_per_leaf + k}``, each
+    on one NIC link to its leaf switch ``leaf{j}``, every leaf linked to every spine
+    ``spine{s}``; switches carry ``switch: true`` (relays, not workers: MultiTree's
+    Sec. III-C 3 switch-based networks).  With ``spines >= hosts_per_leaf`` it is
+    non-blocking, a fat tree of two levels."""
+    leaves = _int(leaves, "leaves", minimum=1, maximum=256)
+    spines = _int(spines, "spines", minimum=1, maximum=256)
+    per = _int(hosts_per_leaf, "hosts_per_leaf", minimum=1, maximum=256)
+    d = _uniform_dir(rate_mbps, delay_ms)
+    hosts = [f"h{i}" for i in range(leaves * per)]
+    leaf_names = [f"leaf{j}" for j in range(leaves)]
+    spine_names = [f"spine{s}" for s in range(spines)] if leaves > 1 else []
+    links = [Link(h, leaf_names[i // per], d, d) for i, h in enumerate(hosts)]
+    links += [Link(lf, sp, d, d) for lf in leaf_names for sp in spine_names]
+    return Topology(name=f"leaf-spine-{leaves}x{per}", nodes=hosts + leaf_names + spine_names, links=links,
+                    source=f"leaf-spine fabric: {leaves} leaves x {per} hosts, {len(spine_names)} spines",
+                    node_attrs={n: {"switch": True} for n in leaf_names + spine_names})
+
+
 # --------------------------------------------------------------------------- Topology Zoo
 
 EARTH_RADIUS_KM = 6371.0
@@ -540,6 +561,7 @@ GENERATORS: dict[str, Callable[..., Topology]] = {
     "torus2d": torus2d,
     "star": star,
     "full-mesh": full_mesh,
+    "leaf-spine": leaf_spine,
     "zoo": zoo,
 }
 

@@ -374,6 +374,8 @@ def _check_attrs(name: str, attrs: Mapping, *, source: str, key: str) -> dict:
             av = check_number(av, source=source, key=kk, minimum=-180, maximum=180, what="a longitude")
         elif ak in ("row", "col"):
             av = check_number(av, source=source, key=kk, integer=True, minimum=0, what="a grid index")
+        elif ak == "switch" and not isinstance(av, bool):  # a relay, not a worker (MultiTree Sec. III-C 3)
+            raise ConfigError(f"expected true or false, got {_typename(av)}", source=source, key=kk)
         out[ak] = av
     return out
 

@@ -8,7 +8,8 @@ from testbed.plan import Tree, check_allreduce
 from testbed.planners import REGISTRY, make_plan
 from testbed.planners.blink import blink
 from testbed.planners.bound import mwu_packing
-from testbed.planners.bound import optimum, pack_spanning_trees, tree_link_loads, wan_view
+from testbed.planners.bound import optimum, pack_spanning_trees
+from testbed.planners.common import tree_link_loads, wan_view
 from testbed.planners.hierarchical import (fs_linear_model, latency_groups, pairwise_performance,
                                            plink, psld, topoadopt, waterfill)
 from wan_graphs import random_wan, wan
@@ -155,23 +156,22 @@ def test_registered_with_defaults():
         plan = make_plan(name, g, 33, params)
         plan.validate()
         check_allreduce(plan, inputs(plan))
-        assert plan.meta["paper"]
+        assert plan.meta["reference"]
 
 
 def test_bad_parameters_name_the_key():
     from testbed.errors import ConfigError
-    from testbed.planners.mtree import mtree
 
     g = random_wan(6, 8, 0)
-    for func, params, key in ((mtree, {"rho": 0.0}, "params.rho"), (mtree, {"K": -1}, "params.K"),
-                              (blink, {"epsilon": 1.5}, "params.epsilon"),
-                              (topoadopt, {"trees": 0}, "params.trees"),
-                              (psld, {"servers": -2}, "params.servers"),
-                              (plink, {"groups": -1}, "params.groups")):
+    for name, params, key in (("mtree", {"rho": 0.0}, "scheme.rho"), ("mtree", {"K": -1}, "scheme.K"),
+                              ("blink", {"epsilon": 1.5}, "scheme.epsilon"),
+                              ("topoadopt", {"trees": 0}, "scheme.trees"),
+                              ("psld", {"servers": -2}, "scheme.servers"),
+                              ("plink", {"groups": -1}, "scheme.groups")):
         with pytest.raises(ConfigError) as e:
-            func(g, 10, elem_bytes=4, **params)
+            make_plan(name, g, 10, params)
         assert e.value.key == key
     disconnected = wan([("a", "b", 10), ("c", "d", 10)])
-    for func in (mtree, blink, topoadopt, plink, psld):
+    for name in ("mtree", "blink", "topoadopt", "plink", "psld"):
         with pytest.raises(ConfigError):
-            func(disconnected, 10, elem_bytes=4)
+            make_plan(name, disconnected, 10)

@@ -41,12 +41,27 @@ def test_alg1_loses_no_chunk_to_floating_point():
     assert [list(r) for r in blocks] == [[i] for i in range(10)]
 
 
+def test_alg1_floors_the_real_bound_as_printed():
+    """Alg. 1 (§IV-A): C_i = {j : l < j <= u}, u = k * prefix sum; weights 1/3, k = 10 give
+    chunks {1-3}, {4-6}, {7-10} (1-based); rounding u to nearest gives {1-3}, {4-7}, {8-10}."""
+    third = [1 / 3] * 3
+    assert [(r.start, r.stop) for r in split_model(third, 10)] == [(0, 3), (3, 6), (6, 10)]
+    assert [(r.start, r.stop) for r in split_model(third, 10, "nearest")] == [(0, 3), (3, 7), (7, 10)]
+    g = crew_mesh(3, 1)
+    for u, v in g.edges:
+        g[u][v]["rate_mbps"] = 100.0  # symmetric: LP (2) gives x = 1/3 each
+    plan = make_plan("crew", g, 1000, {"chunks": 10})
+    assert plan.meta["rounding"] == "floor"
+    assert sorted(plan.meta["blocks"].values()) == [[0, 3], [3, 6], [6, 10]]
+
+
+@pytest.mark.parametrize("rounding", ["floor", "nearest"])
 @pytest.mark.parametrize("seed", range(5))
-def test_alg1_blocks_are_contiguous_cover_all_and_follow_the_weights(seed):
+def test_alg1_blocks_are_contiguous_cover_all_and_follow_the_weights(seed, rounding):
     rnd = random.Random(seed)
     w = [rnd.random() for _ in range(rnd.randint(2, 12))]
     k = rnd.randint(20, 500)
-    blocks = split_model(w, k)
+    blocks = split_model(w, k, rounding)
     assert [c for r in blocks for c in r] == list(range(k))
     for x, r in zip(w, blocks):
         assert abs(len(r) - k * x / sum(w)) <= 1.0
@@ -138,7 +153,7 @@ def test_network_aware_split_beats_even_split():
 @pytest.mark.parametrize("params, needle", [
     ({"active": ["n0"]}, "at least two distinct workers"),
     ({"active": ["n0", "n0"]}, "at least two distinct workers"),
-    ({"active": ["n0", "zz"]}, "'zz' is not a node"),
+    ({"active": ["n0", "zz"]}, "unknown datacenter 'zz'"),
     ({"chunks": -1}, "chunks"),
 ])
 def test_bad_parameters_are_named(params, needle):

@@ -433,3 +433,24 @@ def test_params_and_errors():
     h = digraph(sym({("a", "c"): 1, ("c", "b"): 1}))
     with pytest.raises(ConfigError):
         make_plan("forest", h, 10, {"active": ["a", "b"], "relays": False})
+
+
+# Two random 5-node Steiner instances (asymmetric rates, some workers inactive) on which HiGHS'
+# interior point without crossover stopped at status 15 and the planner raised (issue 15).
+IPM_STATUS_15 = {
+    "seed25": ({("a", "b"): 90, ("b", "a"): 10, ("a", "c"): 60, ("c", "a"): 40, ("a", "d"): 60,
+                ("d", "a"): 20, ("b", "d"): 30, ("d", "b"): 30, ("c", "e"): 20, ("e", "c"): 80,
+                ("d", "e"): 70, ("e", "d"): 60}, ["b", "c", "d"]),
+    "seed181": ({("a", "c"): 100, ("c", "a"): 50, ("b", "c"): 40, ("c", "b"): 80, ("b", "d"): 100,
+                 ("d", "b"): 40, ("b", "e"): 10, ("e", "b"): 60, ("c", "e"): 50, ("e", "c"): 90},
+                ["d", "e"]),
+}
+
+
+@pytest.mark.parametrize("name", list(IPM_STATUS_15))
+def test_interior_point_failure_falls_back(name):
+    caps, act = IPM_STATUS_15[name]
+    g = digraph(caps)
+    p = make_plan("forest", g, 997, {"active": act, "overlap": "none", "oracle": "exact"})
+    assert p.meta["sum_chi_mbps"] == pytest.approx(brute_force_optimum(g, act, "none"), rel=1e-3)
+    run_check(p, g, 997, participants=act)

@@ -8,7 +8,8 @@ import pytest
 
 from testbed.plan import Tree, check_allreduce, interpret
 from testbed.planners import REGISTRY, make_plan
-from testbed.planners.bound import optimum, tree_link_loads, wan_view
+from testbed.planners.bound import optimum
+from testbed.planners.common import tree_link_loads, wan_view
 from testbed.planners.mtree import (chunk_time, gbst, grth, grth_bfs, ith, lambda_star,
                                     mtree, optimal_chunks, quantized_lengths, select_trees,
                                     tree_paths)
@@ -131,7 +132,7 @@ def test_gbst_heights_within_H_and_capacities_respected():
 
 
 def nx_parent(nodes, pairs, root):
-    from testbed.planners.bound import parents_from_edges
+    from testbed.planners.common import parents_from_edges
     return parents_from_edges(nodes, pairs, root)
 
 
@@ -259,7 +260,7 @@ def test_performance_40_nodes_231_links():
     """GOST + MILP on an IDN-size graph (40 nodes, 231 links, sk = 0.7)."""
     g = random_wan(40, 231, 11)
     t0 = time.perf_counter()
-    plan = mtree(g, 250_000_000, elem_bytes=4)
+    plan = make_plan("mtree", g, 250_000_000)
     wall = time.perf_counter() - t0
     ps = plan.meta["timing_s"]
     print(f"\nmtree 40 nodes/231 links: GOST {ps['gost_s']:.3f} s, MILP {ps['milp_s']:.3f} s, "

@@ -359,3 +359,23 @@ def test_bfs_variant_on_switch_network():
     from testbed.errors import ConfigError
     with pytest.raises(ConfigError):
         make_plan("multitree", g, 40, {})  # the direct variant needs endpoints everywhere
+
+
+def test_bfs_over_free_links_takes_n_minus_1_steps_on_a_fat_tree():
+    """Sec. III-C 3: per-step BFS over the links still free, through switches only.  On a
+    non-blocking 64-host leaf-spine fabric (one NIC link per host) a phase takes N - 1 = 63
+    steps, as RING; reserving the one static route per pair crosses one spine per leaf pair
+    and needs far more (issue 15: 231).  Local first: step 1 stays inside the leaves."""
+    g = topogen.leaf_spine(8, 8, 8).graph()
+    s = build_trees(g, variant="bfs")
+    assert s.tot_t == 63 and len(s.trees) == 64
+    assert max(max(d.values()) for d in s.link_use().values()) == 1
+    assert all(len(t.path[c]) == 3 for t in s.trees for c in t.order if t.added[c] == 1)
+    assert all(g.nodes[x].get("switch") for t in s.trees for c in t.order if t.parent[c]
+               for x in t.path[c][1:-1])
+    plan = make_plan("multitree", g, 640, {"variant": "bfs"})
+    assert plan.meta["tot_t"] == 63 and "routing_note" in plan.meta
+    assert not any(plan.programs[f"leaf{j}"] or plan.programs[f"spine{j}"] for j in range(8))
+    small = topogen.leaf_spine(2, 2, 2).graph()
+    assert build_trees(small, variant="routed").tot_t > build_trees(small, variant="bfs").tot_t == 3
+    run_check(make_plan("multitree", small, 40, {"variant": "bfs"}), small, 40)

@@ -68,8 +68,9 @@ def test_warmup_iterations_are_checked_but_not_timed():
         return {"iteration": i, "cct_s": cct, "correct": ok, "workers": {"a": {"correct": ok}}}
 
     r = _summarise_run(0, "ring", {"iterations": [it(0, 9.0), it(1, 2.0), it(2, 4.0)]}, warmup=1)
-    assert r["cct_s"] == 3.0 and r["correct"]
+    assert r["cct_s"] == 3.0 and r["correct"] and r["warmup_cct_s"] == [9.0]  # cold times kept apart
     assert [i["warmup"] for i in r["iterations"]] == [True, False, False]
+    assert config.DEFAULTS["workload"]["warmup"] == 1
     bad = _summarise_run(0, "ring", {"iterations": [it(0, 9.0, ok=False), it(1, 2.0)]}, warmup=1)
     assert not bad["correct"] and bad["incorrect"] == ["a"]
 

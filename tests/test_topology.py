@@ -556,3 +556,18 @@ def test_zoo_bad_file(tmp_path):
     with pytest.raises(ConfigError) as e:
         load_topology(str(p))
     assert e.value.source.endswith("bad.graphml") and "cannot parse" in e.value.message
+
+
+def test_switch_nodes_and_the_leaf_spine_generator():
+    """Switch (non-worker) nodes: ``switch: true`` on a datacenter entry (MultiTree
+    Sec. III-C 3); the ``leaf-spine`` generator flags its leaves and spines."""
+    topo = load_topology({"name": "sw", "datacenters": ["a", "b", {"name": "s", "switch": True}],
+                          "links": [{"between": ["a", "s"], "rate_mbps": 10}, {"between": ["b", "s"], "rate_mbps": 10}]})
+    assert topo.graph().nodes["s"]["switch"] is True and "switch" not in topo.graph().nodes["a"]
+    with pytest.raises(ConfigError, match=r"datacenters\[1\]\.switch: expected true or false"):
+        load_topology({"name": "sw", "datacenters": ["a", {"name": "s", "switch": "yes"}],
+                       "links": [{"between": ["a", "s"], "rate_mbps": 10}]})
+    ls = load_topology({"generator": {"kind": "leaf-spine", "leaves": 2, "spines": 3, "hosts_per_leaf": 4}})
+    g = ls.graph()
+    assert sorted(n for n in g if g.nodes[n].get("switch")) == ["leaf0", "leaf1", "spine0", "spine1", "spine2"]
+    assert g.number_of_edges() == 2 * (8 + 2 * 3)

@@ -1,11 +1,8 @@
 """What this machine can do for emulation: detected by trying, never assumed.
 
 ``probe()`` creates a throw-away network namespace with a veth pair and tries the
-qdiscs the emulator wants.  The result decides the link-shaping method:
-
-* ``netem``  — HTB for rate + netem for delay/jitter/loss, all in the kernel (preferred);
-* ``relay``  — HTB for rate + the user-space delay relay (``testbed/emulator/relay``) for
-  delay/jitter/loss, used where the kernel has no netem (e.g. this project's CI kernel).
+qdiscs the emulator wants.  The result decides the link-shaping method (the table :data:`testbed.emulator.shaping.METHODS`:
+kernel netem where it exists, else the user-space delay relay).
 """
 
 from __future__ import annotations
@@ -39,12 +36,11 @@ class Capabilities:
 
     @property
     def shaping_method(self) -> str | None:
-        """'netem', 'relay', or None if links cannot be shaped at all."""
-        if not (self.root and self.netns and self.htb):
-            return None
-        if self.netem:
-            return "netem"
-        return "relay" if self.gcc and self.ethtool else None
+        """The method ``auto`` picks (:func:`testbed.emulator.shaping.choose`), or None if
+        links cannot be shaped at all."""
+        from testbed.emulator.shaping import choose
+
+        return choose(self)
 
     def problems(self) -> list[str]:
         """What stops ``run`` from working, as sentences a user can act on."""

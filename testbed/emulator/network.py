@@ -37,9 +37,6 @@ from testbed.topology import LinkDir, Topology
 CONTROL_BRIDGE = "tbc0"
 CONTROL_IP = "10.255.255.254"
 HOST_PREFIX = "d"
-# what shaped a direction, as results.json and linkcheck.json say it; "htb": a link with no
-# delay, jitter or loss needs no delay element, so in relay mode it is a direct veth pair
-METHOD_NAMES = {"netem": "htb+netem", "relay": "htb+user-space-relay", "htb": "htb"}
 
 
 def node_ip(i: int) -> str:
@@ -70,7 +67,7 @@ class Direction:
         return {"src": self.src, "dst": self.dst, "rate_mbps": self.spec.rate_mbps,
                 "delay_ms": self.spec.delay_ms, "jitter_ms": self.spec.jitter_ms,
                 "loss": self.spec.loss, "queue_pkts": self.spec.queue_pkts,
-                "method": METHOD_NAMES[self.method]}
+                "method": shaping.METHODS[self.method].label}
 
 
 @dataclass
@@ -123,8 +120,10 @@ class WanNetwork:
         if problems:
             raise RunError("cannot emulate on this machine: " + "; ".join(problems))
         method = caps.shaping_method if self.method == "auto" else self.method
-        if method == "netem" and not caps.netem:
-            raise RunError("shaping method 'netem' requested but this kernel has no netem (try 'relay' or 'auto')")
+        lacks = shaping.missing(method, caps)
+        if lacks:
+            raise RunError(f"shaping method {method!r} requested but this machine lacks {', '.join(lacks)} "
+                           "(see: python3 -m testbed doctor; try 'auto')")
         self.method = method
         if subprocess.run(["ip", "link", "show", CONTROL_BRIDGE], capture_output=True).returncode == 0:
             raise RunError(f"interface {CONTROL_BRIDGE} exists: another run is active, or a crashed run left "
@@ -138,8 +137,8 @@ class WanNetwork:
                                  waitConnected=False)
         for dc, i in self.index.items():
             self.hosts[dc] = net.addHost(f"{HOST_PREFIX}{i}", ip=None)
-        relayed = {j for j, link in enumerate(self.topo.links)
-                   if method == "relay" and any(d.delay_ms or d.jitter_ms or d.loss for d in (link.ab, link.ba))}
+        link_methods = [shaping.link_method(method, (link.ab, link.ba)) for link in self.topo.links]
+        relayed = {j for j, m in enumerate(link_methods) if shaping.METHODS[m].relay}
         wan = net.addHost("wan", ip=None) if relayed else None
         bridge = net.addSwitch(CONTROL_BRIDGE, cls=LinuxBridge)
         self._link_intf: dict[tuple[str, int], str] = {}  # (dc, link index) -> interface
@@ -158,7 +157,7 @@ class WanNetwork:
                 relay_pairs.append((j, f"r{j}a", f"r{j}b"))
             self._link_intf[(link.a, j)] = ia
             self._link_intf[(link.b, j)] = ib
-            m = "relay" if j in relayed else "htb" if method == "relay" else method
+            m = link_methods[j]
             self.directions[(link.a, link.b)] = Direction(link.a, link.b, j, ia, link.ab, m)
             self.directions[(link.b, link.a)] = Direction(link.b, link.a, j, ib, link.ba, m)
         for dc, h in self.hosts.items():

@@ -1,26 +1,75 @@
-"""tc commands that shape one direction of a WAN link at the sender's egress.
+"""Link-shaping methods (one table, :data:`METHODS`) and the tc commands that shape one
+direction of a WAN link at the sender's egress.
 
-Rate is an HTB class (so it can be changed live with ``tc class change``); under it:
+Rate is an HTB class (so it can be changed live with ``tc class change``); under it a leaf
+qdisc that depends on the method:
 
-* method ``netem``: a netem qdisc for delay, jitter and loss.  Its ``limit`` holds the
-  sender queue plus every packet in flight on the emulated wire (bandwidth-delay product).
-* method ``relay``: a byte-limited FIFO (``queue_pkts`` full-size frames; offloads stay
-  on in this mode, so one queued skb may be a 64 KB GSO super-frame and a packet count
-  would be no limit at all); delay, jitter and loss are added afterwards by the
-  user-space relay in the middle of the link (see ``relay/``);
-* method ``htb``: the same FIFO on a link without delay, jitter or loss (no relay needed).
+* ``netem``: a netem qdisc for delay, jitter and loss.  Its ``limit`` holds the sender
+  queue plus every packet in flight on the emulated wire (bandwidth-delay product).
+* ``relay``: a byte-limited FIFO (``queue_pkts`` full-size frames; offloads stay on in this
+  mode, so one queued skb may be a 64 KB GSO super-frame and a packet count would be no
+  limit at all); delay, jitter and loss are added afterwards by the user-space relay in the
+  middle of the link (see ``relay/``);
+* ``htb``: the same FIFO on a link without delay, jitter or loss (no relay needed); chosen
+  per link in relay mode, never asked for.
 
 Either way the queue a TCP sender fills is the HTB leaf at its own host, as it would be
-at a WAN router's egress, and its size is the link's ``queue_pkts``.
+at a WAN router's egress, and its size is the link's ``queue_pkts``.  Config validation,
+the CLI's choices, ``doctor``, capability selection and :class:`.network.WanNetwork` all
+read :data:`METHODS`.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 from testbed.topology import LinkDir
 
 MTU = 1500
+
+
+@dataclass(frozen=True)
+class Method:
+    """One way to shape a link direction."""
+
+    name: str  # emulator.method / --method value
+    label: str  # what results.json and linkcheck.json call it
+    leaf: str  # qdisc under the HTB rate class: "netem" or "bfifo"
+    relay: bool  # delay, jitter and loss come from the user-space relay
+    selectable: bool  # a user may ask for it (else chosen per link)
+    requires: tuple[str, ...]  # Capabilities fields that must all be true
+    description: str  # for doctor
+
+
+METHODS: dict[str, Method] = {m.name: m for m in (
+    Method("netem", "htb+netem", "netem", False, True, ("root", "netns", "htb", "netem"),
+           "HTB rate + netem delay/jitter/loss (kernel)"),
+    Method("relay", "htb+user-space-relay", "bfifo", True, True, ("root", "netns", "htb", "gcc", "ethtool"),
+           "HTB rate + user-space delay relay for delay/jitter/loss (no netem in this kernel)"),
+    Method("htb", "htb", "bfifo", False, False, ("root", "netns", "htb"),
+           "HTB rate alone (a link without delay, jitter or loss)"),
+)}
+CHOICES = ("auto", *(m.name for m in METHODS.values() if m.selectable))  # emulator.method values
+
+
+def missing(method: str, caps) -> list[str]:
+    """The capabilities ``method`` needs that ``caps`` lacks."""
+    return [r for r in METHODS[method].requires if not getattr(caps, r)]
+
+
+def choose(caps) -> str | None:
+    """``auto``: the first selectable method (table order: kernel netem first) this machine
+    can do, or None."""
+    return next((m.name for m in METHODS.values() if m.selectable and not missing(m.name, caps)), None)
+
+
+def link_method(method: str, dirs) -> str:
+    """The method of one link under ``method``: a relay method needs no relay on a link
+    whose directions ``dirs`` have no delay, jitter or loss (then ``htb``)."""
+    if METHODS[method].relay and not any(d.delay_ms or d.jitter_ms or d.loss for d in dirs):
+        return "htb"
+    return method
 
 
 def _rate(mbps: float) -> str:
@@ -39,10 +88,10 @@ def bdp_packets(d: LinkDir) -> int:
 
 
 def _leaf(d: LinkDir, method: str) -> list[str]:
-    if method in ("relay", "htb"):
-        return ["bfifo", "limit", str(d.queue_pkts * (MTU + 14))]
-    if method != "netem":
+    if method not in METHODS:
         raise ValueError(f"unknown shaping method {method!r}")
+    if METHODS[method].leaf == "bfifo":
+        return ["bfifo", "limit", str(d.queue_pkts * (MTU + 14))]
     leaf = ["netem", "limit", str(d.queue_pkts + bdp_packets(d))]
     if d.delay_ms or d.jitter_ms:
         leaf += ["delay", f"{d.delay_ms}ms"]
@@ -85,3 +134,11 @@ def rate_change_commands(intf: str, rate_mbps: float, icmp_priority: bool = Fals
     classes = ["1:1", "1:10"] + (["1:20"] if icmp_priority else [])
     return [["tc", "class", "change", "dev", intf, "classid", cid, "htb", *htb_class_args(rate_mbps)]
             for cid in classes]
+
+
+def standing_queue_ms(d: LinkDir, method: str, frame_bytes: int) -> float:
+    """Queueing delay (ms) of a full sender queue of ``frame_bytes`` frames: the relay/htb
+    leaf is a byte FIFO of ``queue_pkts`` full-size frames, netem's a packet limit of which
+    ``queue_pkts`` are the standing queue (the rest are on the emulated wire)."""
+    qbytes = d.queue_pkts * (MTU + 14) if METHODS[method].leaf == "bfifo" else d.queue_pkts * frame_bytes
+    return qbytes * 8 / (d.rate_mbps * 1e3)

@@ -22,14 +22,12 @@ are not WAN neighbours simply name the far node as peer; the emulator routes the
 
 from __future__ import annotations
 
-import time
-from collections import deque
-
 import networkx as nx
 
-from testbed.errors import ConfigError
 from testbed.plan import Plan, ProgramBuilder, Tree, split_lengths, trees_plan
-from testbed.planners import Param, planner
+from testbed.planners import NODE, NODES, Param, ParamError, planner
+from testbed.planners.common import (ACTIVE, check_graph, members, parents_from_edges, partial, path_delay_ms,
+                                     path_rate, tree_centre)
 from testbed.routing import shortest_paths
 
 PS_REF = "Parameter server / MXNET star (Li et al., OSDI'14; NetStorm paper §IX-A baseline 'MXNET')"
@@ -44,56 +42,6 @@ EXACT_RING_MAX_N = 10  # exact bottleneck-TSP search up to this many nodes (brie
 # ---------------------------------------------------------------------------
 # Graph helpers
 # ---------------------------------------------------------------------------
-def _bad(param: str, message: str) -> ConfigError:
-    return ConfigError(message, key=f"params.{param}")
-
-
-def _check_graph(graph: nx.DiGraph) -> list[str]:
-    """Return the node list; the graph must be non-empty and strongly connected
-    (every pair must be routable, since every scheme here talks across the WAN)."""
-    nodes = list(graph.nodes)
-    if not nodes:
-        raise ConfigError("the topology has no nodes")
-    if len(nodes) > 1 and not nx.is_strongly_connected(graph):
-        raise ConfigError("the topology is not (strongly) connected: some nodes cannot reach others")
-    for u, v, d in graph.edges(data=True):
-        if not d.get("rate_mbps", 0) > 0:
-            raise ConfigError(f"link {u}->{v} has no positive rate_mbps")
-    return nodes
-
-
-def _check_node(graph: nx.DiGraph, param: str, name: str) -> str:
-    if name not in graph:
-        raise _bad(param, f"{name!r} is not a node of the topology (nodes: {sorted(graph.nodes)})")
-    return name
-
-
-ACTIVE = Param((list, type(None)), None, "the workers of a partial reduce (they contribute and get the "
-                                          "result); null = every node (AllReduce)")
-
-
-def _members(graph: nx.DiGraph, active) -> list[str]:
-    """The workers of the collective: ``active`` (at least two, distinct) in graph order, or all."""
-    if active is None:
-        return list(graph.nodes)
-    for m in active:
-        _check_node(graph, "active", m)
-    if len(set(active)) != len(active) or len(active) < 2:
-        raise _bad("active", f"needs at least two distinct workers, got {list(active)}")
-    return [n for n in graph.nodes if n in set(active)]
-
-
-def _partial(nodes: list[str], members: list[str]) -> list[str] | None:
-    """Plan participants/receivers: None (every node) unless only some nodes take part."""
-    return None if len(members) == len(nodes) else members
-
-
-def _check_positive(param: str, value: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise _bad(param, f"must be a positive integer, got {value!r}")
-    return value
-
-
 def incident_rate(graph: nx.DiGraph) -> dict[str, float]:
     """Total rate (Mbit/s) of every link touching a node, both directions added.
 
@@ -116,26 +64,16 @@ def min_latency_node(graph: nx.DiGraph, paths: dict) -> str:
     """Node minimising the sum of shortest-path one-way delays to and from all others."""
     delay = {n: 0.0 for n in graph.nodes}
     for (s, t), p in paths.items():
-        d = path_delay(graph, p)
+        d = path_delay_ms(graph, p)
         delay[s] += d
         delay[t] += d
     return min(graph.nodes, key=lambda n: (delay[n], str(n)))
 
 
-def path_rate(graph: nx.DiGraph, path: list[str]) -> float:
-    """Bottleneck rate (Mbit/s) along a routed path."""
-    return min(graph[a][b]["rate_mbps"] for a, b in zip(path, path[1:]))
-
-
-def path_delay(graph: nx.DiGraph, path: list[str]) -> float:
-    """One-way delay (ms) along a routed path."""
-    return sum(graph[a][b].get("delay_ms", 0.0) for a, b in zip(path, path[1:]))
-
-
 def _hop_info(graph: nx.DiGraph, paths: dict, u: str, v: str) -> dict:
     p = paths[(u, v)]
     return {"src": u, "dst": v, "path": p, "rate_mbps": path_rate(graph, p),
-            "delay_ms": path_delay(graph, p)}
+            "delay_ms": path_delay_ms(graph, p)}
 
 
 def _adjacent(graph: nx.DiGraph, u: str, v: str) -> bool:
@@ -146,14 +84,14 @@ def _adjacent(graph: nx.DiGraph, u: str, v: str) -> bool:
 # ps
 # ---------------------------------------------------------------------------
 @planner(
-    "ps",
-    hub=Param(str, "", "parameter-server node; empty = chosen by hub_rule"),
+    "ps", PS_REF,
+    hub=Param(str, "", "parameter-server node; empty = chosen by hub_rule", kind=NODE),
     hub_rule=Param(str, "max-bandwidth",
                    "how to pick the hub when hub is empty: node with the largest total incident "
                    "rate, node with the smallest summed shortest-path delay, or the first node",
                    choices=("max-bandwidth", "min-latency", "first")),
     shards=Param(int, 1, "split the vector into this many chunks so the push of one chunk overlaps "
-                         "the reduction and pull of the previous one (pipelined PS); 1 = plain PS"),
+                         "the reduction and pull of the previous one (pipelined PS); 1 = plain PS", ge=1),
     active=ACTIVE,
 )
 def plan_ps(graph: nx.DiGraph, length: int, *, elem_bytes: int = 4, hub: str = "",
@@ -168,23 +106,18 @@ def plan_ps(graph: nx.DiGraph, length: int, *, elem_bytes: int = 4, hub: str = "
     ``active`` only those workers push and get the sum (CREW §V-A's PS baseline of a partial
     reduce; the hub need not be one of them).
     """
-    t0 = time.perf_counter()
-    nodes = _check_graph(graph)
-    members = _members(graph, active)
-    _check_positive("shards", shards)
+    nodes = check_graph(graph, "ps")
+    group = members(graph, active)
     paths = shortest_paths(graph)
     if hub:
-        hub = _check_node(graph, "hub", hub)
         rule_used = "given"
     elif hub_rule == "max-bandwidth":
         hub, rule_used = max_bandwidth_node(graph), hub_rule
     elif hub_rule == "min-latency":
         hub, rule_used = min_latency_node(graph, paths), hub_rule
-    elif hub_rule == "first":
-        hub, rule_used = nodes[0], hub_rule
     else:
-        raise _bad("hub_rule", f"unknown rule {hub_rule!r}")
-    workers = [n for n in members if n != hub]
+        hub, rule_used = nodes[0], hub_rule
+    workers = [n for n in group if n != hub]
     b = ProgramBuilder(nodes)
     offset = 0
     for c, size in enumerate(split_lengths(length, [1] * shards)):
@@ -201,17 +134,15 @@ def plan_ps(graph: nx.DiGraph, length: int, *, elem_bytes: int = 4, hub: str = "
                        recv_deps=[pushed[w]], chunk=c, phase="bcast")
         offset += size
     meta = {
-        "reference": PS_REF,
         "hub": hub,
         "hub_rule": rule_used,
         "shards": shards,
         "incident_rate_mbps": incident_rate(graph),
         "push": [_hop_info(graph, paths, w, hub) for w in workers],
         "pull": [_hop_info(graph, paths, hub, w) for w in workers],
-        "planner_s": time.perf_counter() - t0,
     }
-    return Plan("ps", nodes, length, b.programs, participants=_partial(nodes, members),
-                receivers=_partial(nodes, members), meta=meta)
+    return Plan("ps", nodes, length, b.programs, participants=partial(nodes, group),
+                receivers=partial(nodes, group), meta=meta)
 
 
 # ---------------------------------------------------------------------------
@@ -354,7 +285,7 @@ def greedy_ring(graph: nx.DiGraph, paths: dict, nodes: list[str]) -> list[str]:
     while left:
         u = order[-1]
         v = min(left, key=lambda w: (not graph.has_edge(u, w), -path_rate(graph, paths[(u, w)]),
-                                     path_delay(graph, paths[(u, w)]), str(w)))
+                                     path_delay_ms(graph, paths[(u, w)]), str(w)))
         order.append(v)
         left.discard(v)
     return order
@@ -407,7 +338,7 @@ def choose_ring(graph: nx.DiGraph, paths: dict, nodes: list[str]) -> tuple[list[
     if n <= 2:
         return ordered, {"search": "trivial"}
     rate_all = {(u, v): path_rate(graph, paths[(u, v)]) for u in nodes for v in nodes if u != v}
-    delay_all = {(u, v): path_delay(graph, paths[(u, v)]) for u in nodes for v in nodes if u != v}
+    delay_all = {(u, v): path_delay_ms(graph, paths[(u, v)]) for u in nodes for v in nodes if u != v}
     if n <= EXACT_RING_MAX_N:
         adj = {e: r for e, r in rate_all.items() if graph.has_edge(*e)}
         ring = bottleneck_ring_exact(ordered, adj, delay_all)
@@ -439,15 +370,16 @@ def _ring_meta(graph: nx.DiGraph, paths: dict, order: list[str]) -> dict:
 
 
 @planner(
-    "ring",
+    "ring", RING_REF,
     order=Param((list, tuple), (), "ring order as a list of node names (implies ring_rule='given'); "
-                                   "empty = chosen by ring_rule"),
+                                   "empty = chosen by ring_rule", kind=NODES),
     ring_rule=Param(str, "tsp-bandwidth",
                     "tsp-bandwidth: Hamiltonian cycle maximising the minimum hop rate (exact for "
                     "n <= 10, greedy + 2-opt beyond), else a cycle over shortest paths; given: use "
                     "order; name-order: nodes sorted by name",
                     choices=("tsp-bandwidth", "given", "name-order")),
-    chunks=Param(int, 1, "split each of the n blocks into this many chunks that pipeline through the steps"),
+    chunks=Param(int, 1, "split each of the n blocks into this many chunks that pipeline through the steps",
+                 ge=1),
     active=ACTIVE,
 )
 def plan_ring(graph: nx.DiGraph, length: int, *, elem_bytes: int = 4, order=(),
@@ -464,25 +396,21 @@ def plan_ring(graph: nx.DiGraph, length: int, *, elem_bytes: int = 4, order=(),
     may not exist").  With ``active`` the ring runs over those workers only (CREW §V-A's
     ring baseline of a partial reduce); the others only forward routed traffic.
     """
-    t0 = time.perf_counter()
-    nodes = _check_graph(graph)
-    members = _members(graph, active)
-    _check_positive("chunks", chunks)
+    nodes = check_graph(graph, "ring")
+    group = members(graph, active)
     paths = shortest_paths(graph)
     order = list(order or ())
     if order:
-        if set(order) != set(members) or len(set(order)) != len(order):
-            raise _bad("order", f"must list every ring member exactly once; they are {sorted(members)}")
+        if set(order) != set(group) or len(set(order)) != len(order):
+            raise ParamError("order", f"must list every ring member exactly once; they are {sorted(group)}")
         ring, rule_used, info = order, "given", {"search": "given"}
     elif ring_rule == "given":
-        raise _bad("order", "ring_rule 'given' needs a non-empty order")
+        raise ParamError("order", "ring_rule 'given' needs a non-empty order")
     elif ring_rule == "name-order":
-        ring, rule_used, info = sorted(members, key=str), ring_rule, {"search": "name-order"}
-    elif ring_rule == "tsp-bandwidth":
-        ring, info = choose_ring(graph, paths, members)
-        rule_used = ring_rule
+        ring, rule_used, info = sorted(group, key=str), ring_rule, {"search": "name-order"}
     else:
-        raise _bad("ring_rule", f"unknown rule {ring_rule!r}")
+        ring, info = choose_ring(graph, paths, group)
+        rule_used = ring_rule
     n = len(ring)
     b = ProgramBuilder(nodes)
     blocks = split_lengths(length, [1] * n)
@@ -510,24 +438,22 @@ def plan_ring(graph: nx.DiGraph, length: int, *, elem_bytes: int = 4, order=(),
                 last_recv = [rid]
             off += csize
     meta = {
-        "reference": RING_REF,
         "ring": ring,
         "ring_rule": rule_used,
         **info,
         **_ring_meta(graph, paths, ring),
         "blocks": blocks,
         "chunks": chunks,
-        "planner_s": time.perf_counter() - t0,
     }
-    return Plan("ring", nodes, length, b.programs, participants=_partial(nodes, members),
-                receivers=_partial(nodes, members), meta=meta)
+    return Plan("ring", nodes, length, b.programs, participants=partial(nodes, group),
+                receivers=partial(nodes, group), meta=meta)
 
 
 # ---------------------------------------------------------------------------
 # alltoall
 # ---------------------------------------------------------------------------
 @planner(
-    "alltoall",
+    "alltoall", A2A_REF,
     shard_rule=Param(str, "equal", "shard sizes: equal, or proportional to each owner's total "
                                    "incident rate (bandwidth)", choices=("equal", "bandwidth")),
 )
@@ -539,15 +465,12 @@ def plan_alltoall(graph: nx.DiGraph, length: int, *, elem_bytes: int = 4,
     straight to node j (reduce-scatter); once node j has every contribution it sends the
     reduced shard back to everyone (all-gather).  Non-adjacent pairs are routed.
     """
-    t0 = time.perf_counter()
-    nodes = _check_graph(graph)
+    nodes = check_graph(graph, "alltoall")
     tot = incident_rate(graph)
     if shard_rule == "equal":
         weights = [1.0] * len(nodes)
-    elif shard_rule == "bandwidth":
-        weights = [tot[n] for n in nodes] if len(nodes) > 1 else [1.0]
     else:
-        raise _bad("shard_rule", f"unknown rule {shard_rule!r}")
+        weights = [tot[n] for n in nodes] if len(nodes) > 1 else [1.0]
     shards = split_lengths(length, weights)
     b = ProgramBuilder(nodes)
     off = 0
@@ -568,11 +491,9 @@ def plan_alltoall(graph: nx.DiGraph, length: int, *, elem_bytes: int = 4,
                            flow=j, phase="bcast")
         off += size
     meta = {
-        "reference": A2A_REF,
         "shard_rule": shard_rule,
         "shards": {n: s for n, s in zip(nodes, shards)},
         "incident_rate_mbps": tot,
-        "planner_s": time.perf_counter() - t0,
     }
     return Plan("alltoall", nodes, length, b.programs, meta=meta)
 
@@ -583,15 +504,7 @@ def plan_alltoall(graph: nx.DiGraph, length: int, *, elem_bytes: int = 4,
 def bfs_order(graph: nx.DiGraph, root: str) -> list[str]:
     """Breadth-first order of the (undirected) WAN graph from ``root``, neighbours by name."""
     und = graph.to_undirected(as_view=True)
-    seen, out, q = {root}, [], deque([root])
-    while q:
-        u = q.popleft()
-        out.append(u)
-        for v in sorted(und.neighbors(u), key=str):
-            if v not in seen:
-                seen.add(v)
-                q.append(v)
-    return out
+    return [root] + [v for _, v in nx.bfs_edges(und, root, sort_neighbors=lambda ns: sorted(ns, key=str))]
 
 
 def _heap_parent(seq: list[str], k: int) -> dict[str, str | None]:
@@ -674,61 +587,13 @@ def max_spanning_tree(graph: nx.DiGraph) -> list[tuple[str, str, float]]:
         a, c = sorted((u, v), key=str)
         und[(a, c)] = _sym_rate(graph, a, c)
     edges = sorted(und.items(), key=lambda kv: (-kv[1], _sym_delay(graph, *kv[0]), str(kv[0][0]), str(kv[0][1])))
-    comp = {n: n for n in graph.nodes}
-
-    def find(x):
-        while comp[x] != x:
-            comp[x] = comp[comp[x]]
-            x = comp[x]
-        return x
-
+    comp = nx.utils.UnionFind(graph.nodes)
     out = []
     for (a, c), w in edges:
-        ra, rc = find(a), find(c)
-        if ra != rc:
-            comp[ra] = rc
+        if comp[a] != comp[c]:
+            comp.union(a, c)
             out.append((a, c, w))
     return out
-
-
-def _tree_depths(adj: dict[str, list[tuple[str, float]]], root: str) -> tuple[float, int]:
-    """(max latency-weighted depth, max hop depth) of the tree ``adj`` rooted at ``root``."""
-    best_d, best_h = 0.0, 0
-    stack = [(root, None, 0.0, 0)]
-    while stack:
-        u, p, d, h = stack.pop()
-        best_d, best_h = max(best_d, d), max(best_h, h)
-        for v, w in adj[u]:
-            if v != p:
-                stack.append((v, u, d + w, h + 1))
-    return best_d, best_h
-
-
-def tree_centre(graph: nx.DiGraph, edges: list[tuple[str, str, float]]) -> str:
-    """Root minimising the maximum latency-weighted depth (mean one-way delay of each tree
-    edge); ties by hop height, then name."""
-    adj: dict[str, list[tuple[str, float]]] = {n: [] for n in graph.nodes}
-    for a, c, _ in edges:
-        w = _sym_delay(graph, a, c)
-        adj[a].append((c, w))
-        adj[c].append((a, w))
-    return min(graph.nodes, key=lambda r: (*_tree_depths(adj, r), str(r)))
-
-
-def parent_map(nodes, edges: list[tuple[str, str, float]], root: str) -> dict[str, str | None]:
-    adj: dict[str, list[str]] = {n: [] for n in nodes}
-    for a, c, _ in edges:
-        adj[a].append(c)
-        adj[c].append(a)
-    parent: dict[str, str | None] = {root: None}
-    q = deque([root])
-    while q:
-        u = q.popleft()
-        for v in sorted(adj[u], key=str):
-            if v not in parent:
-                parent[v] = u
-                q.append(v)
-    return parent
 
 
 def _tree_edges_meta(graph: nx.DiGraph, paths: dict, parent: dict) -> list[dict]:
@@ -744,23 +609,21 @@ def _tree_edges_meta(graph: nx.DiGraph, paths: dict, parent: dict) -> list[dict]
 
 
 def _tree_result(scheme: str, graph: nx.DiGraph, nodes: list[str], length: int, root: str,
-                 parent: dict, chunks: int, meta: dict, t0: float) -> Plan:
+                 parent: dict, chunks: int, meta: dict) -> Plan:
     paths = shortest_paths(graph)
     edges = _tree_edges_meta(graph, paths, parent)
     rate = min((min(e["rate_up_mbps"], e["rate_down_mbps"]) for e in edges), default=0.0)
     tree = Tree(root, parent, share=1.0, chunks=chunks, rate_mbps=rate)
     meta = {**meta, "root": root, "chunks": chunks, "tree_edges": edges,
             "bottleneck_rate_mbps": rate, "height": tree.height()}
-    plan = trees_plan(scheme, nodes, length, [tree], meta=meta)
-    plan.meta["planner_s"] = time.perf_counter() - t0
-    return plan
+    return trees_plan(scheme, nodes, length, [tree], meta=meta)
 
 
 @planner(
-    "bkt",
-    k=Param(int, 2, "tree arity (MLNET's k is not given in the NetStorm paper; 2-3 are sensible)"),
-    root=Param(str, "", "root node; empty = the node with the largest total incident rate"),
-    chunks=Param(int, 1, "pipelined chunks (1 = no pipelining)"),
+    "bkt", BKT_REF,
+    k=Param(int, 2, "tree arity (MLNET's k is not given in the NetStorm paper; 2-3 are sensible)", ge=1),
+    root=Param(str, "", "root node; empty = the node with the largest total incident rate", kind=NODE),
+    chunks=Param(int, 1, "pipelined chunks (1 = no pipelining)", ge=1),
     layout=Param(str, "bfs-adjacent",
                  "how nodes fill the tree slots: bfs-adjacent (BFS layout refined to maximise tree "
                  "edges that are WAN links), bfs (plain BFS heap layout), name (root, then by name)",
@@ -775,22 +638,17 @@ def plan_bkt(graph: nx.DiGraph, length: int, *, elem_bytes: int = 4, k: int = 2,
     balanced tree" NetStorm criticises); only the slot filling looks at adjacency so tree
     edges tend to be WAN links.  Non-adjacent tree edges are routed.
     """
-    t0 = time.perf_counter()
-    nodes = _check_graph(graph)
-    _check_positive("k", k)
-    _check_positive("chunks", chunks)
-    if layout not in ("bfs-adjacent", "bfs", "name"):
-        raise _bad("layout", f"unknown layout {layout!r}")
-    root = _check_node(graph, "root", root) if root else max_bandwidth_node(graph)
+    nodes = check_graph(graph, "bkt")
+    root = root or max_bandwidth_node(graph)
     parent = balanced_kary_tree(graph, root, k, layout)
-    meta = {"reference": BKT_REF, "k": k, "layout": layout}
-    return _tree_result("bkt", graph, nodes, length, root, parent, chunks, meta, t0)
+    return _tree_result("bkt", graph, nodes, length, root, parent, chunks, {"k": k, "layout": layout})
 
 
 @planner(
-    "mst",
-    root=Param(str, "", "root node; empty = the tree's centre (minimum maximum latency-weighted depth)"),
-    chunks=Param(int, 1, "pipelined chunks (1 = no pipelining)"),
+    "mst", MST_REF,
+    root=Param(str, "", "root node; empty = the tree's centre (smallest reduce-then-broadcast round trip)",
+               kind=NODE),
+    chunks=Param(int, 1, "pipelined chunks (1 = no pipelining)", ge=1),
 )
 def plan_mst(graph: nx.DiGraph, length: int, *, elem_bytes: int = 4, root: str = "",
              chunks: int = 1) -> Plan:
@@ -802,15 +660,10 @@ def plan_mst(graph: nx.DiGraph, length: int, *, elem_bytes: int = 4, root: str =
     with RTT stop-and-wait (NetStorm App. B); the cost model's ``stop_and_wait`` option
     reproduces that transport behaviour.
     """
-    t0 = time.perf_counter()
-    nodes = _check_graph(graph)
-    _check_positive("chunks", chunks)
+    nodes = check_graph(graph, "mst")
     edges = max_spanning_tree(graph)
-    if root:
-        root, rule = _check_node(graph, "root", root), "given"
-    else:
-        root, rule = tree_centre(graph, edges), "centre"
-    parent = parent_map(nodes, edges, root)
-    meta = {"reference": MST_REF, "root_rule": rule,
-            "mst_edges": [{"u": a, "v": c, "rate_mbps": w} for a, c, w in edges]}
-    return _tree_result("mst", graph, nodes, length, root, parent, chunks, meta, t0)
+    pairs = [(a, c) for a, c, _ in edges]
+    root, rule = (root, "given") if root else (tree_centre(graph, nodes, pairs), "centre")
+    parent = parents_from_edges(nodes, pairs, root)
+    meta = {"root_rule": rule, "mst_edges": [{"u": a, "v": c, "rate_mbps": w} for a, c, w in edges]}
+    return _tree_result("mst", graph, nodes, length, root, parent, chunks, meta)

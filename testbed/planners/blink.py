@@ -38,9 +38,9 @@ from scipy.optimize import linprog
 
 from testbed.plan import Plan, Tree, split_lengths, trees_plan
 from testbed.planners import Param, planner
-from testbed.planners.bound import (WanView, center_root, check_wan, mwu_packing,
-                                    parents_from_edges, require, simple_bound, tree_roundtrip_s,
-                                    wan_view)
+from testbed.planners.bound import mwu_packing, simple_bound
+from testbed.planners.common import (WanView, check_graph, parents_from_edges, tree_centre, tree_roundtrip_s,
+                                     wan_view)
 from testbed.planners.mtree import chunk_time, select_trees, tree_paths
 
 REFERENCE = ("BLINK-style packing after G. Wang et al., MLSys 2020, as described by the MTREE "
@@ -69,13 +69,13 @@ def select_subset(wv: WanView, flow: dict[tuple[int, ...], float], max_trees: in
 
 
 @planner(
-    "blink",
-    max_trees=Param(int, 5, "trees kept after packing (CREW: BLINK uses five)"),
-    epsilon=Param(float, 0.2, "multiplicative-weights accuracy (smaller = closer to optimum, slower)"),
+    "blink", REFERENCE,
+    max_trees=Param(int, 5, "trees kept after packing (CREW: BLINK uses five)", ge=1),
+    epsilon=Param(float, 0.2, "multiplicative-weights accuracy (smaller = closer to optimum, slower)", gt=0, lt=1),
     candidates=Param(int, 20, "largest packed trees offered to the subset MILP"),
-    chunks=Param(int, 1, "chunks per tree (1 = unpipelined, as in MTREE's CCT comparison)"),
+    chunks=Param(int, 1, "chunks per tree (1 = unpipelined, as in MTREE's CCT comparison)", ge=1),
     chunk_bytes=Param(int, 0, "if > 0: fixed chunk size in bytes (BLINK-style pipelining); "
-                      "overrides chunks"),
+                      "overrides chunks", ge=0),
     milp_time_limit=Param((int, float), 5.0, "HiGHS time limit for the subset MILP, seconds"),
     pace=Param(bool, True, "pace each tree's transfers at its packed rate; false = TCP sharing"),
 )
@@ -86,11 +86,7 @@ def blink(graph: nx.DiGraph, length: int, *, elem_bytes: int, max_trees: int = 5
     trees with re-solved rates, shares by rate, no height limit (approximation of BLINK
     from the MTREE/CREW descriptions)."""
     t0 = time.perf_counter()
-    check_wan(graph, "blink")
-    require(max_trees >= 1, "max_trees", f"must be >= 1, got {max_trees}")
-    require(0 < epsilon < 1, "epsilon", f"must be in (0, 1), got {epsilon}")
-    require(chunks >= 1, "chunks", f"must be >= 1, got {chunks}")
-    require(chunk_bytes >= 0, "chunk_bytes", f"must be >= 0, got {chunk_bytes}")
+    check_graph(graph, "blink", min_nodes=2)
     wv = wan_view(graph)
     flow, pack_info = mwu_packing(wv, epsilon)
     pack_s = time.perf_counter() - t0
@@ -100,7 +96,7 @@ def blink(graph: nx.DiGraph, length: int, *, elem_bytes: int, max_trees: int = 5
     trees, infos = [], []
     for key, rate, size in zip(keys, rates, sizes):
         pairs = [wv.names(k) for k in key]
-        root = center_root(graph, wv.nodes, pairs)
+        root = tree_centre(graph, wv.nodes, pairs)
         parent = parents_from_edges(wv.nodes, pairs, root)
         if chunk_bytes > 0:
             lam = math.ceil(size * elem_bytes / chunk_bytes) if size else 1
@@ -120,7 +116,6 @@ def blink(graph: nx.DiGraph, length: int, *, elem_bytes: int, max_trees: int = 5
         infos.append(d)
     simple = simple_bound(graph)
     meta = {
-        "paper": REFERENCE,
         "trees": infos,
         "roots": [t.root for t in trees],
         "rates_mbps": rates,
@@ -137,5 +132,4 @@ def blink(graph: nx.DiGraph, length: int, *, elem_bytes: int, max_trees: int = 5
         "avg_max_fanout": float(np.mean([d["max_fanout"] for d in infos])),
         "timing_s": {"packing_s": pack_s, "milp_s": milp_info.get("solve_s", 0.0)},
     }
-    meta["planner_s"] = time.perf_counter() - t0
     return trees_plan("blink", list(wv.nodes), length, trees, meta=meta, pace=pace)

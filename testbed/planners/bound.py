@@ -1,7 +1,16 @@
-"""The optimum every run is compared with: maximum fractional spanning-tree packing.
+"""The optimum every run is compared with: maximum fractional tree packing.
 
-This module registers no scheme; it is a plain library of functions that planners
-(:mod:`.mtree`, :mod:`.blink`, :mod:`.hierarchical`) and the reporting code import.
+:func:`optimum` (the reported bound) packs reduce in-trees and broadcast out-trees that share
+each link *direction's* capacity (:func:`pack_arborescences`), and reports the any-scheme cut
+bound (:func:`cut_bound`) beside it.  On symmetric links that packing equals the undirected
+spanning-tree packing below, which is solved instead (faster).  The undirected model below
+(min of the two directions, one tree for reduce and broadcast) is MTREE's and BLINK's rate
+model; their planners use it, but it is not an upper bound on asymmetric links (issue 15:
+crew-mesh-8, netstorm-internet2-9).
+
+This module registers no scheme; it is the optimum (and the spanning-tree packings it is
+built from, which :mod:`.blink` reuses) that the run reports and planners compare with.
+The tree and graph helpers it uses live in :mod:`.common`.
 
 Rate model (the one MTREE, Sec. III-B, MILP (1b), and BLINK use)
 ================================================================
@@ -16,7 +25,7 @@ b_uv`` -- the paper's (1b) with ``b_j`` read as a per-direction capacity (see th
 node's vector of ``S`` bytes is split across trees in proportion to ``r``, so the
 fluid transfer time is ``S * 8 / (sum r * 1e6)`` seconds.
 
-:func:`optimum` solves ``max sum_T r_T  s.t.  sum_{T ∋ e} r_T <= b_e, r >= 0`` over all
+:func:`pack_spanning_trees` solves ``max sum_T r_T  s.t.  sum_{T ∋ e} r_T <= b_e, r >= 0`` over all
 spanning trees ``T`` by column generation (the LP has exponentially many columns): the
 restricted master is solved with HiGHS (``scipy.optimize.linprog``), and the pricing
 problem -- is there a tree whose dual price ``sum_{e in T} y_e`` is below 1? -- is a
@@ -36,97 +45,15 @@ from __future__ import annotations
 
 import math
 import time
-from collections import defaultdict, deque
-from dataclasses import dataclass, field
+from collections import defaultdict
 from typing import Iterable, Mapping, Sequence
 
 import networkx as nx
 import numpy as np
 from scipy.optimize import linprog
 
-from testbed.errors import ConfigError
-from testbed.plan import Tree
-
-INF = float("inf")
-
-
-# ---------------------------------------------------------------------------
-# Input checks shared by the tree planners (errors name the parameter, as the CLI expects).
-# ---------------------------------------------------------------------------
-def require(ok: bool, param: str, message: str) -> None:
-    """Raise ``ConfigError`` keyed ``params.<param>`` unless ``ok``."""
-    if not ok:
-        raise ConfigError(message, key=f"params.{param}")
-
-
-def check_wan(graph: nx.DiGraph, scheme: str) -> None:
-    """The WAN must have >= 2 nodes, every pair routable, and positive link rates."""
-    if graph.number_of_nodes() < 2:
-        raise ConfigError(f"{scheme} needs at least two datacenters")
-    if not nx.is_strongly_connected(graph):
-        raise ConfigError(f"{scheme}: the topology is not connected")
-    for u, v, d in graph.edges(data=True):
-        if not d.get("rate_mbps", 0) > 0:
-            raise ConfigError(f"{scheme}: link {u}->{v} has no positive rate_mbps")
-
-
-# ---------------------------------------------------------------------------
-# Undirected view of the WAN.
-# ---------------------------------------------------------------------------
-@dataclass
-class WanView:
-    """Undirected view of a directed WAN graph (tree capacities, symmetric latency).
-
-    ``edges[k] = (i, j)`` with ``i < j`` indexes into ``nodes`` (sorted names);
-    ``cap[k] = min(rate(i->j), rate(j->i))`` Mbit/s and ``delay_ms[k] = max(delay(i->j),
-    delay(j->i))`` (one-way, ms).  Links with only one direction are dropped: a tree
-    needs both directions (reduce up, broadcast down).
-    """
-
-    nodes: list[str]
-    edges: list[tuple[int, int]]
-    cap: np.ndarray
-    delay_ms: np.ndarray
-    index: dict[str, int] = field(default_factory=dict)
-
-    @property
-    def n(self) -> int:
-        return len(self.nodes)
-
-    @property
-    def m(self) -> int:
-        return len(self.edges)
-
-    def edge_index(self) -> dict[tuple[int, int], int]:
-        """(i, j) -> k for both orientations."""
-        d = {}
-        for k, (i, j) in enumerate(self.edges):
-            d[(i, j)] = k
-            d[(j, i)] = k
-        return d
-
-    def names(self, k: int) -> tuple[str, str]:
-        i, j = self.edges[k]
-        return self.nodes[i], self.nodes[j]
-
-
-def wan_view(graph: nx.DiGraph, nodes: Iterable[str] | None = None) -> WanView:
-    """Build the :class:`WanView` of ``graph`` (restricted to ``nodes`` if given:
-    the induced subgraph).  Nodes are sorted by name so results are deterministic."""
-    names = sorted(graph.nodes if nodes is None else nodes)
-    keep = set(names)
-    index = {u: i for i, u in enumerate(names)}
-    edges, cap, delay = [], [], []
-    for u, v in graph.edges:
-        if u not in keep or v not in keep or not (index[u] < index[v]) or not graph.has_edge(v, u):
-            continue
-        a, b = graph[u][v], graph[v][u]
-        edges.append((index[u], index[v]))
-        cap.append(min(float(a["rate_mbps"]), float(b["rate_mbps"])))
-        delay.append(max(float(a.get("delay_ms", 0.0)), float(b.get("delay_ms", 0.0))))
-    order = sorted(range(len(edges)), key=lambda k: edges[k])
-    return WanView(names, [edges[k] for k in order], np.array([cap[k] for k in order], float),
-                   np.array([delay[k] for k in order], float), index)
+from testbed.planners.common import (INF, WanView, max_utilisation, parents_from_edges, tree_centre,
+                                     tree_roundtrip_s, wan_view)
 
 
 # ---------------------------------------------------------------------------
@@ -171,102 +98,9 @@ def spanning_tree(n: int, edges: Sequence[tuple[int, int]], weight: np.ndarray, 
     return out
 
 
-def parents_from_edges(nodes: Sequence[str], edge_pairs: Iterable[tuple[str, str]], root: str
-                       ) -> dict[str, str | None]:
-    """Orient an undirected tree (pairs of names) away from ``root``: node -> parent."""
-    adj: dict[str, list[str]] = defaultdict(list)
-    for u, v in edge_pairs:
-        adj[u].append(v)
-        adj[v].append(u)
-    parent: dict[str, str | None] = {root: None}
-    q = deque([root])
-    while q:
-        u = q.popleft()
-        for w in sorted(adj[u]):
-            if w not in parent:
-                parent[w] = u
-                q.append(w)
-    missing = set(nodes) - set(parent)
-    if missing:
-        raise ValueError(f"edges do not span {sorted(missing)}")
-    return parent
-
-
-def path_delay_s(graph: nx.DiGraph, path: Sequence[str]) -> float:
-    """One-way delay of a node path in seconds (sum of per-direction ``delay_ms``)."""
-    return sum(float(graph[a][b].get("delay_ms", 0.0)) for a, b in zip(path, path[1:])) / 1e3
-
-
-def _hop_delay_s(graph: nx.DiGraph, a: str, b: str, paths: Mapping | None) -> float:
-    if graph.has_edge(a, b):
-        return float(graph[a][b].get("delay_ms", 0.0)) / 1e3
-    if paths is None:
-        raise ValueError(f"{a}->{b} is not a link; pass routes")
-    return path_delay_s(graph, paths[(a, b)])
-
-
-def tree_roundtrip_s(graph: nx.DiGraph, parent: Mapping[str, str | None],
-                     paths: Mapping | None = None) -> float:
-    """Latency of one reduce-then-broadcast over a rooted tree (seconds): the largest
-    leaf->root delay (reduce) plus the largest root->leaf delay (broadcast), with
-    per-direction link delays.  Logical (multi-hop) tree edges use ``paths``."""
-    up: dict[str, float] = {}
-    down: dict[str, float] = {}
-
-    def resolve(n: str) -> None:
-        chain = []
-        while n not in up:
-            p = parent[n]
-            if p is None:
-                up[n] = down[n] = 0.0
-                break
-            chain.append(n)
-            n = p
-        for c in reversed(chain):
-            p = parent[c]
-            up[c] = up[p] + _hop_delay_s(graph, c, p, paths)
-            down[c] = down[p] + _hop_delay_s(graph, p, c, paths)
-
-    for n in parent:
-        resolve(n)
-    return max(up.values()) + max(down.values())
-
-
-def center_root(graph: nx.DiGraph, nodes: Sequence[str], edge_pairs: Sequence[tuple[str, str]]
-                ) -> str:
-    """The root minimising :func:`tree_roundtrip_s` (ties: smallest name)."""
-    best, best_t = None, INF
-    for r in sorted(nodes):
-        t = tree_roundtrip_s(graph, parents_from_edges(nodes, edge_pairs, r))
-        if t < best_t - 1e-12:
-            best, best_t = r, t
-    return best
-
-
 # ---------------------------------------------------------------------------
-# Link loads and bounds.
+# Bounds.
 # ---------------------------------------------------------------------------
-def tree_link_loads(graph: nx.DiGraph, trees: Iterable[Tree], paths: Mapping | None = None
-                    ) -> dict[tuple[str, str], float]:
-    """Per-direction load (Mbit/s) of trees running at ``tree.rate_mbps``: each tree
-    edge (child, parent) carries the rate child->parent (reduce) and parent->child
-    (broadcast).  A tree edge that is not a WAN link is charged on every link of its
-    route in ``paths`` (latency-shortest routes, :func:`testbed.routing.shortest_paths`)."""
-    load: dict[tuple[str, str], float] = defaultdict(float)
-    for t in trees:
-        for c, p in t.edges():
-            for a, b in ((c, p), (p, c)):
-                route = [a, b] if graph.has_edge(a, b) else paths[(a, b)]
-                for x, y in zip(route, route[1:]):
-                    load[(x, y)] += t.rate_mbps
-    return dict(load)
-
-
-def max_utilisation(graph: nx.DiGraph, loads: Mapping[tuple[str, str], float]) -> float:
-    """max over directed links of load / rate_mbps."""
-    return max((l / float(graph[a][b]["rate_mbps"]) for (a, b), l in loads.items()), default=0.0)
-
-
 def simple_bound(graph: nx.DiGraph, nodes: Iterable[str] | None = None) -> float:
     """MTREE's normaliser (Sec. IV-A-3): ``sum_j b_j / (|V| - 1)`` over undirected links,
     ``b_j`` the tree capacity (min of the two directions) -- an upper bound on the total
@@ -374,53 +208,241 @@ def pack_spanning_trees(wv: WanView, *, tol: float = 1e-7, max_iter: int = 20000
         cols.append(t)
     used = [(sorted(cols[c]), float(r[c])) for c in range(len(cols)) if r[c] > 1e-9]
     return value, used, {"status": status, "iterations": it, "columns": len(cols),
-                         "upper_bound": ub if math.isfinite(ub) else None}
+                         "upper_bound": float(ub) if math.isfinite(ub) else None}
+
+
+# ---------------------------------------------------------------------------
+# Directed capacities: reduce in-trees and broadcast out-trees (the optimum reported).
+# ---------------------------------------------------------------------------
+def is_symmetric(graph: nx.DiGraph, nodes: Iterable[str] | None = None) -> bool:
+    """True if every link of the (induced) WAN exists in both directions at the same rate."""
+    g = graph if nodes is None else graph.subgraph(nodes)
+    return all(g.has_edge(v, u) and float(d["rate_mbps"]) == float(g[v][u]["rate_mbps"])
+               for u, v, d in g.edges(data=True))
+
+
+def _min_arborescence(arcs: nx.DiGraph, root, inward: bool) -> list[tuple]:
+    """Cheapest spanning arborescence (Edmonds, networkx) of ``arcs`` (weight ``y``) rooted at
+    ``root``: out-tree (root -> all), or ``inward`` in-tree (all -> root); a list of arcs."""
+    g = arcs.reverse(copy=True) if inward else arcs.copy()
+    g.remove_edges_from(list(g.in_edges(root)))  # the only node without an in-arc: the root
+    t = nx.minimum_spanning_arborescence(g, attr="y", preserve_attrs=False)
+    return [(v, u) for u, v in t.edges] if inward else list(t.edges)
+
+
+def pack_arborescences(graph: nx.DiGraph, nodes: Iterable[str] | None = None, *,
+                       tol: float = 1e-7, max_iter: int = 2000) -> tuple[float, list[dict], dict]:
+    """Maximum AllReduce rate with per-direction capacities, by column generation.
+
+    Every block of the vector is reduced along an in-arborescence to a root ``r`` (children
+    send to parents) and broadcast from ``r`` along an out-arborescence; the two trees may
+    differ and share each direction's capacity with all other trees::
+
+        max sum_r z_r   s.t.  sum_{in-trees T of r} x_T = sum_{out-trees T of r} y_T = z_r,
+                              sum over trees using arc a of x_T + y_T <= c(a)  for each direction a.
+
+    This contains every scheme that moves a block towards a root with aggregation at nodes
+    and then distributes it (ring, PS, all-to-all, k-ary / spanning / Steiner trees and
+    packings of them, MultiTree, ...): a logical tree edge routed over several links uses
+    at least the arcs of an arborescence.  Pricing: for each root, the cheapest in- and
+    out-arborescence under the arc duals (Edmonds' algorithm); if every root's pair costs
+    at least ``beta`` > 0, the duals / beta are dual feasible, so master / beta bounds the
+    optimum from above; stop when it meets the master value.  With symmetric links this
+    equals :func:`pack_spanning_trees` (both meet the partition bound).
+
+    Returns (value, pairs ``[{root, reduce: [(child, parent)], broadcast: [(parent,
+    child)], rate_mbps}]``, solver info).
+    """
+    g = nx.DiGraph(graph if nodes is None else graph.subgraph(nodes))
+    names = sorted(g.nodes)
+    if len(names) <= 1:
+        return INF, [], {"status": "trivial"}
+    if not nx.is_strongly_connected(g):
+        return 0.0, [], {"status": "disconnected", "iterations": 0}
+    arcs = sorted(g.edges)
+    aidx = {a: k for k, a in enumerate(arcs)}
+    cap = np.array([float(g[u][v]["rate_mbps"]) for u, v in arcs])
+    ridx = {r: i for i, r in enumerate(names)}
+    cols: list[tuple[str, bool, tuple]] = []  # (root, inward, arcs)
+    seen: set = set()
+
+    def add(root, inward, tree) -> bool:
+        key = (root, inward, tuple(sorted(tree)))
+        if key in seen:
+            return False
+        seen.add(key)
+        cols.append(key)
+        return True
+
+    for r in names:  # first columns: hop-shortest trees towards and from every root
+        for inward in (True, False):
+            for u, v in g.edges:
+                g[u][v]["y"] = 1.0
+            add(r, inward, _min_arborescence(g, r, inward))
+    value, ub, it, x = 0.0, INF, 0, np.zeros(0)
+    status = "iteration limit"
+    for it in range(1, max_iter + 1):
+        A = np.zeros((len(arcs), len(cols)))
+        B = np.zeros((len(names), len(cols)))
+        obj = np.zeros(len(cols))
+        for c, (r, inward, tree) in enumerate(cols):
+            A[[aidx[a] for a in tree], c] = 1.0
+            B[ridx[r], c] = 1.0 if inward else -1.0
+            obj[c] = -1.0 if inward else 0.0
+        res = linprog(obj, A_ub=A, b_ub=cap, A_eq=B, b_eq=np.zeros(len(names)), bounds=(0, None),
+                      method="highs")
+        if res.status != 0:
+            status = f"linprog failed: {res.message}"
+            break
+        value, x = -float(res.fun), res.x
+        y = np.maximum(-res.ineqlin.marginals, 0.0)
+        for (u, v), k in aidx.items():
+            g[u][v]["y"] = float(y[k])
+        beta, added = INF, 0
+        for r in names:
+            t_in, t_out = _min_arborescence(g, r, True), _min_arborescence(g, r, False)
+            cost = sum(y[aidx[a]] for a in t_in) + sum(y[aidx[a]] for a in t_out)
+            beta = min(beta, cost)
+            if cost < 1.0 - 1e-9:
+                added += add(r, True, t_in) + add(r, False, t_out)
+        if beta > 0:
+            ub = min(ub, value / beta)
+        if beta >= 1.0 - 1e-9 or ub - value <= tol * max(value, 1.0):
+            status = "optimal"
+            break
+        if not added:  # degenerate duals: the priced columns are already in the master
+            status = "optimal (degenerate pricing)"
+            break
+    pairs = []
+    for r in names:  # pair each root's in-trees with its out-trees (equal totals)
+        ins = [[cols[c][2], x[c]] for c in range(len(cols)) if cols[c][:2] == (r, True) and x[c] > 1e-9]
+        outs = [[cols[c][2], x[c]] for c in range(len(cols)) if cols[c][:2] == (r, False) and x[c] > 1e-9]
+        while ins and outs:
+            rate = min(ins[0][1], outs[0][1])
+            pairs.append({"root": r, "reduce": list(ins[0][0]), "broadcast": list(outs[0][0]),
+                          "rate_mbps": float(rate)})
+            for side in (ins, outs):
+                side[0][1] -= rate
+                if side[0][1] <= 1e-9:
+                    side.pop(0)
+    return value, pairs, {"status": status, "iterations": it, "columns": len(cols),
+                          "upper_bound": float(ub) if math.isfinite(ub) else None}
+
+
+def cut_bound(graph: nx.DiGraph, nodes: Iterable[str] | None = None) -> tuple[float, dict]:
+    """An upper bound on the AllReduce rate of *any* scheme: for every split of the nodes
+    into X and the rest, each element's result outside X depends on the inputs in X and vice
+    versa, so at least ``S`` bytes cross the cut in each direction; the rate is at most the
+    smallest directed cut capacity (singletons: each node's egress and ingress).  Global
+    minimum directed cut by max-flow from/to one node (networkx).  Returns (rate, {"from":
+    X, "to": rest})."""
+    g = nx.DiGraph(graph if nodes is None else graph.subgraph(nodes))
+    names = sorted(g.nodes)
+    if len(names) <= 1:
+        return INF, {}
+    for u, v, d in g.edges(data=True):
+        d["capacity"] = float(d["rate_mbps"])
+    best, cut = INF, {}
+    s = names[0]
+    for t in names[1:]:
+        for a, b in ((s, t), (t, s)):
+            val, (side, rest) = nx.minimum_cut(g, a, b)
+            if val < best:
+                best, cut = float(val), {"from": sorted(side), "to": sorted(rest)}
+    return best, cut
+
+
+def _pair_roundtrip_s(graph: nx.DiGraph, reduce_parent: Mapping, broadcast_parent: Mapping) -> float:
+    """Largest leaf->root delay of the reduce tree plus largest root->leaf delay of the
+    broadcast tree (seconds; both trees as node -> parent maps)."""
+
+    def depth(parent: Mapping, outward: bool) -> float:
+        memo: dict = {}
+
+        def d(n) -> float:
+            if n not in memo:
+                p = parent[n]
+                a, b = (p, n) if outward else (n, p)
+                memo[n] = 0.0 if p is None else d(p) + float(graph[a][b].get("delay_ms", 0.0)) / 1e3
+            return memo[n]
+
+        return max(d(n) for n in parent)
+
+    return depth(reduce_parent, False) + depth(broadcast_parent, True)
 
 
 def optimum(graph: nx.DiGraph, size_bytes: float, *, nodes: Iterable[str] | None = None,
             tol: float = 1e-7) -> dict:
-    """Best AllReduce rate of any fractional spanning-tree packing, and the CCT it implies.
+    """The AllReduce-rate optimum every run is compared with, valid for directed capacities.
 
     Parameters
     ----------
     graph : the WAN (directed edges with ``rate_mbps``, ``delay_ms``).
     size_bytes : bytes per node (``S``).
-    nodes : restrict to these nodes (spanning trees of the *induced* subgraph; relays
-        outside ``nodes`` are not used, so this is not a Steiner-tree bound).
+    nodes : restrict to these nodes (trees of the *induced* subgraph; relays outside
+        ``nodes`` are not used, so this is not a Steiner-tree bound).
+
+    The rate is the best packing of reduce in-trees and broadcast out-trees sharing each
+    direction's capacity (:func:`pack_arborescences`).  When every link has the same rate
+    both ways this is the spanning-tree packing with each tree used both ways
+    (:func:`pack_spanning_trees`, faster; the two LPs have the same value), so that is solved
+    instead.  ``cut_rate_mbps`` (:func:`cut_bound`) bounds every AllReduce scheme, tree or
+    not, and is never below ``rate_mbps``.
 
     Returns
     -------
     dict with
-      ``rate_mbps``: the LP optimum ``sum r`` (module docstring);
-      ``simple_rate_mbps``: MTREE's ``sum b / (n - 1)``;
-      ``normalised``: rate_mbps / simple_rate_mbps;
-      ``transfer_s``: ``S * 8 / (rate_mbps * 1e6)``, the fluid transfer time;
+      ``rate_mbps``: the packing optimum; ``method``: which LP was solved;
+      ``cut_rate_mbps``, ``cut``: the any-scheme bound and the cut attaining it;
+      ``simple_rate_mbps``: MTREE's ``sum b / (n - 1)`` (b = min of the two directions; only
+      a bound for symmetric links); ``normalised``: rate_mbps / simple_rate_mbps;
+      ``transfer_s``: ``S * 8 / (rate_mbps * 1e6)``, the fluid transfer time -- a strict lower
+      bound for every scheme in the model;
       ``latency_s``: the smallest reduce+broadcast round trip (largest leaf->root delay
-      plus largest root->leaf delay) among the packing's trees, each rooted at its
-      latency centre -- i.e. 2 x the best tree's delay-weighted height for symmetric
-      delays.  This is the pipeline-fill time of the best tree, not a strict lower bound;
-      ``cct_s`` = transfer_s + latency_s;
-      ``trees``: [{root, parent, rate_mbps, roundtrip_s}] of the packing;
-      ``max_utilisation``: check value (<= 1 + tol); ``solver``: column-generation info;
-      ``planner_s``: wall time.
+      plus largest root->leaf delay) among the packing's trees -- the pipeline-fill time of
+      the best tree, not a strict lower bound; ``cct_s`` = transfer_s + latency_s;
+      ``trees``: [{root, parent (reduce), broadcast_parent, rate_mbps, roundtrip_s}];
+      ``max_utilisation``: check value (<= 1 + tol); ``solver``; ``planner_s``: wall time;
+      ``model`` and ``assumes``: what the bound is and what it assumes (for results.json).
     """
     t0 = time.perf_counter()
-    wv = wan_view(graph, nodes)
-    value, used, info = pack_spanning_trees(wv, tol=tol)
+    names = sorted(graph.nodes if nodes is None else nodes)
     trees = []
-    for edges, rate in used:
-        pairs = [wv.names(k) for k in edges]
-        root = center_root(graph, wv.nodes, pairs)
-        parent = parents_from_edges(wv.nodes, pairs, root)
-        trees.append({"root": root, "parent": parent, "rate_mbps": rate,
-                      "roundtrip_s": tree_roundtrip_s(graph, parent)})
-    loads = tree_link_loads(graph, [Tree(t["root"], t["parent"], rate_mbps=t["rate_mbps"])
-                                    for t in trees])
-    simple = simple_bound(graph, nodes)
+    if is_symmetric(graph, names):
+        wv = wan_view(graph, names)
+        value, used, info = pack_spanning_trees(wv, tol=tol)
+        method = "spanning-tree packing (symmetric links: equal to the directed packing)"
+        for edges, rate in used:
+            pairs = [wv.names(k) for k in edges]
+            root = tree_centre(graph, wv.nodes, pairs)
+            parent = parents_from_edges(wv.nodes, pairs, root)
+            trees.append({"root": root, "parent": parent, "broadcast_parent": parent,
+                          "rate_mbps": rate, "roundtrip_s": tree_roundtrip_s(graph, parent)})
+    else:
+        value, pairs, info = pack_arborescences(graph, names, tol=tol)
+        method = "reduce in-tree / broadcast out-tree packing (directed capacities)"
+        for p in pairs:
+            up = {**{c: q for c, q in p["reduce"]}, p["root"]: None}
+            down = {**{c: q for q, c in p["broadcast"]}, p["root"]: None}
+            trees.append({"root": p["root"], "parent": up, "broadcast_parent": down,
+                          "rate_mbps": p["rate_mbps"], "roundtrip_s": _pair_roundtrip_s(graph, up, down)})
+    loads: dict[tuple[str, str], float] = defaultdict(float)
+    for t in trees:
+        for c, p in t["parent"].items():
+            if p is not None:
+                loads[(c, p)] += t["rate_mbps"]
+        for c, p in t["broadcast_parent"].items():
+            if p is not None:
+                loads[(p, c)] += t["rate_mbps"]
+    cut_rate, cut = cut_bound(graph, names)
+    simple = simple_bound(graph, names)
     transfer = size_bytes * 8 / (value * 1e6) if value > 0 else INF
-    latency = min((t["roundtrip_s"] for t in trees), default=INF if wv.n > 1 else 0.0)
+    latency = min((t["roundtrip_s"] for t in trees), default=INF if len(names) > 1 else 0.0)
     return {
         "rate_mbps": value,
+        "method": method,
+        "cut_rate_mbps": cut_rate,
+        "cut": cut,
         "simple_rate_mbps": simple,
         "normalised": value / simple if simple and math.isfinite(simple) else float("nan"),
         "transfer_s": transfer,
@@ -430,6 +452,12 @@ def optimum(graph: nx.DiGraph, size_bytes: float, *, nodes: Iterable[str] | None
         "max_utilisation": max_utilisation(graph, loads),
         "solver": info,
         "planner_s": time.perf_counter() - t0,
-        "model": "fractional spanning-tree packing; each tree uses its rate on both "
-                 "directions of its links (reduce up, broadcast down); b = min of directions",
+        "model": "best packing of reduce in-trees and broadcast out-trees (each block reduced "
+                 "to a root with aggregation at nodes, then broadcast), sharing each link "
+                 "direction's rate_mbps; cct_s = S*8/rate + the best tree's round-trip delay",
+        "assumes": "full-duplex links with independent per-direction rates; fluid transfers "
+                   "(no TCP, header or compute overhead); every scheme that reduces blocks "
+                   "along trees and broadcasts them (all shipped AllReduce schemes) is inside "
+                   "the model; cut_rate_mbps bounds any scheme; latency_s is the best tree's "
+                   "pipeline fill, not a strict lower bound",
     }

@@ -59,7 +59,6 @@ links); ``plan.meta`` reports the LP rates per tree for pacing or analysis.
 from __future__ import annotations
 
 import heapq
-import time
 import warnings
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -69,9 +68,9 @@ import numpy as np
 from scipy import sparse
 from scipy.optimize import Bounds, LinearConstraint, linprog, milp
 
-from testbed.errors import ConfigError
 from testbed.plan import Plan, ProgramBuilder, Tree, split_lengths
-from testbed.planners import Param, planner
+from testbed.planners import NODES, Param, ParamError, planner
+from testbed.planners.common import check_graph
 
 REFERENCE = ("TopoAdapt: Zhang, Wu, Li, 'Near-Optimal Topology-adaptive Parameter Synchronization in "
              "Distributed DNN Training', IEEE INFOCOM 2021 (paper 001), Sec. III-V, LP (4)/(8), Alg. 1")
@@ -438,13 +437,17 @@ def solve_weights(caps: dict[tuple[str, str], float], roots: list[str], reduce_t
     b[e2:e2 + m] = [caps[e] for e in edges]
     c = np.zeros(nv)
     c[:nr] = -1.0
-    if central:
+    # Central duals come from interior point without crossover; HiGHS sometimes stops that
+    # at an unrecognised status (15) on valid instances (issue 15), so fall back to IPM with
+    # crossover, then to HiGHS' default (simplex): vertex duals still price correctly.
+    attempts = ([("highs-ipm", {"run_crossover": "off"}), ("highs-ipm", {})] if central else []) \
+        + [("highs", {})]
+    for method, options in attempts:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            res = linprog(c, A_ub=A, b_ub=b, bounds=(0, None), method="highs-ipm",
-                          options={"run_crossover": "off"})
-    else:
-        res = linprog(c, A_ub=A, b_ub=b, bounds=(0, None), method="highs")
+            res = linprog(c, A_ub=A, b_ub=b, bounds=(0, None), method=method, options=options)
+        if res.status == 0:
+            break
     if res.status != 0:
         raise RuntimeError(f"forest LP failed: {res.message}")
     x = res.x
@@ -763,28 +766,25 @@ def compile_forest(forest: Forest, nodes: list[str], length: int, active: list[s
     return plan, flows
 
 
-def _bad(param: str, message: str) -> ConfigError:
-    return ConfigError(message, key=f"params.{param}")
-
-
 @planner(
-    "forest",
+    "forest", REFERENCE,
     overlap=Param(str, "partial", "reduce/broadcast overlap: none = LP (4), broadcast after reduce; partial = "
                                   "LP (8), overlapped broadcast trees share links with reduce (paper default)",
                   choices=OVERLAPS),
     active=Param((list, type(None)), None, "active workers (participants and receivers); null = all nodes. "
-                                           "Inactive nodes may relay inside Steiner trees"),
+                                           "Inactive nodes may relay inside Steiner trees", kind=NODES),
     relays=Param(bool, True, "let inactive workers relay (Steiner trees); false = trees over the active "
                              "workers' induced subgraph only"),
     max_trees=Param(int, 64, "keep at most this many reduce and this many broadcast trees (pruned in rounds, "
-                             "heaviest first, every root keeps its best tree, weights re-solved); 0 = no limit"),
-    chunks=Param(int, 4, "pipelined sub-chunks (rounds) per root's data (Property 2 pipelining)"),
+                             "heaviest first, every root keeps its best tree, weights re-solved); 0 = no limit",
+                   ge=0),
+    chunks=Param(int, 4, "pipelined sub-chunks (rounds) per root's data (Property 2 pipelining)", ge=1),
     oracle=Param(str, "auto", "minimum Steiner tree oracle A: auto/heuristic = Edmonds when all nodes are "
                               "terminals (exact), else best of shortest-path heuristic and pruned arborescence; "
                               "exact = MILP (small graphs)", choices=ORACLES),
-    max_iters=Param(int, 200, "column generation rounds at most"),
+    max_iters=Param(int, 200, "column generation rounds at most", ge=0),
     gap=Param(float, 1e-3, "stop column generation once the dual bound proves the packing within this "
-                           "relative gap of the LP optimum (exact with an exact oracle)"),
+                           "relative gap of the LP optimum (exact with an exact oracle)", ge=0),
     shallow=Param(bool, True, "among LP-optimal weightings prefer shallow trees (secondary LP minimising "
                               "weight x height; our tie-break, the LP is bandwidth-only)"),
 )
@@ -795,43 +795,25 @@ def plan_forest(graph: nx.DiGraph, length: int, *, elem_bytes: int = 4, overlap:
     broadcast trees rooted at every active worker, packed by column generation with a
     minimum-Steiner-tree oracle, weighted by LP (4) or (8), each tree carrying a share of
     its root's data proportional to its weight; inactive workers may relay."""
-    t0 = time.perf_counter()
-    nodes = list(graph.nodes)
-    if not nodes:
-        raise ConfigError("the topology has no nodes")
-    if overlap not in OVERLAPS:
-        raise _bad("overlap", f"must be one of {list(OVERLAPS)}, got {overlap!r}")
-    if oracle not in ORACLES:
-        raise _bad("oracle", f"must be one of {list(ORACLES)}, got {oracle!r}")
-    for name, val, lo in (("chunks", chunks, 1), ("max_trees", max_trees, 0), ("max_iters", max_iters, 0)):
-        if isinstance(val, bool) or not isinstance(val, int) or val < lo:
-            raise _bad(name, f"must be an integer >= {lo}, got {val!r}")
-    if isinstance(gap, bool) or not isinstance(gap, (int, float)) or not gap >= 0:
-        raise _bad("gap", f"must be a number >= 0, got {gap!r}")
-    for u, v, d in graph.edges(data=True):
-        if not d.get("rate_mbps", 0) > 0:
-            raise ConfigError(f"link {u}->{v} has no positive rate_mbps")
+    nodes = check_graph(graph, "forest", connected=False)  # reachability of the active workers below
     if active is None:
         act = nodes
     else:
-        if not isinstance(active, (list, tuple)) or not active:
-            raise _bad("active", "must be a non-empty list of node names")
-        unknown = [a for a in active if a not in graph]
-        if unknown:
-            raise _bad("active", f"unknown node(s) {unknown}")
+        if not active:
+            raise ParamError("active", "must be a non-empty list of node names")
         act = [n for n in nodes if n in set(active)]  # graph order, no duplicates
     g = graph if relays else graph.subgraph(act).copy()
     if len(act) > 1:
         for v in act:
             reach = nx.descendants(g, v)
             if not set(act) - {v} <= reach:
-                raise _bad("active", f"active workers unreachable from {v}"
+                raise ParamError("active", f"active workers unreachable from {v}"
                            + ("" if relays else " without relays"))
-    meta: dict = {"reference": REFERENCE, "overlap": overlap, "active": act, "relays_allowed": relays,
+    meta: dict = {"overlap": overlap, "active": act, "relays_allowed": relays,
                   "chunks": chunks, "max_trees": max_trees, "shallow": shallow}
     if len(act) == 1:
         plan = Plan("forest", nodes, length, {n: [] for n in nodes}, participants=act, receivers=act)
-        meta.update(trees=[], roots={act[0]: {"chi_mbps": None, "share": 1.0}}, planner_s=time.perf_counter() - t0)
+        meta.update(trees=[], roots={act[0]: {"chi_mbps": None, "share": 1.0}})
         plan.meta.update(meta)
         return plan
     all_terminals = set(act) == set(g.nodes)
@@ -865,7 +847,6 @@ def plan_forest(graph: nx.DiGraph, length: int, *, elem_bytes: int = 4, overlap:
         "relays_used": sorted(used - set(act)),
         "link_load_mbps": [{"edge": list(e), "capacity": caps[e], **l} for e, l in sorted(loads.items())],
         "lp": forest.stats,
-        "planner_s": time.perf_counter() - t0,
     })
     plan.meta.update(meta)
     return plan

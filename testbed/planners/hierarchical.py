@@ -67,8 +67,8 @@ from scipy.spatial.distance import squareform
 
 from testbed.plan import Plan, Tree, trees_plan
 from testbed.planners import Param, planner
-from testbed.planners.bound import (check_wan, path_delay_s, require, simple_bound,
-                                    tree_roundtrip_s)
+from testbed.planners.bound import simple_bound
+from testbed.planners.common import check_graph, path_delay_s, tree_roundtrip_s
 from testbed.routing import shortest_paths
 
 REFERENCES = {
@@ -176,7 +176,7 @@ def waterfill(A: np.ndarray, C: np.ndarray, S: float) -> tuple[float, np.ndarray
 
 
 def _finish(scheme: str, graph: nx.DiGraph, length: int, elem_bytes: int, parents: list[dict],
-            shares: np.ndarray, paths: dict, extra: dict, t0: float) -> Plan:
+            shares: np.ndarray, paths: dict, extra: dict) -> Plan:
     """Build the plan (one chunk per tree) and the common meta."""
     nodes = sorted(graph.nodes)
     keep = [i for i in range(len(parents)) if shares[i] > 1e-12]
@@ -199,7 +199,6 @@ def _finish(scheme: str, graph: nx.DiGraph, length: int, elem_bytes: int, parent
         infos.append(d)
     logical = sum(1 for t in trees for c, p in t.edges() if not graph.has_edge(c, p))
     meta = {
-        "paper": REFERENCES[scheme],
         "trees": infos,
         "roots": [t.root for t in trees],
         "shares": [t.share for t in trees],
@@ -212,7 +211,6 @@ def _finish(scheme: str, graph: nx.DiGraph, length: int, elem_bytes: int, parent
         "simple_bound_mbps": simple_bound(graph),
         **extra,
     }
-    meta["planner_s"] = time.perf_counter() - t0
     return trees_plan(scheme, nodes, length, trees, meta=meta)
 
 
@@ -342,10 +340,10 @@ def anneal_trees(graph: nx.DiGraph, S: float, k: int, iters: int, seed: int, t0_
 
 
 @planner(
-    "topoadopt",
-    trees=Param(int, 4, "number of aggregators (tree roots)"),
-    iters=Param(int, 3000, "simulated-annealing iterations"),
-    t0=Param(float, 0.05, "initial temperature as a fraction of the initial cost"),
+    "topoadopt", REFERENCES["topoadopt"],
+    trees=Param(int, 4, "number of aggregators (tree roots)", ge=1),
+    iters=Param(int, 3000, "simulated-annealing iterations", ge=0),
+    t0=Param(float, 0.05, "initial temperature as a fraction of the initial cost", gt=0),
     seed=Param(int, 0, "random seed of the annealing"),
 )
 def topoadopt(graph: nx.DiGraph, length: int, *, elem_bytes: int, trees: int = 4,
@@ -353,15 +351,12 @@ def topoadopt(graph: nx.DiGraph, length: int, *, elem_bytes: int, trees: int = 4
     """TOPOADOPT-style (approximation): simulated annealing over aggregator trees and
     their parameter shares; unpipelined (one chunk per tree)."""
     start = time.perf_counter()
-    check_wan(graph, "topoadopt")
-    require(trees >= 1, "trees", f"must be >= 1, got {trees}")
-    require(iters >= 0, "iters", f"must be >= 0, got {iters}")
-    require(t0 > 0, "t0", f"must be > 0, got {t0}")
+    check_graph(graph, "topoadopt", min_nodes=2)
     S = float(length * elem_bytes)
     k = min(trees, graph.number_of_nodes())
     parents, x, info = anneal_trees(graph, S, k, iters, seed, t0)
     return _finish("topoadopt", graph, length, elem_bytes, parents, x, {},
-                   {"annealing": {**info, "search_s": time.perf_counter() - start}}, start)
+                   {"annealing": {**info, "search_s": time.perf_counter() - start}})
 
 
 # ---------------------------------------------------------------------------
@@ -384,16 +379,14 @@ def ps_pairwise_model(nodes: list[str], lat: dict, bw: dict) -> tuple[np.ndarray
 
 
 @planner(
-    "psld",
+    "psld", REFERENCES["psld"],
     servers=Param(int, 0, "number of parameter servers; 0 = auto (exploration: the count with "
-                  "the smallest fair-share estimate)"),
+                  "the smallest fair-share estimate)", ge=0),
 )
 def psld(graph: nx.DiGraph, length: int, *, elem_bytes: int, servers: int = 0) -> Plan:
     """PSLD-style (approximation): multiple parameter servers (stars over latency-
     shortest routes) with load shares balanced on pairwise performance; unpipelined."""
-    start = time.perf_counter()
-    check_wan(graph, "psld")
-    require(servers >= 0, "servers", f"must be >= 0 (0 = auto), got {servers}")
+    check_graph(graph, "psld", min_nodes=2)
     nodes = sorted(graph.nodes)
     S = float(length * elem_bytes)
     paths, lat, bw = pairwise_performance(graph)
@@ -414,7 +407,7 @@ def psld(graph: nx.DiGraph, length: int, *, elem_bytes: int, servers: int = 0) -
     est, parents, x, k = best
     extra = {"servers": k, "exploration": tried,
              "pairwise_model": {"A_s": A.tolist(), "C_s_per_byte": C.tolist()}}
-    return _finish("psld", graph, length, elem_bytes, parents, x, paths, extra, start)
+    return _finish("psld", graph, length, elem_bytes, parents, x, paths, extra)
 
 
 # ---------------------------------------------------------------------------
@@ -461,9 +454,9 @@ def plink_trees(nodes: list[str], groups: list[list[str]], leaders: list[str]) -
 
 
 @planner(
-    "plink",
+    "plink", REFERENCES["plink"],
     groups=Param(int, 0, "number of locality groups; 0 = auto (the count in 2..ceil(sqrt(2n)) "
-                 "with the smallest fair-share estimate)"),
+                 "with the smallest fair-share estimate)", ge=0),
     shard=Param(str, "balanced", "inter-group shares among leaders: 'balanced' (pairwise "
                 "model) or 'equal'", ("balanced", "equal")),
 )
@@ -471,9 +464,7 @@ def plink(graph: nx.DiGraph, length: int, *, elem_bytes: int, groups: int = 0,
           shard: str = "balanced") -> Plan:
     """PLINK-style (approximation): latency-locality groups aggregate at a leader, the
     leaders aggregate shards among themselves, results return down; unpipelined."""
-    start = time.perf_counter()
-    check_wan(graph, "plink")
-    require(groups >= 0, "groups", f"must be >= 0 (0 = auto), got {groups}")
+    check_graph(graph, "plink", min_nodes=2)
     nodes = sorted(graph.nodes)
     S = float(length * elem_bytes)
     paths, lat, bw = pairwise_performance(graph)
@@ -497,4 +488,4 @@ def plink(graph: nx.DiGraph, length: int, *, elem_bytes: int, groups: int = 0,
             best = (est, parents, x, grp, leaders)
     est, parents, x, grp, leaders = best
     extra = {"groups": grp, "leaders": leaders, "exploration": tried}
-    return _finish("plink", graph, length, elem_bytes, parents, x, paths, extra, start)
+    return _finish("plink", graph, length, elem_bytes, parents, x, paths, extra)

@@ -77,11 +77,10 @@ import networkx as nx
 import numpy as np
 from scipy.optimize import Bounds, LinearConstraint, milp
 
-from testbed.errors import ConfigError
 from testbed.plan import Plan, Tree, split_lengths, trees_plan
-from testbed.planners import Param, planner
-from testbed.planners.bound import (WanView, check_wan, parents_from_edges, require,
-                                    simple_bound, tree_roundtrip_s, wan_view)
+from testbed.planners import Param, ParamError, planner
+from testbed.planners.bound import simple_bound
+from testbed.planners.common import WanView, check_graph, parents_from_edges, tree_roundtrip_s, wan_view
 
 PAPER = ("S. Luo, R. Wang, H. Xing, 'Efficient Inter-Datacenter AllReduce With Multiple "
          "Trees' (MTREE), seed 000")
@@ -427,29 +426,29 @@ def _tree_info(graph: nx.DiGraph, t: Tree, wv: WanView, L: np.ndarray) -> dict:
 
 
 @planner(
-    "mtree",
-    K=Param(int, 10, "max number of trees chosen by MILP (1e); 0 = unlimited", ()),
+    "mtree", PAPER,
+    K=Param(int, 10, "max number of trees chosen by MILP (1e); 0 = unlimited", ge=0),
     H=Param((int, float), 0, "max weighted tree height (units of quantum_ms, hops if 0); "
-            "0 = unbounded, then ITH tightens it"),
+            "0 = unbounded, then ITH tightens it", ge=0),
     ith=Param(bool, True, "run ITH (Alg. 3) to find the smallest H within rho of the rate at H"),
-    rho=Param(float, 0.95, "ITH allowed loss factor rho in (0, 1] (paper gives no value)"),
+    rho=Param(float, 0.95, "ITH allowed loss factor rho in (0, 1] (paper gives no value)", gt=0, le=1),
     min_rate_mbps=Param((int, float), 0, "r_bar, minimum non-zero tree rate (Mbit/s); "
-                        "0 = auto: 1/20 of the smallest link capacity"),
+                        "0 = auto: 1/20 of the smallest link capacity", ge=0),
     rate_rule=Param(str, "bottleneck", "GBST Line 22 rate: 'global' = globally smallest residual "
                     "(literal), 'bottleneck' = the tree's smallest residual",
                     ("global", "bottleneck")),
-    quantum_ms=Param((int, float), 0, "latency quantum for weighted height; 0 = hop count"),
+    quantum_ms=Param((int, float), 0, "latency quantum for weighted height; 0 = hop count", ge=0),
     grth_fix=Param(bool, False, "also update D_j[u] in GRTH (not in Alg. 2 as printed)"),
     seed=Param(int, 0, "seed of GBST's RandomSelect start vertex"),
     pipelined=Param(bool, True, "chunk counts from the Eq. 2-8 model; false = one chunk per tree"),
-    chunks=Param(int, 0, "force this chunk count per tree (>0); 0 = model optimum lambda*"),
+    chunks=Param(int, 0, "force this chunk count per tree (>0); 0 = model optimum lambda*", ge=0),
     chunk_delta=Param(int, 0, "Fig. 10 offset: lambda = max(lambda* + delta, 1)"),
     chunk_path=Param(str, "roundtrip", "critical path of the chunk model: 'roundtrip' "
                      "(leaf->root->leaf', AllReduce) or 'reduce' (leaf->root)",
                      ("roundtrip", "reduce")),
-    max_chunks=Param(int, 256, "upper limit on chunks per tree"),
+    max_chunks=Param(int, 256, "upper limit on chunks per tree", ge=1),
     milp_time_limit=Param((int, float), 10.0, "HiGHS time limit for MILP (1), seconds"),
-    max_gbst_trees=Param(int, 200, "safety cap on trees per GBST call (not in the paper)"),
+    max_gbst_trees=Param(int, 200, "safety cap on trees per GBST call (not in the paper)", ge=1),
     pace=Param(bool, True, "pace each tree's transfers at its MILP rate (the paper's rate "
                "allocation); false = trees share links as TCP flows do"),
 )
@@ -462,16 +461,7 @@ def mtree(graph: nx.DiGraph, length: int, *, elem_bytes: int, K: int = 10, H: fl
     """MTREE (paper 000): GOST trees (Algs. 1-3), MILP (1) selection of <= K trees with
     rates r_i and shares r_i / sum r, per-tree pipelined chunk counts from Eqs. (2)-(8);
     compiled to concurrent reduce-then-broadcast over the trees (trees_plan)."""
-    t_start = time.perf_counter()
-    check_wan(graph, "mtree")
-    require(K >= 0, "K", f"must be >= 0 (0 = unlimited), got {K}")
-    require(H >= 0, "H", f"must be >= 0 (0 = unbounded), got {H}")
-    require(0 < rho <= 1, "rho", f"must be in (0, 1], got {rho}")
-    require(min_rate_mbps >= 0, "min_rate_mbps", f"must be >= 0, got {min_rate_mbps}")
-    require(quantum_ms >= 0, "quantum_ms", f"must be >= 0, got {quantum_ms}")
-    require(chunks >= 0, "chunks", f"must be >= 0 (0 = model optimum), got {chunks}")
-    require(max_chunks >= 1, "max_chunks", f"must be >= 1, got {max_chunks}")
-    require(max_gbst_trees >= 1, "max_gbst_trees", f"must be >= 1, got {max_gbst_trees}")
+    check_graph(graph, "mtree", min_nodes=2)
     wv = wan_view(graph)
     L = quantized_lengths(wv, quantum_ms)
     r_min = float(min_rate_mbps) if min_rate_mbps > 0 else float(wv.cap.min()) / 20.0
@@ -485,8 +475,8 @@ def mtree(graph: nx.DiGraph, length: int, *, elem_bytes: int, K: int = 10, H: fl
         H_used, trace = H_in, [{"H": H_in, "trees": len(cand), "total_rate": float(sum(gb_rates))}]
     gost_s = time.perf_counter() - t0
     if not cand:
-        raise ConfigError(f"mtree: GBST found no spanning tree with weighted height <= H={H_in:g} "
-                          f"and rate >= r_bar={r_min:g} Mbit/s", key="params.H")
+        raise ParamError("H", f"mtree: GBST found no spanning tree with weighted height <= H={H_in:g} "
+                              f"and rate >= r_bar={r_min:g} Mbit/s")
     merged = merge_duplicates(cand)
     A = np.zeros((wv.m, len(merged)))
     for i, t in enumerate(merged):
@@ -531,7 +521,6 @@ def mtree(graph: nx.DiGraph, length: int, *, elem_bytes: int, K: int = 10, H: fl
         infos.append(info)
     simple = simple_bound(graph)
     meta = {
-        "paper": PAPER,
         "trees": infos,
         "roots": [t.root for t in trees],
         "rates_mbps": [t.rate_mbps for t in trees],
@@ -551,6 +540,5 @@ def mtree(graph: nx.DiGraph, length: int, *, elem_bytes: int, K: int = 10, H: fl
         "avg_max_fanout": float(np.mean([i["max_fanout"] for i in infos])),
         "timing_s": {"gost_s": gost_s, "milp_s": milp_info.get("solve_s", 0.0)},
     }
-    meta["planner_s"] = time.perf_counter() - t_start
     return trees_plan("mtree", list(wv.nodes), length, trees, meta=meta, pace=pace)
 

@@ -51,9 +51,9 @@ from dataclasses import dataclass, field
 
 import networkx as nx
 
-from testbed.errors import ConfigError
 from testbed.plan import Plan, ProgramBuilder, Tree, split_lengths
-from testbed.planners import Param, planner
+from testbed.planners import Param, ParamError, planner
+from testbed.planners.common import check_graph
 from testbed.routing import shortest_paths
 
 REFERENCE = ("MultiTree: Huang et al., 'Communication Algorithm-Architecture Co-Design for "
@@ -62,7 +62,7 @@ REFERENCE = ("MultiTree: Huang et al., 'Communication Algorithm-Architecture Co-
 NEIGHBOUR_ORDERS = ("auto", "yx", "xy", "id")
 DIM_ORDERS = ("plus_first", "minus_first")
 TREE_ORDERS = ("id", "height")
-VARIANTS = ("direct", "bfs")
+VARIANTS = ("direct", "bfs", "routed")
 CHANNELS = ("tree", "link")
 
 
@@ -223,6 +223,30 @@ def _remaining_height(graph: nx.DiGraph, members: set[str], endpoints: set[str])
     return far
 
 
+def _free_path(graph: nx.DiGraph, p: str, members: set[str], endpoints: set[str], free_fwd: set,
+               free_rev: set, key) -> list[tuple[str, list[str], list[str]]]:
+    """Sec. III-C 3's BFS: the nearest endpoint not in ``members`` that p reaches over links
+    free in this step (p->...->c in ``free_fwd``, the reverse in ``free_rev``), relaying only
+    through switches; neighbours in ``key`` order.  Returns [(c, path, reversed path)] or []."""
+    prev = {p: None}
+    q = deque([p])
+    while q:
+        u = q.popleft()
+        for v in sorted(graph.successors(u), key=lambda v: key(p, v) if v in endpoints else (-1, 0, str(v))):
+            if v in prev or (u, v) not in free_fwd or (v, u) not in free_rev:
+                continue
+            prev[v] = u
+            if v in endpoints:
+                if v in members:
+                    continue  # an endpoint never relays
+                path = [v]
+                while prev[path[-1]] is not None:
+                    path.append(prev[path[-1]])
+                return [(v, path[::-1], path)]
+            q.append(v)
+    return []
+
+
 def build_trees(graph: nx.DiGraph, *, neighbour_order: str = "auto", dim_order: str = "plus_first",
                 tree_order: str = "id", rr_restart: bool = True, variant: str = "direct") -> MultiTreeSchedule:
     """MultiTree tree construction, Algorithm 1 (Huang et al., ISCA'21, Sec. III-C).
@@ -235,13 +259,19 @@ def build_trees(graph: nx.DiGraph, *, neighbour_order: str = "auto", dim_order: 
     then yields its turn (line 14).  The step ends when no tree can attach a node;
     construction ends when every tree spans all endpoints; ``tot_t = t`` (line 15).
 
-    ``variant="bfs"`` is the extension for switch-based networks (Sec. III-C 3): a
-    tree edge p->c may span several links; candidates c are examined in BFS (hop)
-    order from p and every link of the route is reserved.  Because the testbed routes
-    traffic along :func:`testbed.routing.shortest_paths`, the reserved links are the
-    route p->c (all-gather) and the route c->p (reduce-scatter, checked against a
-    second per-step pool so the reversed schedule is contention-free as well).
-    Nodes flagged ``switch`` are relays only, not tree members.
+    ``variant="bfs"`` is the extension for switch-based networks (Sec. III-C 3): nodes
+    flagged ``switch`` are relays, not tree members; to find a child of p, a BFS runs from
+    p over the links still free *in this step* through switches only (an endpoint never
+    relays), and the first endpoint not yet in the tree is attached along that path
+    (hop-nearest first, "local first"); every link of it is reserved, and the reverse
+    links are reserved in a second per-step pool so the reduce-scatter (reversed)
+    schedule is contention-free as well.  On a leaf-spine fabric the paths of one step
+    spread over the spines, so a phase takes N - 1 steps (Sec. III-C 3, as RING).
+    ``variant="routed"`` (ours) reserves the one static latency-shortest route per pair
+    (:func:`testbed.routing.shortest_paths`) instead: the route the emulator forwards on.
+    The emulator and the cost model route every message on those static routes, so on a
+    multi-path fabric a ``bfs`` schedule runs on routes that may differ from the ones it
+    reserved (said in the plan's meta); ``routed`` is contention-free as executed.
 
     Returns a :class:`MultiTreeSchedule`.
     """
@@ -265,9 +295,11 @@ def build_trees(graph: nx.DiGraph, *, neighbour_order: str = "auto", dim_order: 
     n = len(by_id)
 
     # candidate children of p in examination order, with the links they occupy
-    routes = shortest_paths(graph) if variant == "bfs" else None
+    routes = shortest_paths(graph) if variant == "routed" else None
     cand: dict[str, list[tuple[str, list[str], list[str]]]] = {}
     for p in by_id:
+        if variant == "bfs":
+            continue  # paths are searched per step over the free links (_free_path)
         if variant == "direct":
             cs = [c for c in graph.successors(p) if graph.has_edge(c, p)]
             cand[p] = [(c, [p, c], [c, p]) for c in sorted(cs, key=lambda c: key(p, c))]
@@ -306,14 +338,15 @@ def build_trees(graph: nx.DiGraph, *, neighbour_order: str = "auto", dim_order: 
             done = False
             if len(mem) < n:
                 for p in parents[ti]:
-                    for c, fwd, rev in cand[p]:
+                    options = cand[p] if variant != "bfs" else _free_path(graph, p, mem, endset, free_fwd, free_rev, key)
+                    for c, fwd, rev in options:
                         if c in mem:
                             continue
                         fl = list(zip(fwd, fwd[1:]))
                         rl = list(zip(rev, rev[1:]))
                         if all(e in free_fwd for e in fl) and (variant == "direct" or all(e in free_rev for e in rl)):
                             free_fwd.difference_update(fl)
-                            if variant == "bfs":
+                            if variant != "direct":
                                 free_rev.difference_update(rl)
                             mem.add(c)
                             tr.parent[c], tr.added[c] = p, t
@@ -508,17 +541,13 @@ def compile_plan(sched: MultiTreeSchedule, nodes: list[str], length: int, *, chu
 # ---------------------------------------------------------------------------
 # Planner
 # ---------------------------------------------------------------------------
-def _bad(param: str, message: str) -> ConfigError:
-    return ConfigError(message, key=f"params.{param}")
-
-
 @planner(
-    "multitree",
+    "multitree", REFERENCE,
     lockstep=Param(bool, False, "add the NI lockstep discipline (Sec. IV-A): a node starts step s only "
                                 "after finishing its step s-1 ops; false = free-running, data "
                                 "dependencies only"),
     chunks=Param(int, 1, "split each tree's block into this many chunks pipelined through the same "
-                         "schedule (our extension; the paper sends one message per block)"),
+                         "schedule (our extension; the paper sends one message per block)", ge=1),
     neighbour_order=Param(str, "auto", "Alg. 1 line 10 neighbour order: yx = Y (same col) then X "
                                        "(same row) neighbours as in the paper; auto = yx when nodes have "
                                        "row/col, else id order", choices=NEIGHBOUR_ORDERS),
@@ -530,8 +559,10 @@ def _bad(param: str, message: str) -> ConfigError:
     rr_restart=Param(bool, True, "restart the round robin at the first tree in every time step (else "
                                  "continue after the last tree that added a node)"),
     variant=Param(str, "direct", "direct = one-hop tree edges (torus/mesh/WAN links); bfs = "
-                                 "Sec. III-C 3 extension: tree edges along routed multi-hop paths "
-                                 "found breadth-first, all their links reserved", choices=VARIANTS),
+                                 "Sec. III-C 3: per step, BFS from the parent over the still-free links "
+                                 "through switch nodes, all links of the path reserved; routed = ours: "
+                                 "the static latency-shortest route per pair (the emulator's) reserved",
+                  choices=VARIANTS),
     channels=Param(str, "tree", "connection per tree (tree) or one ordered stream per node pair (link)",
                    choices=CHANNELS),
 )
@@ -545,23 +576,13 @@ def plan_multitree(graph: nx.DiGraph, length: int, *, elem_bytes: int = 4, locks
     lockstep.  ``plan.meta`` holds the trees, construction steps, both schedules, the
     per-node schedule tables (Fig. 5 format) and per-step link use."""
     t0 = time.perf_counter()
-    if graph.number_of_nodes() == 0:
-        raise ConfigError("the topology has no nodes")
-    if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
-        raise _bad("chunks", f"must be a positive integer, got {chunks!r}")
-    for name, val, options in (("neighbour_order", neighbour_order, NEIGHBOUR_ORDERS),
-                               ("dim_order", dim_order, DIM_ORDERS), ("tree_order", tree_order, TREE_ORDERS),
-                               ("variant", variant, VARIANTS), ("channels", channels, CHANNELS)):
-        if val not in options:
-            raise _bad(name, f"must be one of {list(options)}, got {val!r}")
+    check_graph(graph, "multitree")
     ends = _endpoints(graph)
-    if len(ends) > 1 and not nx.is_strongly_connected(graph):
-        raise ConfigError("the topology is not (strongly) connected: MultiTree cannot span it")
     try:
         sched = build_trees(graph, neighbour_order=neighbour_order, dim_order=dim_order,
                             tree_order=tree_order, rr_restart=rr_restart, variant=variant)
     except ValueError as exc:
-        raise _bad("variant", str(exc)) from exc
+        raise ParamError("variant", str(exc)) from exc
     t_build = time.perf_counter() - t0
     nodes = list(graph.nodes)
     participants = None if len(ends) == len(nodes) else ends
@@ -576,12 +597,11 @@ def plan_multitree(graph: nx.DiGraph, length: int, *, elem_bytes: int = 4, locks
                   "construction": [list(x) for x in sched.construction(ti)],
                   "reduce_scatter": [list(x) for x in sched.reduce_scatter(ti)],
                   "all_gather": [list(x) for x in sched.allgather(ti)]})
-        if variant == "bfs":
+        if variant != "direct":
             d["paths"] = {c: t.path[c] for c in t.order if t.parent[c] is not None}
         trees_meta.append(d)
     use = sched.link_use()
     plan.meta.update({
-        "reference": REFERENCE,
         "algorithm": "MultiTree Algorithm 1 (concurrent top-down spanning trees, one per node)",
         "node_ids": sched.ids,
         "roots": [t.root for t in sched.trees],
@@ -599,8 +619,10 @@ def plan_multitree(graph: nx.DiGraph, length: int, *, elem_bytes: int = 4, locks
         "tree_order": tree_order,
         "rr_restart": rr_restart,
         "variant": variant,
+        **({"routing_note": "messages follow the emulator's static latency-shortest routes, which may "
+                            "differ from the per-step BFS paths reserved here (Sec. III-C 3)"}
+           if variant == "bfs" else {}),
         "channels": channels,
         "build_s": t_build,
-        "planner_s": time.perf_counter() - t0,
     })
     return plan

@@ -17,14 +17,13 @@ from __future__ import annotations
 
 import heapq
 import math
-import time
 
 import networkx as nx
 
 from testbed.plan import Plan, Tree, trees_plan
 
-from . import Param, planner
-from .baselines import _bad, _check_graph, _check_positive
+from testbed.planners import Param, ParamError, planner
+from testbed.planners.common import check_graph
 
 FAPT_REF = "NetStorm §IV-A: Theorem 1 (Eq. 2), Definition 2 (Eq. 6), Alg. 1-2, multi-root shares q_i / sum q"
 
@@ -73,20 +72,18 @@ def sync_delay(parent: dict[str, str | None], weight: dict[tuple[str, str], floa
 
 
 @planner(
-    "netstorm",
-    roots=Param(int, 0, "N, number of roots (trees); 0 = every node (the paper's default N = |V|)"),
-    chunk_elems=Param(int, 1_000_000, "CHUNK_SIZE, elements per chunk at most (Table II: 1 million)"),
+    "netstorm", FAPT_REF,
+    roots=Param(int, 0, "N, number of roots (trees); 0 = every node (the paper's default N = |V|)", ge=0),
+    chunk_elems=Param(int, 1_000_000, "CHUNK_SIZE, elements per chunk at most (Table II: 1 million)", ge=1),
     direction=Param(str, "reduce", "which rate weighs an undirected edge (the paper does not say): reduce = "
                                    "child->parent, min = the slower direction", choices=("reduce", "min")),
 )
 def plan_netstorm(graph: nx.DiGraph, length: int, *, elem_bytes: int = 4, roots: int = 0,
                   chunk_elems: int = 1_000_000, direction: str = "reduce") -> Plan:
     """NetStorm multi-root FAPT AllReduce (static topology decision, §IV-A)."""
-    t0 = time.perf_counter()
-    nodes = _check_graph(graph)
-    _check_positive("chunk_elems", chunk_elems)
-    if isinstance(roots, bool) or not 0 <= roots <= len(nodes):
-        raise _bad("roots", f"must be in 0..{len(nodes)}, got {roots!r}")
+    nodes = check_graph(graph, "netstorm")
+    if roots > len(nodes):
+        raise ParamError("roots", f"must be in 0..{len(nodes)}, got {roots!r}")
     trees = {v: fapt(graph, v, direction) for v in nodes}
     q = {v: (1.0 / w if w > 0 else math.inf) for v, (_, w) in trees.items()}
     chosen = sorted(nodes, key=lambda v: (-q[v], v))[: roots or len(nodes)]  # Alg. 1 lines 2-4
@@ -100,13 +97,11 @@ def plan_netstorm(graph: nx.DiGraph, length: int, *, elem_bytes: int = 4, roots:
                    default=0.0)  # the tree's slowest edge (informational)
         plan_trees.append(Tree(v, parent, share=share, chunks=n_chunks, rate_mbps=rate))
     meta = {
-        "reference": FAPT_REF,
         "roots": chosen,
         "direction": direction,
         "q": {v: q[v] for v in nodes},  # 1 / w(FAPT_v), w in s/Mbit
         "sync_delay_s_per_mbit": {v: trees[v][1] for v in nodes},
         "trees": [{"root": t.root, "parent": t.parent, "share": t.share, "chunks": t.chunks,
                    "rate_mbps": t.rate_mbps, "height": t.height()} for t in plan_trees],
-        "planner_s": time.perf_counter() - t0,
     }
     return trees_plan("netstorm", nodes, length, plan_trees, meta=meta)

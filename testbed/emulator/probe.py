@@ -1,0 +1,103 @@
+"""One-way UDP probe for ``linkcheck``: delay, jitter and loss of one emulated direction.
+
+Every network namespace of the emulator shares the machine's clock, so the kernel's receive
+timestamp (``SO_TIMESTAMPNS``) minus the send time written in the datagram is the one-way
+delay of each packet -- per direction, which neither ping (round trip) nor iperf3 (RFC 3550
+interarrival jitter, no delay) measures.  Nothing here depends on TCP.
+
+    python3 -m testbed.emulator.probe recv PORT --seconds S      # prints JSON
+    python3 -m testbed.emulator.probe send ADDR PORT --pps N --seconds S [--size B]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import socket
+import struct
+import sys
+import time
+
+import numpy as np
+
+SO_TIMESTAMPNS = 35  # linux/asm-generic/socket.h (Python's socket module does not export it)
+HEADER = struct.Struct("!QQ")  # sequence number, send time (ns, CLOCK_REALTIME)
+SKIP = 10  # first packets left out of delay statistics (neighbour resolution may hold them)
+
+
+def send(addr: str, port: int, pps: float, seconds: float, size: int) -> dict:
+    """Send ``pps`` datagrams a second for ``seconds`` (paced on a schedule, no catch-up
+    bursts beyond one interval); return the count sent."""
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    pad = b"\0" * max(0, size - HEADER.size)
+    n = max(1, int(round(pps * seconds)))
+    t0 = time.monotonic()
+    for seq in range(n):
+        wait = t0 + seq / pps - time.monotonic()
+        if wait > 0:
+            time.sleep(wait)
+        s.sendto(HEADER.pack(seq, time.time_ns()) + pad, (addr, port))
+    return {"sent": n}
+
+
+def recv(port: int, seconds: float, idle_s: float = 1.0) -> dict:
+    """Receive until ``idle_s`` without a datagram (after the first) or ``seconds`` in all;
+    return one-way delay statistics (ms) and the sequence numbers seen."""
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    s.setsockopt(socket.SOL_SOCKET, SO_TIMESTAMPNS, 1)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 8 << 20)
+    s.bind(("0.0.0.0", port))
+    deadline = time.monotonic() + seconds
+    seqs, owd = [], []
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            break
+        s.settimeout(min(left, idle_s) if seqs else left)
+        try:
+            data, anc, _, _ = s.recvmsg(2048, socket.CMSG_SPACE(16))
+        except socket.timeout:
+            break
+        if len(data) < HEADER.size:
+            continue
+        seq, sent_ns = HEADER.unpack_from(data)
+        rx_ns = next((int.from_bytes(d[:8], sys.byteorder) * 10**9 + int.from_bytes(d[8:16], sys.byteorder)
+                      for lvl, typ, d in anc if lvl == socket.SOL_SOCKET and typ == SO_TIMESTAMPNS),
+                     time.time_ns())
+        seqs.append(seq)
+        owd.append((rx_ns - sent_ns) / 1e6)
+    return {"received": len(seqs), "unique": len(set(seqs)), "max_seq": max(seqs, default=-1),
+            **owd_stats([o for q, o in zip(seqs, owd) if q >= SKIP])}
+
+
+def owd_stats(owd: list[float]) -> dict:
+    """mean, standard deviation, min, median, p99, max and interquartile range of one-way delays (ms)."""
+    if not owd:
+        return {"owd_n": 0}
+    a = np.asarray(owd)
+    return {"owd_n": int(a.size), "owd_mean_ms": float(a.mean()), "owd_std_ms": float(a.std(ddof=1)) if a.size > 1
+            else 0.0, "owd_min_ms": float(a.min()), "owd_p50_ms": float(np.median(a)),
+            "owd_p99_ms": float(np.percentile(a, 99)), "owd_max_ms": float(a.max()),
+            "owd_iqr_ms": float(np.subtract(*np.percentile(a, [75, 25])))}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python3 -m testbed.emulator.probe", description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="verb", required=True)
+    r = sub.add_parser("recv")
+    r.add_argument("port", type=int)
+    r.add_argument("--seconds", type=float, required=True, help="give up after this long in all")
+    t = sub.add_parser("send")
+    t.add_argument("addr")
+    t.add_argument("port", type=int)
+    t.add_argument("--pps", type=float, required=True)
+    t.add_argument("--seconds", type=float, required=True)
+    t.add_argument("--size", type=int, default=64, help="UDP payload bytes (>= 16)")
+    a = ap.parse_args(argv)
+    out = recv(a.port, a.seconds) if a.verb == "recv" else send(a.addr, a.port, a.pps, a.seconds, a.size)
+    print(json.dumps(out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

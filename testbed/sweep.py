@@ -1,0 +1,89 @@
+"""Sweeps: an experiment with ``sweep:`` runs once per point (``config.expand_sweep``).
+
+Layout of the output folder: ``sweep.json`` (keys, every point's values, status, error and
+per-variant summary), ``sweep.csv`` (the combined table: one row per point and variant),
+``points/NNN/results.json`` (each point as ``run`` writes it).  Both files are rewritten
+after every point, so a failing or interrupted point loses none of the others.
+
+Consecutive points whose network is the same (topology, scale, seed, emulator settings) and
+that have no dynamics or faults (which change the network as they run) share one network.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Callable
+
+from testbed.errors import TestbedError
+
+
+def network_key(exp: dict) -> str | None:
+    """Points with the same key can share a network; None: this point needs its own."""
+    if exp["dynamics"] or exp["faults"]:
+        return None
+    e = exp["emulator"]
+    return json.dumps([exp["topology"], exp["scale"], exp["seed"], e["method"], e["relay_procs"], e["tcp_cc"]],
+                      sort_keys=True, default=str)
+
+
+def run_sweep(exp: dict, out: Path, progress: Callable[[str], None]) -> dict:
+    """Run every point of ``exp["sweep"]`` into ``out``; return the sweep record."""
+    from testbed.report import VARIANT_COLUMNS, sweep_columns, sweep_rows, variant_rows, write_csv
+    from testbed.results import write_json_atomic
+    from testbed.runner import open_network, run_experiment
+
+    points = exp["sweep"]["points"]
+    base = {k: v for k, v in exp.items() if k != "sweep"}
+    record = {"name": exp["name"], "keys": exp["sweep"]["keys"], "experiment": base,
+              "points": [{"index": i, "values": p["values"], "dir": f"points/{i:03d}", "status": "pending"}
+                         for i, p in enumerate(points)]}
+
+    def save() -> None:
+        write_json_atomic(out / "sweep.json", record)
+        write_csv(out / "sweep.csv", sweep_rows(record), sweep_columns(record))
+
+    save()
+    net, key, t_start = None, None, time.monotonic()
+    try:
+        for i, (p, rec) in enumerate(zip(points, record["points"])):
+            desc = ", ".join(f"{k}={v}" for k, v in p["values"].items())
+            done = time.monotonic() - t_start
+            eta = f", about {done / i * (len(points) - i):.0f}s left" if i else ""
+            progress(f"sweep point {i + 1}/{len(points)}: {desc} ({done:.0f}s elapsed{eta})")
+            want = network_key(p["experiment"])
+            if net is not None and (want is None or want != key):
+                net.__exit__(None, None, None)
+                net = None
+            if net is None and want is not None:
+                net, key = open_network(p["experiment"], progress).__enter__(), want
+            rec["status"] = "running"
+            t0 = time.monotonic()
+            try:
+                results = run_experiment(p["experiment"], out / rec["dir"], progress, net=net)
+            except TestbedError as e:  # this point failed; the others go on, on a fresh network
+                rec.update(status="failed", error=str(e), wall_s=time.monotonic() - t0)
+                progress(f"sweep point {i + 1}/{len(points)} failed: {e}")
+                if net is not None:
+                    net.__exit__(None, None, None)
+                    net = None
+                save()
+                continue
+            write_json_atomic(out / rec["dir"] / "results.json", results)
+            rec.update(status="ok" if results["summary"]["correct"] else "wrong-result",
+                       wall_s=time.monotonic() - t0,
+                       variants=[{k: r[k] for k in VARIANT_COLUMNS[1:]} for r in variant_rows(results)],
+                       emulation_kept_up=results["emulation"]["kept_up"])
+            save()
+    except BaseException as e:  # interrupted: say so in sweep.json, keep every finished point
+        for rec in record["points"]:
+            if rec["status"] in ("pending", "running"):
+                rec["status"] = "not run" if rec["status"] == "pending" else "interrupted"
+                rec.setdefault("error", type(e).__name__)
+        save()
+        raise
+    finally:
+        if net is not None:
+            net.__exit__(None, None, None)
+    return record

@@ -1,0 +1,44 @@
+"""The link check's pass rules (testbed/emulator/linkcheck.py), without a network."""
+
+import numpy as np
+import pytest
+
+from testbed.emulator.linkcheck import delay_ok, expected_jitter_ms, jitter_ok, loss_check, queue_ok, rate_ok
+from testbed.emulator.shaping import standing_queue_ms
+from testbed.topology import LinkDir
+
+
+def test_loss_is_judged_by_a_binomial_test_fit_for_the_sample():
+    # NetStorm's 0.02 %: 12 000 probes expect 2.4 losses; 0..8 are consistent, 20 are not
+    assert loss_check(0, 12000, 2e-4)["ok"] and loss_check(8, 12000, 2e-4)["ok"]
+    assert not loss_check(20, 12000, 2e-4)["ok"]
+    # a lossless link must lose nothing; 2 % configured but none lost in 4000 is a failure
+    assert not loss_check(1, 5000, 0.0)["ok"] and loss_check(0, 5000, 0.0)["ok"]
+    assert not loss_check(0, 4000, 0.02)["ok"]
+    r = loss_check(80, 4000, 0.02)
+    assert r["ok"] and r["loss_ci"][0] < 0.02 < r["loss_ci"][1]
+
+
+def test_jitter_rule_follows_the_truncated_normal_and_the_sample_size():
+    rng = np.random.default_rng(1)
+    sigma = 2.0
+    j = rng.normal(0, sigma, 20000)
+    j = j[np.abs(j) <= 3 * sigma][:3000]
+    robust = np.subtract(*np.percentile(j, [75, 25])) / 1.349
+    assert expected_jitter_ms(sigma) == pytest.approx(sigma * 0.98658, rel=1e-4)
+    assert jitter_ok(robust, sigma, j.size)
+    assert not jitter_ok(robust, 3.0, j.size) and not jitter_ok(robust, 0.0, j.size)
+    assert jitter_ok(0.05, 0.0, 100) and not jitter_ok(0.5, 0.0, 100)
+
+
+def test_delay_rate_and_queue_rules():
+    assert delay_ok(30.8, 30) and not delay_ok(31.2, 30) and delay_ok(409, 400) and not delay_ok(413, 400)
+    assert delay_ok(13, 10, slack_ms=3) and not delay_ok(None, 10)
+    assert rate_ok(0.95) and not rate_ok(0.92) and not rate_ok(1.03) and not rate_ok(None)
+    assert queue_ok(31, 30.28) and not queue_ok(15, 30.28) and queue_ok(600, 606) and not queue_ok(560, 606)
+
+
+def test_standing_queue_is_queue_pkts_full_frames_at_the_rate():
+    d = LinkDir(20.0, 30.0, 0.0, 2e-4, queue_pkts=1000)
+    assert standing_queue_ms(d, "relay", 1490) == pytest.approx(1000 * 1514 * 8 / 20e3)
+    assert standing_queue_ms(d, "netem", 1490) == pytest.approx(1000 * 1490 * 8 / 20e3)

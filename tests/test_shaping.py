@@ -1,0 +1,45 @@
+"""The shaping-method table (testbed/emulator/shaping.py) and what reads it, without a network."""
+
+import dataclasses
+import subprocess
+
+from testbed.emulator import shaping
+from testbed.emulator.capabilities import Capabilities
+from testbed.topology import LinkDir
+
+
+def caps(**over) -> Capabilities:
+    base = dict(root=True, mnexec=True, mininet_python=True, netns=True, htb=True, netem=True, linux_bridge=True,
+                bridge_nf_off=True, iperf3=True, ping=True, ethtool=True, gcc=True, kernel="x", notes=[])
+    return Capabilities(**{**base, **over})
+
+
+def test_auto_prefers_kernel_netem_then_the_relay_then_nothing():
+    assert caps().shaping_method == "netem"
+    assert caps(netem=False).shaping_method == "relay"
+    assert caps(netem=False, gcc=False).shaping_method is None
+    assert caps(htb=False).shaping_method is None
+    assert shaping.missing("netem", caps(netem=False)) == ["netem"]
+    assert shaping.missing("relay", caps(ethtool=False, netem=False)) == ["ethtool"]
+
+
+def test_relay_links_without_delay_jitter_or_loss_are_plain_htb():
+    plain, lossy = LinkDir(10.0), LinkDir(10.0, loss=0.01)
+    assert shaping.link_method("relay", (plain, plain)) == "htb"
+    assert shaping.link_method("relay", (plain, lossy)) == "relay"
+    assert shaping.link_method("netem", (plain, plain)) == "netem"
+
+
+def test_every_method_has_its_leaf_and_label():
+    d = LinkDir(10.0, 5.0, 1.0, 0.01, queue_pkts=50)
+    for m in shaping.METHODS.values():
+        leaf = shaping.shape_commands("eth0", d, m.name)[3]
+        assert leaf[leaf.index("10:") + 1] == m.leaf
+    assert [m.label for m in shaping.METHODS.values()] == ["htb+netem", "htb+user-space-relay", "htb"]
+
+
+def test_config_and_cli_offer_the_selectable_methods():
+    assert shaping.CHOICES == ("auto", "netem", "relay")
+    out = subprocess.run(["python3", "-m", "testbed", "linkcheck", "--help"], capture_output=True, text=True).stdout
+    assert "{auto,netem,relay}" in out
+    assert dataclasses.is_dataclass(shaping.METHODS["htb"]) and not shaping.METHODS["htb"].selectable
