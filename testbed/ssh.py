@@ -118,11 +118,12 @@ class _HostKeyPolicy(paramiko.MissingHostKeyPolicy):
                 f"list; refused. If that is the host's key, accept it on first contact with "
                 f"'accept_new_host_keys: true' in the hosts file (it is then added to {self.known_hosts}), "
                 f"or add it to {self.known_hosts} yourself")
-        path = Path(self.known_hosts)
-        with _known_hosts_lock:
+        path, line = Path(self.known_hosts), f"{hostname} {key.get_name()} {key.get_base64()}\n"
+        with _known_hosts_lock:  # several datacenters may share a host
             path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-            with open(path, "a") as f:
-                f.write(f"{hostname} {key.get_name()} {key.get_base64()}\n")
+            if line not in (path.read_text().splitlines(keepends=True) if path.exists() else []):
+                with open(path, "a") as f:
+                    f.write(line)
         client.get_host_keys().add(hostname, key.get_name(), key)
 
 
@@ -184,7 +185,7 @@ class Connection:
         except ValueError as e:
             raise self.error(str(e)) from None
         host, port, user = cfg["hostname"], cfg["port"], cfg["user"]
-        where = f"{user}@{host}:{port}" + (f" (via {dest})" if dest != self.dest else "")
+        where = f"{user}@{host}:{port}" + (f" (jump host {dest})" if dest != self.dest else "")
         if jumps is None:
             jumps = [j.strip() for j in cfg.get("proxyjump", "none").split(",")]
             jumps = [] if jumps == ["none"] else jumps
@@ -334,7 +335,7 @@ class Connection:
                 try:
                     self._sftp = self._clients[-1].open_sftp()
                 except (paramiko.SSHException, OSError, EOFError) as e:
-                    raise self.error(f"cannot open SFTP: {e}") from None
+                    raise self.error(f"cannot open SFTP ({e}): does the SSH server have the sftp subsystem?") from None
             return self._sftp
 
     def put(self, folder: str, files: dict[str, bytes], mode: int = 0o644) -> None:

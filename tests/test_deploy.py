@@ -211,7 +211,8 @@ def ssh_wan(netenv, tmp_path):
             conf.write_text(f"ListenAddress {net.control_address(dc)}\nListenAddress {net.node_address(dc)}\n"
                             f"HostKey {keys / 'host'}\nAuthorizedKeysFile {keys / 'authorized_keys'}\n"
                             f"PidFile {keys / dc}.pid\nStrictModes no\nPasswordAuthentication no\n"
-                            "KbdInteractiveAuthentication no\nPermitRootLogin prohibit-password\nUsePAM no\n")
+                            "KbdInteractiveAuthentication no\nPermitRootLogin prohibit-password\nUsePAM no\n"
+                            "Subsystem sftp internal-sftp\n")
             net.popen(dc, [sshd, "-D", "-e", "-f", str(conf)], stderr=open(keys / f"sshd-{dc}.log", "wb"))
         for dc in net.topo.nodes:
             _wait_port(net.control_address(dc), 22)
