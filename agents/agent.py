@@ -23,6 +23,8 @@ message (derived from ``timeout_s`` and the plan's predicted time).  STATUS asks
 executor's snapshot (what is awaited from whom) when the coordinator diagnoses a stall.
 
 Only ``testbed.plan`` is imported from the harness: this runs on real hosts too.
+``clock_offset_ms`` in node.json (optional, for tests) shifts every timestamp the agent
+reports, as on a host whose clock is off (:mod:`agents.clock`).
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ import numpy as np
 
 from testbed.plan import Op
 
-from . import wire
+from . import clock, wire
 from .executor import Executor, Stalled
 from .inputs import expected_sum, make_input
 
@@ -310,6 +312,7 @@ def main(argv: list[str] | None = None) -> int:
     with open(args.config) as f:
         cfg = json.load(f)
     setup_logging(cfg.get("name", "?"), cfg.get("log_file"))
+    clock.shift(float(cfg.get("clock_offset_ms", 0)))
     agent = None
 
     def thread_failed(args) -> None:  # no thread dies silently: it aborts the agent

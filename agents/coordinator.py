@@ -156,6 +156,8 @@ class Coordinator:
     it.  On a failure every live agent is asked for its status (what it awaits from whom)
     and the failure is laid to the node that stopped: a dead or silent one, the sender of a
     payload stalled mid-way, else the end of the chain of waits (:meth:`_diagnose`).
+    ``clock_offsets_ns``: node -> its agent's clock minus this machine's
+    (:mod:`testbed.clock`); every timestamp is reported on this machine's clock.
     """
 
     def __init__(self, plan: Plan, *, addresses: Mapping, data_port: int | None, secret: bytes | str,
@@ -164,7 +166,8 @@ class Coordinator:
                  timeout_s: float = 60.0, bind: tuple[str, int] = ("0.0.0.0", 0),
                  progress: Callable[[str], None] | None = None, register_timeout_s: float | None = None,
                  health: Callable[[], str | None] | None = None, predicted_s: float | None = None,
-                 handshake_s: float = wire.HANDSHAKE_TIMEOUT_S, check_startup: bool = False):
+                 handshake_s: float = wire.HANDSHAKE_TIMEOUT_S, check_startup: bool = False,
+                 clock_offsets_ns: Mapping[str, int] | None = None):
         plan.validate()
         np.dtype(dtype)
         self.plan, self.secret, self.data_port = plan, wire.as_secret(secret), data_port
@@ -181,6 +184,7 @@ class Coordinator:
         self.heartbeat_s = min(1.0, self.silence_s / 6)
         # communication of one iteration: the stall limit plus a margin over the prediction
         self.limit_s = self.timeout_s + 4 * predicted_s if predicted_s else 10 * self.timeout_s
+        self.clock_offsets_ns = dict(clock_offsets_ns or {})
         self._peer_ip = self._resolve_addresses(addresses)
         self._xfers = {op.xfer: (src, op.peer) for src, op in plan.transfers()}
         self.listener = socket.create_server(tuple(bind), backlog=socket.SOMAXCONN)
@@ -517,6 +521,7 @@ class Coordinator:
                 for n in nodes:
                     self._send(n, {"msg": "go", "iteration": it})
                 done = self._collect("done", nodes, self._iteration_limit(), iteration=it)
+                done = {n: self._on_my_clock(n, d) for n, d in done.items()}
                 result = self._summarise(it, go_ns, done, self._errors)
                 self._iterations.append(result)
                 self._rows.extend(self._transfer_rows(it, done))
@@ -536,6 +541,19 @@ class Coordinator:
             self.abort(f"coordinator failed: {e}")
             raise
         return self.results()
+
+    def _on_my_clock(self, node: str, done: dict) -> dict:
+        """``node``'s DONE with its timestamps moved from the agents' clocks to this machine's
+        (a recv row's ``send_ts_ns`` is on the sender's clock, the rest on ``node``'s)."""
+        off = self.clock_offsets_ns
+        if not off:
+            return done
+        me = off.get(node, 0)
+        return {**done, **{k: done[k] - me for k in ("go_ns", "compute_end_ns", "comm_start_ns", "comm_done_ns")
+                           if isinstance(done.get(k), int)},
+                "sends": [[x, s - me, e - me] for x, s, e in done.get("sends", ())],
+                "recvs": [[x, ts - off.get(self._xfers.get(x, (None,))[0], 0), first - me, last - me, applied - me]
+                          for x, ts, first, last, applied in done.get("recvs", ())]}
 
     def _summarise(self, it: int, go_ns: int, done: dict, errors: list) -> dict:
         receivers = self.plan.finishing()

@@ -78,6 +78,7 @@ def run_variants(exp: Experiment, planned: list, hosts: Hosts, out_dir: Path,
                                 stop_and_wait=a.stop_and_wait, timeout_s=a.timeout_s, progress=progress,
                                 predicted_s=prediction["cct_s"])
             r = _summarise_run(rep, v.label, result, w.warmup)
+            r.update({k: result[k] for k in ("clock_offsets",) if k in result})  # real hosts: their clocks
             runs.append(r)
             if on_run:
                 on_run(runs)

@@ -2,9 +2,10 @@
 # One-step, idempotent set-up for testbed on Debian 12 / Ubuntu 22.04 / 24.04 (run as root).
 #   sudo bash testbed/setup.sh
 # Installs the system tools (Mininet's mnexec, iperf3, iproute2, ethtool, bridge-utils, ping,
-# gcc for the user-space delay relay, the ssh client for deploy, python-is-python3), the
-# Python dependencies for the python3 on PATH (and makes sudo's `python` find it), sets the
-# sysctls a Linux bridge needs, and builds the delay relay.  A second run changes nothing.
+# gcc for the user-space delay relay, python-is-python3), the Python dependencies for the
+# python3 on PATH (paramiko is deploy's SSH client: no ssh binary is needed; sudo's `python`
+# finds that interpreter), sets the sysctls a Linux bridge needs, and builds the delay relay.
+# A second run changes nothing.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -14,7 +15,7 @@ if [ "$(id -u)" -ne 0 ]; then
   exit 2
 fi
 
-APT_PKGS="mininet iperf3 iproute2 ethtool bridge-utils iputils-ping net-tools procps psmisc gcc libc6-dev openssh-client python3 python3-pip python3-venv python-is-python3"
+APT_PKGS="mininet iperf3 iproute2 ethtool bridge-utils iputils-ping net-tools procps psmisc gcc libc6-dev python3 python3-pip python3-venv python-is-python3"
 missing=""
 for p in $APT_PKGS; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing="$missing $p"
@@ -32,15 +33,15 @@ fi
 if ! "$PY" - <<'PYEOF' 2>/dev/null
 import importlib.metadata as m, sys
 need = {"numpy": "1.24", "networkx": "2.8", "scipy": "1.10", "PyYAML": "6.0", "pytest": "7.0", "mininet": "2.3",
-        "matplotlib": "3.5"}
+        "matplotlib": "3.5", "paramiko": "3.2"}
 for name in need:
     m.version(name)
-import mininet.nodelib, numpy, networkx, scipy.optimize, yaml, matplotlib  # noqa
+import mininet.nodelib, numpy, networkx, scipy.optimize, yaml, matplotlib, paramiko  # noqa
 PYEOF
 then
   echo "setup: installing Python packages for $("$PY" -c 'import sys; print(sys.executable)')"
   PIP=("$PY" -m pip install -q --disable-pip-version-check --root-user-action=ignore)
-  REQS=(numpy networkx scipy pyyaml pytest mininet matplotlib)
+  REQS=(numpy networkx scipy pyyaml pytest mininet matplotlib "paramiko>=3.2")
   # Debian/Ubuntu mark the system interpreter "externally managed" (PEP 668); this is a
   # root tool on a dedicated machine/VM, so install beside apt's packages there.
   "${PIP[@]}" "${REQS[@]}" 2>/dev/null || "${PIP[@]}" --break-system-packages "${REQS[@]}"

@@ -24,6 +24,10 @@ class EmulatedHosts(Hosts):
     def addresses(self) -> dict:
         return self.net.address_map()
 
+    def clock_offsets(self) -> dict:
+        """None to correct: every agent runs on this machine's clock."""
+        return {}
+
     def start_agent(self, dc: str, cfg: dict, out_dir: Path, secret_file: Path) -> None:
         path = out_dir / "agents" / f"{dc}.json"
         path.parent.mkdir(exist_ok=True)
