@@ -15,7 +15,11 @@ Results of :meth:`agents.coordinator.Coordinator.run` / :func:`agents.local.run_
                                         "comm_done_ns", "receiver", "correct", "max_abs_err",
                                         "digest"}}}],
      "transfers": {"columns": [...TRANSFER_COLUMNS], "rows": [[...], ...]},
-     "errors": [str, ...]}
+     "errors": [str, ...]}      # wrong results; violations after the last iteration
+
+A failed run raises :class:`agents.coordinator.Failure` (a ``RunError``) with ``culprit`` (the
+node, or "coordinator", that stopped, died or misbehaved), ``link`` and ``results`` (what
+completed); the command-line coordinator writes those results with a ``failure`` record.
 
 Nothing here is imported eagerly: the agent process stays light.
 """

@@ -6,16 +6,25 @@ node.json::
      "bind": "0.0.0.0", "secret_file": "/path/secret", "log_file": "/tmp/h1.log"}
 
 ``data_port`` 0 picks a free port (reported to the coordinator); ``log_file`` is
-optional (logs always go to stderr too).  Life cycle: listen on the data port, connect
+optional (logs always go to stderr too); optional ``handshake_timeout_s`` (one deadline
+per handshake, default 10) and ``connect_retry_s`` (how long connects are retried while a
+server starts, default 10).  Life cycle: listen on the data port, connect
 and authenticate to the coordinator (retrying while it starts), receive the JOB, open
 the outgoing data connections, report READY, then per iteration wait for GO, sleep the
 compute time, run the program, check the result and report DONE.  Exit 0 after FINISH,
 1 on any failure or ABORT.  Control messages are JSON objects with a ``"msg"`` key:
 
-    agent -> coordinator: ready, done, alive (heartbeat); error (ERROR frame)
-    coordinator -> agent: job, go, finish; abort (ERROR frame)
+    agent -> coordinator: ready, done, bye, alive (heartbeat), status; error (ERROR frame)
+    coordinator -> agent: welcome, job, go, finish, alive (heartbeat), status; abort (ERROR)
+
+Nothing waits without a deadline: the coordinator's WELCOME gives its heartbeat period and
+the silence after which the agent gives up on it; the JOB bounds the wait for each next
+message (derived from ``timeout_s`` and the plan's predicted time).  STATUS asks for the
+executor's snapshot (what is awaited from whom) when the coordinator diagnoses a stall.
 
 Only ``testbed.plan`` is imported from the harness: this runs on real hosts too.
+``clock_offset_ms`` in node.json (optional, for tests) shifts every timestamp the agent
+reports, as on a host whose clock is off (:mod:`agents.clock`).
 """
 
 from __future__ import annotations
@@ -37,13 +46,14 @@ import numpy as np
 
 from testbed.plan import Op
 
-from . import wire
-from .executor import Executor
+from . import clock, wire
+from .executor import Executor, Stalled
 from .inputs import expected_sum, make_input
 
 log = logging.getLogger("agents")
 
 CONNECT_RETRY_S = 10.0
+MAX_PENDING = 64  # unauthenticated connections at once; more are refused
 
 
 class Aborted(Exception):
@@ -68,6 +78,8 @@ class Job:
     compute_s: list[float] = field(default_factory=list)  # per iteration (last value repeats)
     stop_and_wait: bool = False
     timeout_s: float = 60.0
+    wait_s: float = 600.0  # longest wait for the coordinator's next message (GO, FINISH)
+    limit_s: float | None = None  # longest one iteration's communication may take
 
     def to_dict(self) -> dict:
         d = dict(self.__dict__)
@@ -92,6 +104,9 @@ class Agent:
         self.secret = wire.load_secret(cfg["secret_file"])
         host, _, port = str(cfg["coordinator"]).rpartition(":")
         self.coord_addr = (host.strip("[]"), int(port))
+        self.coord = f"coordinator at {host}:{port}"
+        self.handshake_s = float(cfg.get("handshake_timeout_s", wire.HANDSHAKE_TIMEOUT_S))
+        self.retry_s = float(cfg.get("connect_retry_s", CONNECT_RETRY_S))
         self.listener = socket.create_server((cfg.get("bind", "0.0.0.0"), int(cfg.get("data_port", 0))),
                                              backlog=socket.SOMAXCONN)
         self.data_port = self.listener.getsockname()[1]
@@ -102,71 +117,90 @@ class Agent:
         self.ex: Executor | None = None
         self.job_ready = threading.Event()
         self.stopping = False
+        self.silence_s = self.handshake_s  # until the coordinator's WELCOME says otherwise
 
     # -- control channel ---------------------------------------------------------
     def send(self, obj: dict, typ: int = wire.CTRL) -> None:
+        """To the coordinator; a send blocked for the silence limit raises socket.timeout."""
         with self.ctrl_lock:
             wire.send_json(self.ctrl, obj, typ)
 
+    def abort_soon(self, reason: str) -> None:
+        """Any thread: make the main thread (and a running iteration) fail with ``reason``."""
+        self.inbox.put({"msg": "abort", "reason": reason})
+        if self.ex:
+            self.ex.abort(reason)
+
     def _ctrl_reader(self) -> None:
-        """Forward coordinator messages to the inbox; abort the executor on ABORT/EOF."""
+        """Forward coordinator messages to the inbox; answer STATUS; abort on ABORT, EOF, a
+        malformed message or the coordinator's silence (it sends a heartbeat)."""
         try:
             while True:
                 h, msg = wire.recv_json(self.ctrl)
-                if h.type == wire.ERROR or msg.get("msg") == "abort":
-                    msg = {"msg": "abort", "reason": msg.get("reason", "aborted by coordinator")}
+                kind = msg.get("msg")
+                if h.type == wire.ERROR or kind == "abort":
+                    self.abort_soon(f"aborted by the coordinator: {wire.sanitize(msg.get('reason', '?'))}")
+                    return
+                if kind == "alive":
+                    continue
+                if kind == "status":
+                    self.send({"msg": "status", **(self.ex.status() if self.ex else {})})
+                    continue
+                if kind == "welcome":
+                    self.silence_s = float(msg["silence_s"])
+                    self.ctrl.settimeout(self.silence_s)
                 self.inbox.put(msg)
-                if msg["msg"] == "abort":
-                    break
+        except socket.timeout:
+            if not self.stopping:
+                self.abort_soon(f"{self.coord} silent for {self.silence_s:g} s (stopped or unreachable)")
         except (wire.ProtocolError, wire.Closed, OSError) as e:
             if not self.stopping:
-                self.inbox.put({"msg": "abort", "reason": f"lost the coordinator connection: {e}"})
-        if self.ex:
-            self.ex.abort("aborted by the coordinator")
+                self.abort_soon(f"lost the connection to the {self.coord}: {type(e).__name__}: {e}")
+        except Exception as e:  # no thread dies silently
+            self.abort_soon(f"control reader failed: {type(e).__name__}: {wire.sanitize(e)}")
 
     def _heartbeat(self, period: float) -> None:
-        while not self.stopping:
-            time.sleep(period)
-            try:
+        try:
+            while not self.stopping:
+                time.sleep(period)
                 self.send({"msg": "alive"})
-            except OSError:
-                return
+        except Exception as e:
+            if not self.stopping:
+                self.abort_soon(f"cannot send a heartbeat to the {self.coord}: {type(e).__name__}: {e}")
 
-    def next_msg(self, *kinds: str) -> dict:
-        msg = self.inbox.get()
-        if msg["msg"] == "abort":
+    def next_msg(self, kind: str, timeout: float) -> dict:
+        """The coordinator's next message, which must be ``kind``, within ``timeout`` s."""
+        try:
+            msg = self.inbox.get(timeout=timeout)
+        except queue.Empty:
+            raise Aborted(f"no {kind.upper()} from the {self.coord} within {timeout:g} s") from None
+        if msg.get("msg") == "abort":
             raise Aborted(msg["reason"])
-        if msg["msg"] not in kinds:
-            raise wire.ProtocolError(f"coordinator sent {msg['msg']!r}, expected {kinds}")
+        if msg.get("msg") != kind:
+            raise wire.ProtocolError(f"{self.coord} sent {wire.sanitize(msg.get('msg'), 40)!r}, "
+                                     f"expected {kind!r}")
         return msg
 
     # -- data connections ----------------------------------------------------------
-    def _accept_loop(self) -> None:
-        while not self.stopping:
-            try:
-                sock, addr = self.listener.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._handshake, args=(sock, addr), daemon=True).start()
-
     def _handshake(self, sock: socket.socket, addr) -> None:
         who = f"{addr[0]}:{addr[1]}"
+        deadline = time.monotonic() + self.handshake_s
+
+        def check(ident: dict) -> None:
+            if ident.get("role") != "data" or not isinstance(ident.get("channel"), int) \
+                    or not isinstance(ident.get("name"), str):
+                raise wire.ProtocolError(f"not a data connection: {wire.sanitize(ident, 120)}")
+            if not self.job_ready.wait(max(0.0, deadline - time.monotonic())):
+                raise wire.ProtocolError("no job yet")
+
         try:
             wire.tune(sock)
-            sock.settimeout(wire.HANDSHAKE_TIMEOUT_S)
-
-            def check(ident: dict) -> None:
-                if ident.get("role") != "data" or not isinstance(ident.get("channel"), int):
-                    raise wire.ProtocolError(f"not a data connection: {ident}")
-                if not self.job_ready.wait(wire.HANDSHAKE_TIMEOUT_S):
-                    raise wire.ProtocolError("no job yet")
-                sock.settimeout(None)
-                self.ex.attach_incoming(str(ident.get("name")), ident["channel"], sock)
-
-            ident = wire.server_handshake(sock, self.secret, check)
+            ident = wire.server_handshake(sock, self.secret, check, deadline)
+            sock.settimeout(None)
+            self.ex.attach_incoming(ident["name"], ident["channel"], sock)
             log.info("data connection from %s (channel %d) at %s", ident["name"], ident["channel"], who)
         except (wire.ProtocolError, wire.Closed, OSError) as e:
-            log.warning("refused connection from %s: %s", who, e)
+            log.warning("refused connection from %s: %s", who, wire.sanitize(e))
             wire.close_quietly(sock)
 
     def _connect_peers(self) -> None:
@@ -174,8 +208,12 @@ class Agent:
         costs several round trips, so one after another would take seconds."""
         def connect(peer: str, ch: int) -> None:
             addr = self.job.peers[peer]
-            sock = wire.connect(addr, self.secret, {"role": "data", "name": self.name, "channel": ch},
-                                retry_s=CONNECT_RETRY_S)
+            try:
+                sock = wire.connect(addr, self.secret, {"role": "data", "name": self.name, "channel": ch},
+                                    timeout_s=self.handshake_s, retry_s=self.retry_s)
+            except (OSError, wire.ProtocolError) as e:
+                raise ConnectionError(f"data connection to peer {peer} (channel {ch}, expected listening at "
+                                      f"{addr[0]}:{addr[1]}): {e}") from None
             self.ex.attach_outgoing(peer, ch, sock)
             log.info("connected to %s (channel %d) at %s:%d", peer, ch, *addr)
 
@@ -192,35 +230,45 @@ class Agent:
             self.ex.prepare(None)
 
     def verify(self, iteration: int) -> dict:
+        """Exact, by bytes (a -0.0 where +0.0 belongs is wrong), against the true sum."""
         job, x = self.job, self.ex.bufs["x"]
         if self.name not in job.receivers:  # nothing to check
             return {"receiver": False, "correct": True, "max_abs_err": 0.0, "digest": None}
         want = expected_sum(job.seed, [job.nodes.index(p) for p in job.participants], iteration,
                             job.length, job.dtype)
-        ok = bool(np.array_equal(x, want))
-        err = 0.0 if ok else float(np.max(np.abs(x.astype(np.float64) - want)))
-        return {"receiver": True, "correct": ok, "max_abs_err": err, "digest": hashlib.sha256(memoryview(x).cast("B")).hexdigest()}
+        ok = bool(np.array_equal(x.view(np.uint8), want.view(np.uint8)))
+        err = 0.0 if ok else float(np.nanmax(np.abs(x.astype(np.float64) - want), initial=0.0))
+        return {"receiver": True, "correct": ok, "max_abs_err": err,
+                "digest": hashlib.sha256(memoryview(x).cast("B")).hexdigest()}
 
     def run(self) -> int:
         ident = {"role": "agent", "name": self.name, "data_port": self.data_port, "pid": os.getpid(),
                  "host": socket.gethostname()}
-        self.ctrl = wire.connect(self.coord_addr, self.secret, ident, retry_s=CONNECT_RETRY_S)
+        self.ctrl = wire.connect(self.coord_addr, self.secret, ident, timeout_s=self.handshake_s,
+                                 retry_s=self.retry_s)
+        self.silence_s = self.handshake_s  # the WELCOME is part of registering
+        self.ctrl.settimeout(self.silence_s)
         log.info("registered with coordinator %s:%d (data port %d)", *self.coord_addr, self.data_port)
-        threading.Thread(target=self._ctrl_reader, daemon=True).start()
-        threading.Thread(target=self._accept_loop, daemon=True).start()
-        self.job = job = Job.from_dict(self.next_msg("job")["job"])
+        threading.Thread(target=self._ctrl_reader, daemon=True, name="ctrl-reader").start()
+        threading.Thread(target=wire.serve, daemon=True, name="accept",
+                         args=(self.listener, wire.Gate(MAX_PENDING), self._handshake,
+                               lambda: self.stopping, log)).start()
+        welcome = self.next_msg("welcome", self.handshake_s)
+        threading.Thread(target=self._heartbeat, args=(float(welcome["heartbeat_s"]),), daemon=True,
+                         name="heartbeat").start()
+        self.job = job = Job.from_dict(self.next_msg("job", float(welcome["job_within_s"]))["job"])
         self.ex = Executor(self.name, job.program, length=job.length, scratch=job.scratch, dtype=job.dtype,
-                           stop_and_wait=job.stop_and_wait, timeout_s=job.timeout_s)
+                           stop_and_wait=job.stop_and_wait, timeout_s=job.timeout_s, limit_s=job.limit_s)
         self.job_ready.set()
-        threading.Thread(target=self._heartbeat, args=(min(1.0, job.timeout_s / 4),), daemon=True).start()
         self._connect_peers()
         self.prepare(0)
         self.send({"msg": "ready"})
         for it in range(job.iterations):
-            msg = self.next_msg("go")
+            msg = self.next_msg("go", job.wait_s)
             go_ns = time.time_ns()
             if msg.get("iteration") != it:
-                raise wire.ProtocolError(f"GO for iteration {msg.get('iteration')}, expected {it}")
+                raise wire.ProtocolError(f"GO for iteration {wire.sanitize(msg.get('iteration'), 20)}, "
+                                         f"expected {it}")
             time.sleep(job.compute_for(it))
             compute_end = time.time_ns()
             timing = self.ex.run(it)
@@ -232,8 +280,12 @@ class Agent:
             self.send({"msg": "done", "iteration": it, "go_ns": go_ns, "compute_end_ns": compute_end,
                        **timing, **check})
             log.info("iteration %d done in %.3f s", it, (timing["comm_done_ns"] - timing["comm_start_ns"]) / 1e9)
-        self.next_msg("finish")
-        return 0
+        self.next_msg("finish", job.wait_s)
+        late = self.ex.late_errors()  # e.g. a frame that arrived after the last iteration
+        for e in late:
+            log.error("after the last iteration: %s", e)
+        self.send({"msg": "bye", "errors": late})
+        return 1 if late else 0
 
     def close(self) -> None:
         self.stopping = True
@@ -260,7 +312,14 @@ def main(argv: list[str] | None = None) -> int:
     with open(args.config) as f:
         cfg = json.load(f)
     setup_logging(cfg.get("name", "?"), cfg.get("log_file"))
+    clock.shift(float(cfg.get("clock_offset_ms", 0)))
     agent = None
+
+    def thread_failed(args) -> None:  # no thread dies silently: it aborts the agent
+        if agent is not None and not agent.stopping:
+            agent.abort_soon(f"thread {args.thread.name if args.thread else '?'} failed: "
+                             f"{args.exc_type.__name__}: {args.exc_value}")
+    threading.excepthook = thread_failed
     try:
         agent = Agent(cfg)
         rc = agent.run()
@@ -273,8 +332,11 @@ def main(argv: list[str] | None = None) -> int:
         log.error("failed: %s: %s", type(e).__name__, e)
         if agent and agent.ctrl:
             try:
-                agent.send({"msg": "error", "message": f"{type(e).__name__}: {e}"}, wire.ERROR)
-                agent.inbox.get(timeout=10)  # let the coordinator abort everyone first
+                agent.send({"msg": "error", "message": f"{type(e).__name__}: {e}", "peer": getattr(e, "peer", None),
+                            "stall": isinstance(e, Stalled),
+                            "status": agent.ex.status() if agent.ex else {}}, wire.ERROR)
+                # let the coordinator diagnose (it asks every agent for its status) and abort
+                agent.inbox.get(timeout=agent.silence_s)
             except (OSError, queue.Empty):
                 pass
         return 1

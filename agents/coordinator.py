@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import queue
 import socket
 import sys
@@ -48,7 +49,91 @@ TRANSFER_COLUMNS = ["iteration", "xfer", "src", "dst", "channel", "flow", "chunk
                     "send_start_ns", "send_end_ns", "send_ts_ns", "recv_start_ns", "recv_end_ns", "apply_ns"]
 WORKER_KEYS = ["go_ns", "compute_end_ns", "comm_start_ns", "comm_done_ns", "receiver", "correct", "max_abs_err",
                "digest"]
-GRACE_S = 0.3  # after a first failure, wait this long to collect related errors
+MAX_PENDING = 64  # unauthenticated connections at once; more are refused
+INT, NUM = "an integer", "a number"
+DONE_FIELDS = {"iteration": INT, "go_ns": INT, "compute_end_ns": INT, "comm_start_ns": INT, "comm_done_ns": INT,
+               "receiver": bool, "correct": bool, "max_abs_err": NUM, "digest": (str, type(None)),
+               "sends": list, "recvs": list}
+
+
+def check_done(msg: dict, transfers: dict[int, tuple[str, str]], node: str) -> str | None:
+    """Why a DONE message is malformed (missing or mistyped field, a timing row of a transfer
+    that is not this node's), or None."""
+    for key, want in DONE_FIELDS.items():
+        if key not in msg:
+            return f"missing field {key!r}"
+        v = msg[key]
+        if want == INT:
+            ok = isinstance(v, int) and not isinstance(v, bool)
+        elif want == NUM:
+            ok = isinstance(v, (int, float)) and not isinstance(v, bool)
+        else:
+            ok = isinstance(v, want)
+        if not ok:
+            what = want if isinstance(want, str) else "/".join(t.__name__ for t in (want if isinstance(want, tuple)
+                                                                                    else (want,)))
+            return f"bad field {key!r} (expected {what})"
+    for key, width, side in (("sends", 3, 0), ("recvs", 5, 1)):
+        for row in msg[key]:
+            if not (isinstance(row, list) and len(row) == width
+                    and all(isinstance(x, int) and not isinstance(x, bool) for x in row)):
+                return f"bad {key} row {wire.sanitize(row, 80)} (expected {width} integers)"
+            if transfers.get(row[0], (None, None))[side] != node:
+                return f"{key} row for transfer {row[0]}, which is not one of this node's"
+    return None
+
+
+class Failure(RunError):
+    """A failed run: ``culprit`` is the node (or "coordinator") the failure is laid to,
+    ``link`` (src, dst) the stalled link if one was found, ``results`` what completed."""
+
+    def __init__(self, message: str, culprit: str | None = None, link: tuple[str, str] | None = None):
+        super().__init__(message)
+        self.culprit, self.link, self.results = culprit, link, None
+
+
+def _off_cpu_since_start() -> float:
+    """Seconds this process has existed without running (stopped, or waiting for a CPU);
+    Linux, 0 where unknown."""
+    try:
+        f = open("/proc/self/stat").read().rsplit(")", 1)[1].split()
+        tck = os.sysconf("SC_CLK_TCK")
+        age = float(open("/proc/uptime").read().split()[0]) - int(f[19]) / tck
+        return age - (int(f[11]) + int(f[12])) / tck
+    except (OSError, ValueError, IndexError):
+        return 0.0
+
+
+class _Conn:
+    """One registered agent: its socket (the send and receive timeout is the silence limit)
+    and a sender thread, so a stopped agent never blocks the coordinator."""
+
+    def __init__(self, name: str, sock: socket.socket, addr: str, events: queue.SimpleQueue):
+        self.name, self.sock, self.addr, self.events = name, sock, addr, events
+        self.q: queue.Queue = queue.Queue()
+        self.thread = threading.Thread(target=self._send_loop, daemon=True, name=f"send-{name}")
+        self.thread.start()
+
+    def put(self, obj: dict, typ: int = wire.CTRL) -> None:
+        self.q.put((obj, typ))
+
+    def _send_loop(self) -> None:
+        kind = "?"
+        try:
+            while (item := self.q.get()) is not None:
+                kind = item[0].get("msg")
+                wire.send_json(self.sock, *item)
+        except socket.timeout:
+            self.events.put(("silent", self.name, f"cannot send {kind.upper()} to the agent at {self.addr}: no "
+                             f"byte accepted for {self.sock.gettimeout():g} s (stopped or unreachable)"))
+        except Exception as e:  # no thread dies silently
+            self.events.put(("lost", self.name, f"cannot send {kind.upper()} to the agent at {self.addr}: "
+                             f"{type(e).__name__}: {e}"))
+
+    def close(self, grace_s: float = 0.0) -> None:
+        self.q.put(None)
+        self.thread.join(grace_s)
+        wire.close_quietly(self.sock)
 
 
 class Coordinator:
@@ -59,8 +144,20 @@ class Coordinator:
     or 0 uses the port each agent reports when it registers.  ``compute_s``: node ->
     list of per-iteration compute seconds (the last value repeats; a number is allowed).
     ``secret``: bytes or str, surrounding whitespace ignored (as in a secret file).
-    ``health``: optional callable polled while waiting; a returned string fails the run
-    (e.g. "agent process h3 exited").
+    ``check_startup``: this is a process of its own (the command line): a start held up for
+    longer than the silence limit is laid to the coordinator.
+    ``health``: optional callable polled while waiting; a returned string ``"NODE: why"``
+    fails the run (e.g. "h3: agent process exited").  ``predicted_s``: the plan's predicted
+    communication time per iteration (bounds a whole iteration, with ``timeout_s``).
+
+    Deadlines: an agent (or the coordinator) silent for ``silence_s`` (= max(1.5,
+    timeout_s / 2), heartbeats every ``heartbeat_s``) is given up on, before any executor's
+    ``timeout_s`` stall limit, so a stopped node is named rather than the ones waiting for
+    it.  On a failure every live agent is asked for its status (what it awaits from whom)
+    and the failure is laid to the node that stopped: a dead or silent one, the sender of a
+    payload stalled mid-way, else the end of the chain of waits (:meth:`_diagnose`).
+    ``clock_offsets_ns``: node -> its agent's clock minus this machine's
+    (:mod:`testbed.clock`); every timestamp is reported on this machine's clock.
     """
 
     def __init__(self, plan: Plan, *, addresses: Mapping, data_port: int | None, secret: bytes | str,
@@ -68,7 +165,9 @@ class Coordinator:
                  compute_s: Mapping[str, list[float] | float] | None = None, stop_and_wait: bool = False,
                  timeout_s: float = 60.0, bind: tuple[str, int] = ("0.0.0.0", 0),
                  progress: Callable[[str], None] | None = None, register_timeout_s: float | None = None,
-                 health: Callable[[], str | None] | None = None):
+                 health: Callable[[], str | None] | None = None, predicted_s: float | None = None,
+                 handshake_s: float = wire.HANDSHAKE_TIMEOUT_S, check_startup: bool = False,
+                 clock_offsets_ns: Mapping[str, int] | None = None):
         plan.validate()
         np.dtype(dtype)
         self.plan, self.secret, self.data_port = plan, wire.as_secret(secret), data_port
@@ -79,14 +178,26 @@ class Coordinator:
                           for n, v in (compute_s or {}).items()}
         self.progress = progress or (lambda s: None)
         self.health = health
+        self.handshake_s = float(handshake_s)
+        self.check_startup = check_startup  # a process of its own: was it held up before it got going?
+        self.silence_s = max(1.5, self.timeout_s / 2)
+        self.heartbeat_s = min(1.0, self.silence_s / 6)
+        # communication of one iteration: the stall limit plus a margin over the prediction
+        self.limit_s = self.timeout_s + 4 * predicted_s if predicted_s else 10 * self.timeout_s
+        self.clock_offsets_ns = dict(clock_offsets_ns or {})
         self._peer_ip = self._resolve_addresses(addresses)
+        self._xfers = {op.xfer: (src, op.peer) for src, op in plan.transfers()}
         self.listener = socket.create_server(tuple(bind), backlog=socket.SOMAXCONN)
         self.address = self.listener.getsockname()[:2]
-        self._conns: dict[str, socket.socket] = {}
+        self._conns: dict[str, _Conn] = {}
         self._idents: dict[str, dict] = {}
         self._events: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._closed = False
+        self._stalled: str | None = None  # set when this process was stopped for longer than silence_s
+        self._iterations: list[dict] = []
+        self._rows: list[list] = []
+        self._errors: list[str] = []
 
     def _resolve_addresses(self, addresses: Mapping) -> dict[tuple[str, str], str]:
         out = {}
@@ -100,7 +211,10 @@ class Coordinator:
 
     # -- registration ----------------------------------------------------------------
     def start(self) -> "Coordinator":
-        threading.Thread(target=self._accept_loop, daemon=True, name="coord-accept").start()
+        threading.Thread(target=wire.serve, daemon=True, name="coord-accept",
+                         args=(self.listener, wire.Gate(MAX_PENDING), self._handshake,
+                               lambda: self._closed, log)).start()
+        threading.Thread(target=self._ticker, daemon=True, name="coord-heartbeat").start()
         return self
 
     def __enter__(self) -> "Coordinator":
@@ -109,14 +223,6 @@ class Coordinator:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def _accept_loop(self) -> None:
-        while not self._closed:
-            try:
-                sock, addr = self.listener.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._handshake, args=(sock, addr), daemon=True).start()
-
     def _handshake(self, sock: socket.socket, addr) -> None:
         who = f"{addr[0]}:{addr[1]}"
         name = None
@@ -124,103 +230,140 @@ class Coordinator:
         def check(ident: dict) -> None:
             nonlocal name
             if ident.get("role") != "agent" or ident.get("name") not in self.plan.nodes:
-                raise wire.ProtocolError(f"unknown agent {ident.get('name')!r}")
+                raise wire.ProtocolError(f"unknown agent {wire.sanitize(ident.get('name'), 60)!r} "
+                                         f"(expected one of {', '.join(self.plan.nodes[:8])})")
             with self._lock:
-                if self._closed or ident["name"] in self._conns:
+                if self._closed or ident["name"] in self._idents or ident["name"] == name:
                     raise wire.ProtocolError(f"agent {ident['name']} is already registered")
                 name = ident["name"]
-                self._conns[name] = sock
 
         try:
             wire.tune(sock)
-            sock.settimeout(wire.HANDSHAKE_TIMEOUT_S)
-            ident = wire.server_handshake(sock, self.secret, check)
-            sock.settimeout(None)
+            ident = wire.server_handshake(sock, self.secret, check, time.monotonic() + self.handshake_s)
+            sock.settimeout(self.silence_s)
         except (wire.ProtocolError, wire.Closed, OSError) as e:
-            log.warning("refused connection from %s: %s", who, e)
-            with self._lock:
-                if name is not None and self._conns.get(name) is sock:
-                    del self._conns[name]
+            log.warning("refused connection from %s: %s", who, wire.sanitize(e))
             wire.close_quietly(sock)
             return
         with self._lock:
+            if self._closed or name in self._conns:
+                wire.close_quietly(sock)
+                return
+            conn = self._conns[name] = _Conn(name, sock, who, self._events)
             self._idents[name] = ident
+        conn.put({"msg": "welcome", "heartbeat_s": self.heartbeat_s, "silence_s": self.silence_s,
+                  "job_within_s": self.register_timeout_s + self.silence_s})
         log.info("agent %s registered from %s", name, who)
         self._events.put(("registered", name, None))
-        threading.Thread(target=self._reader, args=(name, sock), daemon=True).start()
+        threading.Thread(target=self._reader, args=(conn,), daemon=True, name=f"read-{name}").start()
 
-    def _reader(self, name: str, sock: socket.socket) -> None:
+    def _reader(self, conn: _Conn) -> None:
+        name = conn.name
         try:
             while True:
-                h, msg = wire.recv_json(sock)
+                h, msg = wire.recv_json(conn.sock)
                 if h.type == wire.ERROR:
-                    msg = {"msg": "error", "message": str(msg.get("message", msg))}
-                self._events.put(("msg", name, msg))
+                    msg = {"msg": "error", "message": wire.sanitize(msg.get("message", msg), 2000),
+                           "stall": bool(msg.get("stall")), "status": msg.get("status"),
+                           "peer": msg.get("peer") if msg.get("peer") in self.plan.nodes else None}
+                if msg.get("msg") != "alive":
+                    self._events.put(("msg", name, msg))
+        except socket.timeout:
+            self._events.put(("silent", name, f"no heartbeat from the agent at {conn.addr} for {self.silence_s:g} s "
+                                              "(stopped or unreachable)"))
         except wire.ProtocolError as e:
-            log.error("protocol error from agent %s: %s", name, e)
-            self._events.put(("lost", name, f"protocol error: {e}"))
+            log.error("protocol error from agent %s: %s", name, wire.sanitize(e))
+            self._events.put(("lost", name, f"protocol error from the agent at {conn.addr}: {wire.sanitize(e)}"))
         except (wire.Closed, OSError) as e:
-            self._events.put(("lost", name, f"agent disconnected ({e})"))
+            self._events.put(("lost", name, f"agent at {conn.addr} disconnected ({type(e).__name__}: {e})"))
+        except Exception as e:  # no thread dies silently
+            self._events.put(("lost", name, f"reader failed: {type(e).__name__}: {wire.sanitize(e)}"))
         finally:
-            wire.close_quietly(sock)
+            wire.close_quietly(conn.sock)
+
+    def _ticker(self) -> None:
+        """Heartbeats to every agent; notices when this process itself was stopped (also
+        before it got here: a process that took longer than the silence limit to start)."""
+        last = time.monotonic()
+        off_cpu = _off_cpu_since_start() if self.check_startup else 0.0
+        if off_cpu > self.silence_s + 1:
+            self._stalled = (f"the coordinator was held up {off_cpu:.1f} s while starting (stopped or starved): "
+                             "its agents gave up on it")
+        while not self._closed:
+            time.sleep(self.heartbeat_s)
+            now = time.monotonic()
+            if now - last > self.silence_s:
+                self._stalled = (f"the coordinator itself was stopped or starved for {now - last:.1f} s: "
+                                 "its agents gave up on it")
+                self._events.put(("self", "coordinator", self._stalled))
+            last = now
+            with self._lock:
+                conns = list(self._conns.values())
+            for c in conns:
+                if c.q.empty():
+                    c.put({"msg": "alive"})
 
     def agents(self) -> dict[str, dict]:
         """Registered agents: name -> identity (``data_port``, ``pid``, ``host``)."""
         with self._lock:
             return dict(self._idents)
 
-    # -- messaging ---------------------------------------------------------------------
-    def _send(self, name: str, obj: dict, typ: int = wire.CTRL) -> None:
+    # -- waiting, with deadlines ---------------------------------------------------------
+    def _send(self, name: str, obj: dict) -> None:
+        self._conns[name].put(obj)
+
+    def _next(self, deadline: float):
+        """The next event before ``deadline`` (None if none within 0.2 s); fails on a health problem."""
         try:
-            wire.send_json(self._conns[name], obj, typ)
-        except OSError as e:
-            self._failed(f"{name}: cannot send {obj.get('msg')}: {e}")
+            ev = self._events.get(timeout=max(0.0, min(0.2, deadline - time.monotonic())))
+        except queue.Empty:
+            ev = None
+        problem = self.health() if self.health else None
+        if problem:
+            node = problem.split(":", 1)[0]
+            self._diagnose(("lost", node if node in self.plan.nodes else None, problem))
+        return ev
 
-    def _failed(self, first: str):
-        """Collect errors arriving within GRACE_S after ``first`` and raise them together."""
-        msgs, named = [first], set()
-        deadline = time.monotonic() + GRACE_S
-        while (left := deadline - time.monotonic()) > 0:
-            try:
-                kind, node, data = self._events.get(timeout=left)
-            except queue.Empty:
-                break
-            if kind == "msg" and data.get("msg") == "error":
-                msgs.append(f"{node}: {data.get('message')}")
-                named.add(node)
-            elif kind == "lost" and node not in named:
-                msgs.append(f"{node}: {data}")
-        raise RunError("; ".join(dict.fromkeys(msgs)))
-
-    def _collect(self, kind: str, nodes: list[str], timeout_s: float, iteration: int | None = None) -> dict:
-        """Wait for message ``kind`` from every node; fail on errors or ``timeout_s`` of silence."""
+    def _collect(self, kind: str, nodes: list[str], limit_s: float, iteration: int | None = None) -> dict:
+        """Wait for message ``kind`` from every node within ``limit_s``; fail on anything else."""
         got: dict[str, dict] = {}
-        start = time.monotonic()
-        last_seen = {n: start for n in nodes}
+        deadline = time.monotonic() + limit_s
         while len(got) < len(nodes):
-            try:
-                ev, node, data = self._events.get(timeout=0.2)
-            except queue.Empty:
-                ev = None
-            if ev == "msg":
-                last_seen[node] = time.monotonic()
-                m = data.get("msg")
-                if m == "error":
-                    self._failed(f"{node}: {data.get('message')}")
-                elif m == kind and data.get("iteration") == iteration:
-                    got[node] = data
-                elif m != "alive":
-                    self._failed(f"{node}: unexpected message {m!r} while waiting for {kind}")
-            elif ev == "lost":
-                self._failed(f"{node}: {data}")
-            problem = self.health() if self.health else None
-            if problem:
-                self._failed(problem)
-            now = time.monotonic()
-            silent = [n for n in nodes if n not in got and now - last_seen[n] > timeout_s]
-            if silent:
-                self._failed(f"{', '.join(silent)}: no {kind} and no heartbeat for {timeout_s:g} s "
-                             f"(hung or unreachable)")
+            if time.monotonic() > deadline:
+                missing = [n for n in nodes if n not in got]
+                self._diagnose(("deadline", missing[0], f"no {kind.upper()} from {', '.join(missing)} within "
+                                                        f"{limit_s:g} s"))
+            ev = self._next(deadline)
+            if ev is None:
+                continue
+            what, node, data = ev
+            if what in ("lost", "silent") and kind == "bye" and node in got:
+                continue  # an agent that said goodbye may close at once
+            if what != "msg":
+                if what == "registered":
+                    continue
+                self._diagnose(ev)
+            m = data.get("msg")
+            if m == "status":
+                continue  # a late answer to an earlier question
+            if m == "error":
+                self._diagnose(ev)
+            if m != kind:
+                self._diagnose(("protocol", node, f"unexpected {wire.sanitize(m, 40)!r} message while waiting "
+                                                  f"for {kind.upper()}" + (f" of iteration {iteration}"
+                                                                           if iteration is not None else "")))
+            if iteration is not None and data.get("iteration") != iteration:
+                late = isinstance(data.get("iteration"), int) and data["iteration"] < iteration
+                self._diagnose(("protocol", node, f"{'late' if late else 'unexpected'} {kind.upper()} for "
+                                                  f"iteration {wire.sanitize(data.get('iteration'), 20)} "
+                                                  f"(expected iteration {iteration})"))
+            if node in got:
+                self._diagnose(("protocol", node, f"duplicate {kind.upper()}" + (
+                    f" for iteration {iteration}" if iteration is not None else "")))
+            why = check_done(data, self._xfers, node) if kind == "done" else None
+            if why:
+                self._diagnose(("protocol", node, f"malformed DONE for iteration {iteration}: {why}"))
+            got[node] = data
         return got
 
     def _wait_registered(self) -> None:
@@ -229,23 +372,108 @@ class Coordinator:
             with self._lock:
                 missing = [n for n in self.plan.nodes if n not in self._idents]
             if not missing:
+                self.progress(f"all {len(self.plan.nodes)} agents registered")
                 return
             if time.monotonic() > deadline:
-                self._failed(f"{', '.join(missing)}: did not register within {self.register_timeout_s:g} s")
+                self._diagnose(("deadline", missing[0], f"did not register within {self.register_timeout_s:g} s"
+                                + (f" (nor did {', '.join(missing[1:])})" if missing[1:] else "")))
+            ev = self._next(deadline)
+            if ev and ev[0] != "registered" and not (ev[0] == "msg" and ev[2].get("msg") == "status"):
+                self._diagnose(ev)
+
+    # -- diagnosis -----------------------------------------------------------------------
+    def _diagnose(self, first: tuple) -> None:
+        """Ask every live agent for its status, gather what else goes wrong meanwhile, lay the
+        failure to the node that stopped, and raise :class:`Failure`."""
+        dead: dict[str, str] = {}  # node -> why it is gone (disconnected, silent, exited)
+        errors: dict[str, dict] = {}
+        statuses: dict[str, dict] = {}
+        other: list[str] = []
+        me = None
+
+        def note(ev) -> None:
+            nonlocal me
+            what, node, data = ev
+            if what == "self":
+                me = data
+            elif what in ("lost", "silent"):
+                if node is None:
+                    other.append(data)
+                else:
+                    dead.setdefault(node, data)
+            elif what == "msg" and data.get("msg") == "status":
+                statuses[node] = data
+            elif what == "msg" and data.get("msg") == "error":
+                errors.setdefault(node, data)
+            elif what in ("protocol", "deadline"):
+                other.append(f"{node}: {data}")
+            elif what == "msg" and data.get("msg") not in ("ready", "done", "bye"):
+                other.append(f"{node}: unexpected {wire.sanitize(data.get('msg'), 40)!r} message")
+
+        note(first)
+        with self._lock:
+            ask = [n for n in self._conns if n not in dead]
+        for n in ask:
+            self._conns[n].put({"msg": "status"})
+        start = time.monotonic()
+        deadline = start + max(1.5, min(5.0, self.silence_s))
+        while time.monotonic() < deadline and (any(n not in statuses and n not in dead for n in ask)
+                                               or time.monotonic() < start + 2 * self.heartbeat_s):
             try:
-                ev, node, data = self._events.get(timeout=0.2)
+                note(self._events.get(timeout=max(0.0, min(0.2, deadline - time.monotonic()))))
             except queue.Empty:
-                ev = None
-            if ev == "registered":
-                if len(self._idents) == len(self.plan.nodes):
-                    self.progress(f"all {len(self._idents)} agents registered")
-            elif ev == "lost":
-                self._failed(f"{node}: {data}")
-            elif ev == "msg" and data.get("msg") == "error":
-                self._failed(f"{node}: {data.get('message')}")
+                pass
             problem = self.health() if self.health else None
             if problem:
-                self._failed(problem)
+                node = problem.split(":", 1)[0]
+                note(("lost", node if node in self.plan.nodes else None, problem))
+        unresponsive = [n for n in ask if n not in statuses and n not in dead]
+        culprit, link, why = self._blame(first, me or self._stalled, dead, unresponsive, errors, statuses)
+        lines = [f"{culprit}: {why}" if culprit else why]
+        lines += [f"{n}: {e.get('message')}" for n, e in errors.items()]
+        lines += [f"{n}: {d}" for n, d in dead.items() if n != culprit]
+        lines += other
+        raise Failure("; ".join(dict.fromkeys(lines)), culprit, link)
+
+    def _blame(self, first, me, dead, unresponsive, errors, statuses):
+        """(culprit, link, reason) — see :meth:`_diagnose`."""
+        if me:
+            return "coordinator", None, me
+        if first[0] in ("lost", "silent") and first[1] in dead:
+            return first[1], None, dead[first[1]]
+        if dead:
+            n = next(iter(dead))
+            return n, None, dead[n]
+        if unresponsive:
+            n = unresponsive[0]
+            return n, None, f"does not answer (no status within {max(1.5, min(5.0, self.silence_s)):g} s: " \
+                            "stopped or unreachable)"
+        stalled = first[0] == "deadline" or any(e.get("stall") for e in errors.values())
+        if first[0] == "msg" and first[2].get("peer"):  # a peer sent it a bad frame
+            peer = first[2]["peer"]
+            return peer, (peer, first[1]), f"protocol violation on link {peer} -> {first[1]} (reported by {first[1]})"
+        if first[0] == "msg" and not first[2].get("stall"):
+            return first[1], None, first[2].get("message")
+        if first[0] == "protocol":
+            return first[1], None, first[2]
+        if stalled:
+            for dst, st in statuses.items():  # a payload stalled part-way: its sender stopped
+                for src, rows in (st.get("awaiting") or {}).items():
+                    for xfer, got, n in rows:
+                        if 0 < got < n:
+                            return src, (src, dst), (f"stalled mid-payload on link {src} -> {dst}: {dst} received "
+                                                     f"{got} of {n} bytes of transfer {xfer}")
+            waits = {n: set(st.get("awaiting") or ()) for n, st in statuses.items()}
+            for n, st in statuses.items():
+                for dst, rows in (st.get("sending") or {}).items():
+                    if any(0 < sent < size for _, sent, size in rows):
+                        return n, (n, dst), f"send to {dst} stalled part-way (link {n} -> {dst})"
+            for n in dict.fromkeys(p for ps in waits.values() for p in ps):  # end of a chain of waits
+                if not waits.get(n) and not (statuses.get(n) or {}).get("sending"):
+                    who = sorted(a for a, ps in waits.items() if n in ps)
+                    return n, (n, who[0]), f"sends nothing, while {', '.join(who)} wait(s) for its data"
+        node = first[1]
+        return node, None, first[2].get("message") if isinstance(first[2], dict) else first[2]
 
     # -- the run -----------------------------------------------------------------------
     def make_job(self, node: str) -> Job:
@@ -260,39 +488,72 @@ class Coordinator:
                    receivers=plan.finishing(), program=program, peers=peers,
                    scratch=dict(plan.scratch.get(node, {})), dtype=self.dtype, seed=self.seed,
                    iterations=self.iterations, compute_s=self.compute_s.get(node, []),
-                   stop_and_wait=self.stop_and_wait, timeout_s=self.timeout_s)
+                   stop_and_wait=self.stop_and_wait, timeout_s=self.timeout_s,
+                   wait_s=self._iteration_limit() + self.ready_limit() + self.silence_s, limit_s=self.limit_s)
+
+    def ready_limit(self) -> float:
+        """JOB to READY: peers connect (retrying while they start) and authenticate."""
+        return self.timeout_s + 3 * self.handshake_s
+
+    def _iteration_limit(self) -> float:
+        compute = max((max(v) for v in self.compute_s.values() if v), default=0.0)
+        return compute + self.limit_s + self.silence_s
+
+    def results(self) -> dict:
+        """What completed so far (complete after :meth:`run`)."""
+        return {"scheme": self.plan.scheme, "nodes": list(self.plan.nodes), "length": self.plan.length,
+                "dtype": self.dtype, "seed": self.seed, "stop_and_wait": self.stop_and_wait,
+                "iterations": self._iterations, "transfers": {"columns": TRANSFER_COLUMNS, "rows": self._rows},
+                "errors": self._errors}
 
     def run(self) -> dict:
-        """Run every iteration; return the results dict (see module docstring of agents)."""
+        """Run every iteration; return :meth:`results`.  Raises :class:`Failure` (a RunError
+        naming the culprit, with ``results``: what completed)."""
         nodes = list(self.plan.nodes)
         try:
             self._wait_registered()
             for n in nodes:
                 self._send(n, {"msg": "job", "job": self.make_job(n).to_dict()})
-            self._collect("ready", nodes, self.timeout_s)
+            self._collect("ready", nodes, self.ready_limit())
             self.progress(f"all {len(nodes)} agents ready")
-            iterations, rows, errors = [], [], []
             for it in range(self.iterations):
                 go_ns = time.time_ns()
                 for n in nodes:
                     self._send(n, {"msg": "go", "iteration": it})
-                done = self._collect("done", nodes, self.timeout_s, iteration=it)
-                result = self._summarise(it, go_ns, done, errors)
-                iterations.append(result)
-                rows.extend(self._transfer_rows(it, done))
+                done = self._collect("done", nodes, self._iteration_limit(), iteration=it)
+                done = {n: self._on_my_clock(n, d) for n, d in done.items()}
+                result = self._summarise(it, go_ns, done, self._errors)
+                self._iterations.append(result)
+                self._rows.extend(self._transfer_rows(it, done))
                 self.progress(f"iteration {it + 1}/{self.iterations}: cct {result['cct_s']:.4f} s, "
                               f"{'correct' if result['correct'] else 'WRONG'}")
             for n in nodes:
                 self._send(n, {"msg": "finish"})
-        except RunError as e:
+            for n, bye in self._collect("bye", nodes, self.silence_s + 2).items():
+                for e in bye.get("errors") or []:  # e.g. a late or duplicate frame after the last iteration
+                    self._errors.append(f"{n}: after the last iteration: {wire.sanitize(e)}")
+        except Failure as e:
+            e.results = self.results()
+            self._errors.append(str(e))
             self.abort(str(e))
             raise
         except BaseException as e:
             self.abort(f"coordinator failed: {e}")
             raise
-        return {"scheme": self.plan.scheme, "nodes": nodes, "length": self.plan.length, "dtype": self.dtype,
-                "seed": self.seed, "stop_and_wait": self.stop_and_wait, "iterations": iterations,
-                "transfers": {"columns": TRANSFER_COLUMNS, "rows": rows}, "errors": errors}
+        return self.results()
+
+    def _on_my_clock(self, node: str, done: dict) -> dict:
+        """``node``'s DONE with its timestamps moved from the agents' clocks to this machine's
+        (a recv row's ``send_ts_ns`` is on the sender's clock, the rest on ``node``'s)."""
+        off = self.clock_offsets_ns
+        if not off:
+            return done
+        me = off.get(node, 0)
+        return {**done, **{k: done[k] - me for k in ("go_ns", "compute_end_ns", "comm_start_ns", "comm_done_ns")
+                           if isinstance(done.get(k), int)},
+                "sends": [[x, s - me, e - me] for x, s, e in done.get("sends", ())],
+                "recvs": [[x, ts - off.get(self._xfers.get(x, (None,))[0], 0), first - me, last - me, applied - me]
+                          for x, ts, first, last, applied in done.get("recvs", ())]}
 
     def _summarise(self, it: int, go_ns: int, done: dict, errors: list) -> dict:
         receivers = self.plan.finishing()
@@ -320,24 +581,23 @@ class Coordinator:
         return rows
 
     def abort(self, reason: str) -> None:
-        """Tell every connected agent to abort (best effort) and drop the connections."""
+        """Tell every connected agent to abort (best effort, within 1 s) and drop the connections."""
         with self._lock:
             conns = list(self._conns.values())
-        for sock in conns:
-            try:
-                sock.settimeout(2.0)
-                wire.send_json(sock, {"msg": "abort", "reason": reason}, wire.ERROR)
-            except OSError:
-                pass
-            wire.close_quietly(sock)
+        for c in conns:
+            c.put({"msg": "abort", "reason": reason}, wire.ERROR)
+        deadline = time.monotonic() + 1.0
+        for c in conns:
+            c.close(max(0.0, deadline - time.monotonic()))
 
     def close(self) -> None:
         with self._lock:
             self._closed = True
             conns = list(self._conns.values())
         self.listener.close()
-        for sock in conns:
-            wire.close_quietly(sock)
+        for c in conns:
+            c.close()
+
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -356,6 +616,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--stop-and-wait", action="store_true")
     ap.add_argument("--timeout", type=float, default=60.0, help="seconds without progress before failing")
     ap.add_argument("--register-timeout", type=float, default=None)
+    ap.add_argument("--predicted", type=float, default=None, help="predicted seconds per iteration (bounds one)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s coordinator %(levelname)s %(message)s")
 
@@ -363,6 +624,9 @@ def main(argv: list[str] | None = None) -> int:
         with open(path) as f:
             return json.load(f)
 
+    from testbed.results import write_json_atomic
+
+    failure = None
     try:
         with Coordinator(Plan.from_dict(load(args.plan)), addresses=load(args.addresses),
                          data_port=args.data_port, secret=wire.load_secret(args.secret_file),
@@ -370,14 +634,25 @@ def main(argv: list[str] | None = None) -> int:
                          compute_s=load(args.compute) if args.compute else None,
                          stop_and_wait=args.stop_and_wait, timeout_s=args.timeout,
                          bind=(args.bind, args.port), register_timeout_s=args.register_timeout,
+                         predicted_s=args.predicted, check_startup=True,
                          progress=lambda s: print(s, file=sys.stderr, flush=True)) as coord:
-            results = coord.run()
+            try:
+                results = coord.run()
+            except Failure as e:  # keep what completed, with the failure
+                failure, results = e, {**e.results, "failure": {"culprit": e.culprit, "link": e.link,
+                                                                "message": str(e)}}
     except (RunError, ConfigError, OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return getattr(e, "exit_code", 1)
-    with open(args.out, "w") as f:
-        json.dump(results, f)
-    ok = all(r["correct"] for r in results["iterations"])
+    try:
+        write_json_atomic(args.out, results)
+    except OSError as e:
+        print(f"error: cannot write the results to {args.out}: {e}", file=sys.stderr)
+        return 1
+    if failure:
+        print(f"error: {failure}", file=sys.stderr)
+        return 1
+    ok = all(r["correct"] for r in results["iterations"]) and not results["errors"]
     for r in results["iterations"]:
         print(f"iteration {r['iteration']}: cct {r['cct_s']:.4f} s, iteration {r['iteration_s']:.4f} s, "
               f"{'correct' if r['correct'] else 'WRONG'}", file=sys.stderr)

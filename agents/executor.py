@@ -17,7 +17,15 @@ Every thread reports to the main loop through one event queue; the main loop fai
 progress, naming the peers and transfers it still waits for.  Progress is local: any
 bytes sent or received by this node, or any op completing.  A node that legitimately
 waits longer than ``timeout_s`` for upstream work (long unpipelined chains over slow
-links) needs a larger ``timeout_s``.
+links) needs a larger ``timeout_s``.  ``limit_s`` bounds a whole iteration (a peer
+dripping a byte now and then is progress, but not forever).  Outgoing data sockets get
+``timeout_s`` as their send timeout.
+
+Every field of a DATA header is checked against the recv op it names (transfer,
+iteration, size, phase, flow, chunk): late, duplicate and early frames are refused.
+:meth:`Executor.status` is a snapshot for the coordinator's diagnosis of a stall: which
+transfers are still awaited from whom (and how many bytes of each arrived), which sends are
+not completed.
 """
 
 from __future__ import annotations
@@ -49,6 +57,10 @@ class ExecError(Exception):
     """The program could not complete: timeout, a peer connection closed, an abort."""
 
 
+class Stalled(ExecError):
+    """No progress for ``timeout_s``, or an iteration over its limit."""
+
+
 def _summary(ids_by_peer: dict[str, list[int]]) -> str:
     parts = []
     for peer, ids in sorted(ids_by_peer.items()):
@@ -61,12 +73,14 @@ class Executor:
     """State of one node: buffers, connections and the program's dependency graph."""
 
     def __init__(self, name: str, program: list[Op], *, length: int, scratch: dict[str, int] | None = None,
-                 dtype="float32", stop_and_wait: bool = False, timeout_s: float = 60.0):
+                 dtype="float32", stop_and_wait: bool = False, timeout_s: float = 60.0,
+                 limit_s: float | None = None):
         self.name = name
         self.prog = list(program)
         self.dtype = np.dtype(dtype)
         self.stop_and_wait = stop_and_wait
         self.timeout_s = timeout_s
+        self.limit_s = limit_s
         self.bufs = {"x": np.zeros(length, self.dtype)}
         self.bufs.update({b: np.zeros(n, self.dtype) for b, n in (scratch or {}).items()})
         pos = {op.id: i for i, op in enumerate(self.prog)}
@@ -93,6 +107,10 @@ class Executor:
         self._lock = threading.Lock()
         self._closing = False
         self._progress = time.monotonic()  # last time any thread moved bytes or posted an event
+        self._rx_bytes = [0] * len(self.prog)  # bytes of the current iteration's data arrived, per recv op
+        self._rx_iter = [-1] * len(self.prog)  # iteration _rx_bytes counts
+        self._tx_bytes = [0] * len(self.prog)  # bytes sent, per send op
+        self._queued: set[int] = set()
         self.iteration = 0  # the iteration whose data receivers accept
 
     # -- connections -----------------------------------------------------------
@@ -110,6 +128,7 @@ class Executor:
                    default=0.0)
         if rate > 0:  # TCP paces internally (no fq needed) once a maximum rate is set
             sock.setsockopt(socket.SOL_SOCKET, SO_MAX_PACING_RATE, int(rate * 1e6 / 8))
+        sock.settimeout(self.timeout_s)  # a send that moves no byte for timeout_s fails
         with self._lock:
             if key not in self._out_keys or key in self._senders:
                 raise ProtocolError(f"no (further) data connection to {peer} channel {channel} expected")
@@ -133,12 +152,18 @@ class Executor:
                          name=f"recv-{peer}-{channel}").start()
 
     # -- threads -------------------------------------------------------------
-    def _tick(self) -> None:
+    def _tick(self, _n: int = 0) -> None:
         self._progress = time.monotonic()
 
     def _fail(self, exc: Exception) -> None:
         if not self._closing:
             self._events.put(("error", exc))
+
+    def _count(self, counts: list[int], i: int):
+        def progress(n: int) -> None:
+            counts[i] = n
+            self._progress = time.monotonic()
+        return progress
 
     def _send_loop(self, key: tuple[str, int], sock: socket.socket, q: queue.SimpleQueue) -> None:
         peer, ch = key
@@ -149,8 +174,9 @@ class Executor:
                 i, it = item
                 op, view = self.prog[i], self._views[i]
                 start = time.time_ns()
+                self._tx_bytes[i] = 0
                 send_frame(sock, Header(DATA, phase_code(op.phase), flags, it, op.xfer, op.flow, op.chunk,
-                                        view.nbytes, start), view, self._tick)
+                                        view.nbytes, start), view, self._count(self._tx_bytes, i))
                 if self.stop_and_wait:
                     a = recv_header(sock, hbuf, 0)
                     if a.type != ACK or a.xfer != op.xfer or a.op_id != it:
@@ -162,8 +188,13 @@ class Executor:
         except ProtocolError as e:
             log.error("protocol error on data connection to %s (channel %d): %s", peer, ch, e)
             self._fail(ProtocolError(f"data connection to {peer} (channel {ch}): {e}"))
+        except socket.timeout:
+            self._fail(ExecError(f"send to {peer} (channel {ch}) stalled: no byte accepted for "
+                                 f"{self.timeout_s:g} s"))
         except OSError as e:
             self._fail(ExecError(f"data connection to {peer} (channel {ch}) failed: {e}"))
+        except Exception as e:  # no thread dies silently
+            self._fail(ExecError(f"sender to {peer} (channel {ch}) failed: {type(e).__name__}: {e}"))
         finally:
             close_quietly(sock)
 
@@ -181,13 +212,11 @@ class Executor:
                 i = expect.get(h.xfer)
                 if i is None:
                     raise ProtocolError(f"unknown transfer {h.xfer}")
+                self._check(h, i)
                 buf = self._rbuf[i]
-                if h.payload_len != buf.nbytes:
-                    raise ProtocolError(f"transfer {h.xfer} has {h.payload_len} bytes, expected {buf.nbytes}")
-                if h.op_id != self.iteration or self._got[i] == h.op_id:
-                    raise ProtocolError(f"transfer {h.xfer} of iteration {h.op_id} not expected now "
-                                        f"(iteration {self.iteration})")
-                recv_into_exact(sock, memoryview(buf).cast("B"), f"transfer {h.xfer}", self._tick)
+                self._rx_iter[i], self._rx_bytes[i] = h.op_id, 0
+                recv_into_exact(sock, memoryview(buf).cast("B"), f"transfer {h.xfer}",
+                                self._count(self._rx_bytes, i))
                 last = time.time_ns()
                 self._got[i] = h.op_id
                 if h.flags & FLAG_ACK_REQ:
@@ -199,13 +228,37 @@ class Executor:
             self._fail(ExecError(f"data connection from {peer} (channel {ch}) closed by peer"))
         except ProtocolError as e:
             log.error("protocol error from %s (channel %d): %s; closing the connection", peer, ch, e)
-            self._fail(ProtocolError(f"from {peer} (channel {ch}): {e}"))
+            err = ProtocolError(f"from {peer} (channel {ch}): {e}")
+            err.peer = peer  # the sender of the bad frame: the coordinator blames it
+            self._fail(err)
         except OSError as e:
             if not self._closing:
                 log.error("data connection from %s (channel %d) failed: %s", peer, ch, e)
             self._fail(ExecError(f"data connection from {peer} (channel {ch}) failed: {e}"))
+        except Exception as e:  # no thread dies silently
+            self._fail(ExecError(f"receiver from {peer} (channel {ch}) failed: {type(e).__name__}: {e}"))
         finally:
             close_quietly(sock)
+
+    def _check(self, h: Header, i: int) -> None:
+        """Every header field against recv op ``i`` (the transfer it names)."""
+        op, want = self.prog[i], self._rbuf[i].nbytes
+        if h.payload_len != want:
+            raise ProtocolError(f"transfer {h.xfer} has {h.payload_len} bytes, expected {want}")
+        if h.op_id < self.iteration:
+            raise ProtocolError(f"late frame: transfer {h.xfer} of iteration {h.op_id} arrived in "
+                                f"iteration {self.iteration}")
+        if h.op_id > self.iteration:
+            raise ProtocolError(f"early frame: transfer {h.xfer} of iteration {h.op_id} arrived in "
+                                f"iteration {self.iteration}")
+        if self._got[i] == h.op_id:
+            raise ProtocolError(f"duplicate frame: transfer {h.xfer} of iteration {h.op_id} arrived twice")
+        fields = {"phase": (h.phase, phase_code(op.phase)), "flow": (h.flow, op.flow),
+                  "chunk": (h.chunk, op.chunk), "route": (h.route, ()),
+                  "flags": (h.flags & FLAG_ACK_REQ, FLAG_ACK_REQ if self.stop_and_wait else 0)}
+        for key, (got, exp) in fields.items():
+            if got != exp:
+                raise ProtocolError(f"transfer {h.xfer}: {key} {got}, expected {exp}")
 
     # -- main loop -----------------------------------------------------------------
     def prepare(self, x: np.ndarray | None) -> None:
@@ -224,6 +277,7 @@ class Executor:
 
     def run(self, iteration: int) -> dict:
         """Execute the program once; return timings.  Raises ExecError/ProtocolError."""
+        started = time.monotonic()
         if iteration != self.iteration:
             raise ExecError(f"iteration {iteration} run out of order (expected {self.iteration})")
         missing = self._out_keys - self._senders.keys()
@@ -234,7 +288,7 @@ class Executor:
         ready = deque(i for i, n in enumerate(waiting) if n == 0)
         arrived: dict[int, tuple[int, int, int]] = {}
         blocked: set[int] = set()  # ready recv ops whose data has not arrived
-        queued: set[int] = set()  # sends handed to a sender, not yet completed
+        queued = self._queued = set()  # sends handed to a sender, not yet completed
         sends, recvs = [], []
         done = 0
         comm_start = time.time_ns()
@@ -275,7 +329,10 @@ class Executor:
                 ev = self._events.get(timeout=poll)
             except queue.Empty:
                 if time.monotonic() - self._progress > self.timeout_s:
-                    raise ExecError(self._stall_message(queued, done)) from None
+                    raise Stalled(self._stall_message(queued, done)) from None
+                if self.limit_s and time.monotonic() - started > self.limit_s:
+                    raise Stalled(f"iteration {iteration} not done within its limit of {self.limit_s:g} s; "
+                                    + self._stall_message(queued, done)) from None
                 continue
             self._tick()
             if ev[0] == "sent":
@@ -294,6 +351,33 @@ class Executor:
                 raise ev[1]
         self.iteration = iteration + 1
         return {"comm_start_ns": comm_start, "comm_done_ns": time.time_ns(), "sends": sends, "recvs": recvs}
+
+    def status(self) -> dict:
+        """What this node still waits for: ``awaiting`` {peer: [[xfer, bytes arrived, bytes]]}
+        (data of the current iteration not yet received) and ``sending`` {peer: [[xfer,
+        bytes sent, bytes]]} (sends handed over, not completed); ``idle_s`` since progress."""
+        awaiting: dict[str, list] = defaultdict(list)
+        sending: dict[str, list] = defaultdict(list)
+        for i, op in enumerate(self.prog):
+            if op.kind == RECV and self._got[i] != self.iteration:
+                got = self._rx_bytes[i] if self._rx_iter[i] == self.iteration else 0
+                awaiting[op.peer].append([op.xfer, got, int(self._rbuf[i].nbytes)])
+        for i in list(self._queued):
+            sending[self.prog[i].peer].append([self.prog[i].xfer, self._tx_bytes[i], int(self._views[i].nbytes)])
+        return {"iteration": self.iteration, "idle_s": round(time.monotonic() - self._progress, 3),
+                "awaiting": dict(awaiting), "sending": dict(sending)}
+
+    def late_errors(self) -> list[str]:
+        """Protocol violations threads posted after the last :meth:`run` returned (e.g. a late
+        frame); peers closing their connections once done is no violation."""
+        out = []
+        while True:
+            try:
+                ev = self._events.get_nowait()
+            except queue.Empty:
+                return out
+            if ev[0] == "error" and isinstance(ev[1], ProtocolError):
+                out.append(f"{type(ev[1]).__name__}: {ev[1]}")
 
     def _stall_message(self, queued: set[int], done: int) -> str:
         awaited: dict[str, list[int]] = defaultdict(list)

@@ -22,6 +22,7 @@ from pathlib import Path
 from testbed.errors import RunError
 from testbed.plan import Plan
 
+from . import wire
 from .coordinator import Coordinator
 
 REPO = Path(__file__).resolve().parent.parent
@@ -37,11 +38,12 @@ class LocalCluster:
 
     def __init__(self, plan: Plan, *, iterations: int = 1, seed: int = 0, dtype: str = "float32",
                  timeout_s: float = 30.0, stop_and_wait: bool = False, compute_s=None, progress=None,
-                 external: tuple[str, ...] = ()):
+                 external: tuple[str, ...] = (), handshake_s: float | None = None):
         self.plan = plan
         self.external = set(external)
         self.options = dict(iterations=iterations, seed=seed, dtype=dtype, timeout_s=timeout_s,
                             stop_and_wait=stop_and_wait, compute_s=compute_s, progress=progress)
+        self.handshake_s = handshake_s or wire.HANDSHAKE_TIMEOUT_S  # agents' and coordinator's (tests shorten it)
         self.procs: dict[str, subprocess.Popen] = {}
         self.logs: dict[str, Path] = {}
         self.coordinator: Coordinator | None = None
@@ -68,7 +70,8 @@ class LocalCluster:
         addresses = {n: local_address(i) for i, n in enumerate(self.plan.nodes)}
         self.coordinator = Coordinator(self.plan, addresses=addresses, data_port=None, secret=secret,
                                        bind=("127.0.0.1", 0), health=self._health,
-                                       register_timeout_s=max(30.0, timeout_s), **self.options)
+                                       register_timeout_s=max(30.0, timeout_s),
+                                       handshake_s=self.handshake_s, **self.options)
         self.coordinator.start()
         host, port = self.coordinator.address
         env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
@@ -77,7 +80,8 @@ class LocalCluster:
                 continue
             cfg = self.tmp / f"{n}.json"
             cfg.write_text(json.dumps({"name": n, "coordinator": f"{host}:{port}", "data_port": 0,
-                                       "bind": addresses[n], "secret_file": str(secret_file)}))
+                                       "bind": addresses[n], "secret_file": str(secret_file),
+                                       "handshake_timeout_s": self.handshake_s}))
             self.logs[n] = self.tmp / f"{n}.log"
             with open(self.logs[n], "wb") as log:
                 self.procs[n] = subprocess.Popen([sys.executable, "-m", "agents.agent", "--config", str(cfg)],
@@ -103,7 +107,8 @@ class LocalCluster:
             named = [n for n in self.logs if re.search(rf"\b{re.escape(n)}\b", str(e))]
             time.sleep(0.2)  # let the agents log their side
             tails = "".join(f"\n--- {n} log ---\n{self.log_tail(n)}" for n in named[:4])
-            raise RunError(f"{e}{tails}") from None
+            e.args = (f"{e}{tails}",)  # the same error (culprit, link, results kept), logs appended
+            raise
 
     def close(self) -> None:
         if self.coordinator:

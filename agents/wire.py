@@ -22,6 +22,9 @@ off   size    field          meaning
 57    7       (reserved)     zero
 ====  ======  =============  ====================================================
 
+Every field is checked on receipt (unknown flag bits, a non-zero reserved byte or an unused
+route entry are refused); only ``send_ts_ns`` is a measurement that cannot be checked.
+
 Receivers never allocate from an untrusted length: :func:`decode_header` rejects
 ``payload_len`` above a caller-given maximum, DATA payloads are read with
 ``recv_into`` straight into a preallocated buffer of the expected size, and CTRL
@@ -37,22 +40,28 @@ over a per-run shared secret, mutual:
    server -> client  AUTH   mac_s = HMAC-SHA256(secret, "server" + nonce_s + nonce_c + identity)
    or ERROR with a reason and closes.
 4. client checks mac_s.
+
+A whole handshake has one deadline (``HANDSHAKE_TIMEOUT_S``), not one per read: a client
+dripping a byte at a time is dropped when it passes.  Text a peer sends is untrusted:
+:func:`sanitize` it before logging.
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import hmac
 import json
 import os
 import socket
 import struct
+import threading
 import time
 from typing import Callable, NamedTuple
 
 MAGIC = b"TBW1"
 VERSION = 1
-HEADER_FMT = "!4sBBBBIIIIQQB8H7x"
+HEADER_FMT = "!4sBBBBIIIIQQB8H7s"
 HEADER = struct.Struct(HEADER_FMT)
 HEADER_SIZE = HEADER.size  # 64
 ROUTE_MAX = 8
@@ -60,6 +69,8 @@ ROUTE_MAX = 8
 HELLO, AUTH, CTRL, DATA, ACK, ERROR = 1, 2, 3, 4, 5, 6
 TYPE_NAMES = {HELLO: "HELLO", AUTH: "AUTH", CTRL: "CTRL", DATA: "DATA", ACK: "ACK", ERROR: "ERROR"}
 FLAG_ACK_REQ = 0x01
+FLAGS_KNOWN = FLAG_ACK_REQ
+RESERVED = bytes(7)
 
 PHASES = ("", "reduce", "bcast", "reduce-scatter", "all-gather", "scatter", "gather", "relay")
 PHASE_OTHER = 255
@@ -80,6 +91,15 @@ class ProtocolError(Exception):
 
 class Closed(ConnectionError):
     """The peer closed the connection cleanly at a frame boundary."""
+
+
+def sanitize(text, limit: int = 300) -> str:
+    """Untrusted text made safe to log on one line: control and non-ASCII characters escaped
+    (no forged log lines, no terminal escapes), at most ``limit`` characters kept."""
+    text = text if isinstance(text, str) else str(text)
+    out = text[:limit].encode("ascii", "backslashreplace").decode("ascii")
+    out = "".join(c if 32 <= ord(c) < 127 else f"\\x{ord(c):02x}" for c in out)
+    return out + (f"... ({len(text)} characters)" if len(text) > limit else "")
 
 
 class Header(NamedTuple):
@@ -105,7 +125,7 @@ def encode_header(h: Header) -> bytes:
         raise ValueError(f"source route longer than {ROUTE_MAX} hops")
     return HEADER.pack(MAGIC, VERSION, h.type, h.phase, h.flags, h.op_id, h.xfer, h.flow,
                        h.chunk, h.payload_len, h.send_ts_ns, len(route),
-                       *(route + (0,) * (ROUTE_MAX - len(route))))
+                       *(route + (0,) * (ROUTE_MAX - len(route))), RESERVED)
 
 
 def decode_header(buf, max_payload: int) -> Header:
@@ -113,7 +133,7 @@ def decode_header(buf, max_payload: int) -> Header:
     if len(buf) != HEADER_SIZE:
         raise ProtocolError(f"header is {len(buf)} bytes, expected {HEADER_SIZE}")
     (magic, version, typ, phase, flags, op_id, xfer, flow, chunk, plen, ts, rlen,
-     *route) = HEADER.unpack(buf)
+     *route, reserved) = HEADER.unpack(buf)
     if magic != MAGIC:
         raise ProtocolError(f"bad magic {bytes(magic)!r}")
     if version != VERSION:
@@ -124,46 +144,66 @@ def decode_header(buf, max_payload: int) -> Header:
         raise ProtocolError(f"{TYPE_NAMES[typ]} payload of {plen} bytes exceeds the limit of {max_payload}")
     if rlen > ROUTE_MAX:
         raise ProtocolError(f"route length {rlen} exceeds {ROUTE_MAX}")
+    if any(route[rlen:]):
+        raise ProtocolError(f"unused route entries are not zero (route length {rlen})")
+    if flags & ~FLAGS_KNOWN:
+        raise ProtocolError(f"unknown flags 0x{flags:02x}")
+    if phase >= len(PHASES) and phase != PHASE_OTHER:
+        raise ProtocolError(f"unknown phase code {phase}")
+    if reserved != RESERVED:
+        raise ProtocolError("reserved header bytes are not zero")
     return Header(typ, phase, flags, op_id, xfer, flow, chunk, plen, ts, tuple(route[:rlen]))
 
 
 # -- socket I/O ----------------------------------------------------------------
+def arm(sock: socket.socket, deadline: float | None) -> None:
+    """Before one blocking call: give ``sock`` the time left until ``deadline`` (monotonic;
+    None: leave the socket's timeout as it is); socket.timeout if it has passed."""
+    if deadline is not None:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise socket.timeout("deadline passed")
+        sock.settimeout(left)
+
+
 def recv_into_exact(sock: socket.socket, mv: memoryview, what: str = "payload",
-                    progress: Callable[[], None] | None = None) -> None:
+                    progress: Callable[[int], None] | None = None, deadline: float | None = None) -> None:
     """Fill ``mv`` (a byte memoryview) from ``sock``; raise ProtocolError on early EOF.
-    ``progress()`` is called after every successful ``recv_into``."""
+    ``progress(bytes so far)`` is called after every successful ``recv_into``."""
     n, pos = mv.nbytes, 0
     while pos < n:
+        arm(sock, deadline)
         got = sock.recv_into(mv[pos:], n - pos)
         if not got:
             raise ProtocolError(f"connection closed in the middle of a {what} ({pos} of {n} bytes)")
         pos += got
         if progress:
-            progress()
+            progress(pos)
 
 
-def recv_header(sock: socket.socket, buf: bytearray, max_payload: int) -> Header:
+def recv_header(sock: socket.socket, buf: bytearray, max_payload: int, deadline: float | None = None) -> Header:
     """Read one header into ``buf`` (64 bytes, reused).  Raises Closed on a clean EOF."""
     mv = memoryview(buf)
+    arm(sock, deadline)
     got = sock.recv_into(mv, HEADER_SIZE)
     if not got:
         raise Closed("connection closed by peer")
     if got < HEADER_SIZE:
-        recv_into_exact(sock, mv[got:], "header")
+        recv_into_exact(sock, mv[got:], "header", deadline=deadline)
     return decode_header(buf, max_payload)
 
 
 def send_frame(sock: socket.socket, header: Header, payload=None,
-               progress: Callable[[], None] | None = None) -> None:
+               progress: Callable[[int], None] | None = None, deadline: float | None = None) -> None:
     """Send header + payload with ``sendmsg`` (no copy of the payload), looping on partial sends.
 
     ``payload`` is anything exposing a C-contiguous buffer (bytes, a numpy slice).  With
     ``progress``, the payload goes in slices of at most ``SEND_SLICE`` bytes and
-    ``progress()`` is called after each ``sendmsg`` (a long send still shows progress)."""
+    ``progress(payload bytes sent)`` is called after each ``sendmsg`` (a long send still shows
+    progress).  A send blocked longer than the socket's timeout raises socket.timeout."""
     hdr = encode_header(header)
     if payload is None:
-        sock.sendall(hdr)
-        return
+        payload = b""
     body = memoryview(payload).cast("B")
     hlen, total, off = len(hdr), len(hdr) + body.nbytes, 0
     step = SEND_SLICE if progress else total
@@ -172,9 +212,10 @@ def send_frame(sock: socket.socket, header: Header, payload=None,
         parts = [body[start:start + step]]
         if off < hlen:
             parts.insert(0, memoryview(hdr)[off:])
+        arm(sock, deadline)
         off += sock.sendmsg(parts)
         if progress:
-            progress()
+            progress(max(0, off - hlen))
 
 
 def send_json(sock: socket.socket, obj, typ: int = CTRL, op_id: int = 0) -> None:
@@ -182,11 +223,20 @@ def send_json(sock: socket.socket, obj, typ: int = CTRL, op_id: int = 0) -> None
     send_frame(sock, Header(typ, op_id=op_id, payload_len=len(data), send_ts_ns=time.time_ns()), data)
 
 
-def recv_payload(sock: socket.socket, h: Header) -> bytes:
+def recv_payload(sock: socket.socket, h: Header, deadline: float | None = None) -> bytes:
     """Read a (size-capped, already validated) control payload."""
     buf = bytearray(h.payload_len)
-    recv_into_exact(sock, memoryview(buf))
+    recv_into_exact(sock, memoryview(buf), deadline=deadline)
     return bytes(buf)
+
+
+def loads(data: bytes):
+    """JSON from a peer; ProtocolError for anything malformed, including nesting too deep
+    for the parser (RecursionError)."""
+    try:
+        return json.loads(data)
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise ProtocolError(f"malformed JSON payload: {sanitize(e, 120)}") from None
 
 
 def recv_json(sock: socket.socket, max_payload: int = CTRL_MAX) -> tuple[Header, dict]:
@@ -194,10 +244,7 @@ def recv_json(sock: socket.socket, max_payload: int = CTRL_MAX) -> tuple[Header,
     h = recv_header(sock, bytearray(HEADER_SIZE), max_payload)
     if h.type not in (CTRL, ERROR):
         raise ProtocolError(f"expected a CTRL frame, got {TYPE_NAMES[h.type]}")
-    try:
-        obj = json.loads(recv_payload(sock, h))
-    except (UnicodeDecodeError, ValueError) as e:
-        raise ProtocolError(f"malformed JSON payload: {e}") from None
+    obj = loads(recv_payload(sock, h))
     if not isinstance(obj, dict):
         raise ProtocolError("CTRL payload is not a JSON object")
     return h, obj
@@ -226,33 +273,33 @@ def _mac(secret: bytes, role: bytes, nonce_s: bytes, nonce_c: bytes, ident: byte
     return hmac.new(secret, role + nonce_s + nonce_c + ident, hashlib.sha256).digest()
 
 
-def _recv_small(sock: socket.socket, want: int) -> bytes:
-    h = recv_header(sock, bytearray(HEADER_SIZE), AUTH_MAX)
+def _recv_small(sock: socket.socket, want: int, deadline: float | None) -> bytes:
+    h = recv_header(sock, bytearray(HEADER_SIZE), AUTH_MAX, deadline)
     if h.type == ERROR:
-        raise ProtocolError(f"refused by peer: {recv_payload(sock, h).decode(errors='replace')}")
+        raise ProtocolError(f"refused by peer: {sanitize(recv_payload(sock, h, deadline).decode(errors='replace'))}")
     if h.type != want:
         raise ProtocolError(f"expected {TYPE_NAMES[want]} during handshake, got {TYPE_NAMES[h.type]}")
-    return recv_payload(sock, h)
+    return recv_payload(sock, h, deadline)
 
 
-def server_handshake(sock: socket.socket, secret: bytes,
-                     check: Callable[[dict], None] | None = None) -> dict:
+def server_handshake(sock: socket.socket, secret: bytes, check: Callable[[dict], None] | None = None,
+                     deadline: float | None = None) -> dict:
     """Authenticate the client on ``sock``; return its identity dict.
 
     ``check(identity)`` may raise ProtocolError to refuse an unexpected identity.  On any
     failure an ERROR frame is sent (best effort) and ProtocolError raised; the caller
-    closes the socket."""
+    closes the socket.  ``deadline`` (monotonic) bounds the whole exchange."""
     nonce_s = os.urandom(NONCE_LEN)
-    send_frame(sock, Header(HELLO, payload_len=NONCE_LEN), nonce_s)
-    body = _recv_small(sock, AUTH)
+    send_frame(sock, Header(HELLO, payload_len=NONCE_LEN), nonce_s, deadline=deadline)
+    body = _recv_small(sock, AUTH, deadline)
     mac, nonce_c, ident = body[:MAC_LEN], body[MAC_LEN:MAC_LEN + NONCE_LEN], body[MAC_LEN + NONCE_LEN:]
     try:
         if len(nonce_c) != NONCE_LEN or not hmac.compare_digest(
                 mac, _mac(secret, b"client", nonce_s, nonce_c, ident)):
             raise ProtocolError("authentication failed (wrong or missing secret)")
         try:
-            identity = json.loads(ident)
-        except ValueError:
+            identity = loads(ident)
+        except ProtocolError:
             identity = None
         if not isinstance(identity, dict):
             raise ProtocolError("malformed identity")
@@ -260,50 +307,54 @@ def server_handshake(sock: socket.socket, secret: bytes,
             check(identity)
     except ProtocolError as e:
         try:
-            send_frame(sock, Header(ERROR, payload_len=len(str(e).encode())), str(e).encode())
+            send_frame(sock, Header(ERROR, payload_len=len(str(e).encode())), str(e).encode(), deadline=deadline)
         except OSError:
             pass
         raise
     reply = _mac(secret, b"server", nonce_s, nonce_c, ident)
-    send_frame(sock, Header(AUTH, payload_len=MAC_LEN), reply)
+    send_frame(sock, Header(AUTH, payload_len=MAC_LEN), reply, deadline=deadline)
     return identity
 
 
-def client_handshake(sock: socket.socket, secret: bytes, identity: dict) -> None:
+def client_handshake(sock: socket.socket, secret: bytes, identity: dict, deadline: float | None = None) -> None:
     """Authenticate to the server on ``sock`` as ``identity`` and check the server's proof."""
-    nonce_s = _recv_small(sock, HELLO)
+    nonce_s = _recv_small(sock, HELLO, deadline)
     if len(nonce_s) != NONCE_LEN:
         raise ProtocolError("malformed HELLO")
     nonce_c = os.urandom(NONCE_LEN)
     ident = json.dumps(identity, separators=(",", ":"), sort_keys=True).encode()
     body = _mac(secret, b"client", nonce_s, nonce_c, ident) + nonce_c + ident
-    send_frame(sock, Header(AUTH, payload_len=len(body)), body)
-    proof = _recv_small(sock, AUTH)
+    send_frame(sock, Header(AUTH, payload_len=len(body)), body, deadline=deadline)
+    proof = _recv_small(sock, AUTH, deadline)
     if not hmac.compare_digest(proof, _mac(secret, b"server", nonce_s, nonce_c, ident)):
         raise ProtocolError("server failed authentication (wrong secret?)")
 
 
-def connect(addr: tuple[str, int], secret: bytes, identity: dict, *, timeout_s: float = 10.0,
+def connect(addr: tuple[str, int], secret: bytes, identity: dict, *, timeout_s: float = HANDSHAKE_TIMEOUT_S,
             retry_s: float = 0.0) -> socket.socket:
-    """Open a TCP connection to ``addr`` and authenticate; retry refused connects for ``retry_s``."""
-    deadline = time.monotonic() + retry_s
+    """Open a TCP connection to ``addr`` and authenticate within ``timeout_s`` (one deadline
+    for connect and handshake); retry for ``retry_s`` while the server is not listening yet
+    or drops the connection before authenticating (it is busy: at its cap of pending
+    handshakes).  Errors say the address; a wrong secret is not retried."""
+    give_up = time.monotonic() + retry_s
+    where = f"{addr[0]}:{addr[1]}"
     while True:
+        deadline = time.monotonic() + timeout_s
+        sock = None
         try:
             sock = socket.create_connection(addr, timeout=timeout_s)
-            break
-        except OSError:
-            if time.monotonic() >= deadline:
-                raise
+            tune(sock)
+            client_handshake(sock, secret, identity, deadline)
+            sock.settimeout(None)
+            return sock
+        except ProtocolError as e:
+            close_quietly(sock)
+            raise ProtocolError(f"{where}: {e}") from None
+        except (OSError, ValueError) as e:
+            close_quietly(sock)
+            if time.monotonic() >= give_up or isinstance(e, socket.timeout):
+                raise ConnectionError(f"cannot connect to {where}: {type(e).__name__}: {e}") from None
             time.sleep(0.1)
-    try:
-        tune(sock)
-        sock.settimeout(HANDSHAKE_TIMEOUT_S)
-        client_handshake(sock, secret, identity)
-        sock.settimeout(None)
-        return sock
-    except BaseException:
-        sock.close()
-        raise
 
 
 def close_quietly(sock: socket.socket | None) -> None:
@@ -315,3 +366,53 @@ def close_quietly(sock: socket.socket | None) -> None:
     except OSError:
         pass
     sock.close()
+
+
+class Gate:
+    """A fixed cap on unauthenticated connections: ``admit()`` is False when ``limit``
+    handshakes are already pending (the caller refuses the connection at once)."""
+
+    def __init__(self, limit: int):
+        self._slots = threading.BoundedSemaphore(limit)
+
+    def admit(self) -> bool:
+        return self._slots.acquire(blocking=False)
+
+    def release(self) -> None:
+        self._slots.release()
+
+
+def serve(listener: socket.socket, gate: Gate, handshake: Callable[[socket.socket, tuple], None],
+          stopping: Callable[[], bool], log) -> None:
+    """Accept loop: one short-lived thread per admitted connection runs ``handshake(sock,
+    addr)`` (which must bound itself with a deadline); connections over the cap are closed
+    at once.  Survives any exception (a thread that cannot start, too many open files);
+    returns when the listener is closed or ``stopping()``."""
+    def run(sock, addr):
+        try:
+            handshake(sock, addr)
+        except BaseException as e:  # never let a handshake thread die silently
+            log.error("handshake with %s:%s failed: %s: %s", addr[0], addr[1], type(e).__name__, sanitize(e))
+            close_quietly(sock)
+        finally:
+            gate.release()
+
+    while not stopping():
+        try:
+            sock, addr = listener.accept()
+        except OSError as e:
+            if stopping() or listener.fileno() < 0 or e.errno in (errno.EBADF, errno.EINVAL):
+                return
+            log.warning("accept failed: %s", e)  # e.g. EMFILE: back off, keep serving
+            time.sleep(0.05)
+            continue
+        if not gate.admit():
+            log.warning("refused connection from %s:%s: too many pending handshakes", *addr[:2])
+            close_quietly(sock)
+            continue
+        try:
+            threading.Thread(target=run, args=(sock, addr), daemon=True, name="handshake").start()
+        except BaseException as e:
+            gate.release()
+            close_quietly(sock)
+            log.warning("refused connection from %s:%s: %s", addr[0], addr[1], e)

@@ -6,6 +6,8 @@
   prediction (``costmodel.alpha_beta``) and the flow-level prediction.
 * ``planner`` — MTREE planner (tree generation + MILP) time on the 40-node, 231-link
   IDN-like topology, and every scheme's planning time on NetStorm's 9-DC overlay.
+* ``chaos`` / ``fuzz`` — ``testbed.chaos``: 100 seeded SIGSTOP/SIGKILL trials on loopback
+  (share ending right, time to end); 10^5 mutated wire frames (share detected per field).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from pathlib import Path
 
 from typing import Callable
 
+from testbed.chaos import bench_chaos, bench_fuzz
 from testbed.emulator.hosts import EmulatedHosts
 from testbed.hosts import run_agents
 from testbed.results import environment
@@ -98,7 +101,8 @@ def bench_planner(out: Path, progress) -> dict:
     return result
 
 
-BENCHES = {"dataplane": bench_dataplane, "ring": bench_ring, "planner": bench_planner}
+BENCHES = {"dataplane": bench_dataplane, "ring": bench_ring, "planner": bench_planner, "chaos": bench_chaos,
+           "fuzz": bench_fuzz}
 
 
 def run_bench(name: str, out: Path, progress: Callable[[str], None] = lambda m: None) -> dict:

@@ -155,8 +155,11 @@ def _num(value, width: int, digits: int) -> str:
 
 def cmd_validate(args) -> int:
     from testbed import config
+    from testbed.experiment import plan_variants
 
     exp = config.load_experiment(args.experiment, args.overrides)
+    for point in [p["experiment"] for p in exp.sweep["points"]] if exp.sweep else [exp]:
+        plan_variants(point, lambda m: None, source=args.experiment)  # what planning rejects, before any run
     t = exp.topology
     print(f"{args.experiment}: ok — scheme {exp.scheme['name']}, topology {t.name} "
           f"({len(t.nodes)} datacenters, {len(t.links)} links), "
@@ -184,9 +187,10 @@ def cmd_plan(args) -> int:
 
 
 def _print_plan(exp: dict, variant: dict, args) -> None:
-    from testbed.experiment import build_plan
+    from testbed.experiment import build_plan, scheme_key
 
-    topo, graph, plan, prediction, bound = build_plan(exp, variant.scheme)
+    topo, graph, plan, prediction, bound = build_plan(exp, variant.scheme, source=args.experiment,
+                                                      key=scheme_key(exp.variants.index(variant)))
     if args.json:
         print(json.dumps({"label": variant.label, "plan": plan.to_dict() if args.full else plan.meta,
                           "prediction": prediction, "bound": bound}, indent=1, default=str))
@@ -243,7 +247,7 @@ def cmd_doctor(args) -> int:
 def cmd_clean(args) -> int:
     from testbed.emulator.cleanup import clean
 
-    clean()
+    clean(everything=args.all)
     return 0
 
 
@@ -356,6 +360,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.set_defaults(func=cmd_doctor)
 
     c = sub.add_parser("clean", help="remove namespaces, interfaces, bridges and processes a crashed run left")
+    c.add_argument("--all", action="store_true", help="also those of runs still going (default: only runs whose "
+                                                      "owner process is gone)")
     c.set_defaults(func=cmd_clean)
 
     lc = sub.add_parser("linkcheck", help="measure every link direction's rate, delay, jitter, loss and queue "
@@ -374,7 +380,8 @@ def build_parser() -> argparse.ArgumentParser:
     lc.set_defaults(func=cmd_linkcheck)
 
     b = sub.add_parser("bench", help="benchmarks that report ratios measured in one run")
-    b.add_argument("name", choices=("dataplane", "ring", "planner"), help="which benchmark")
+    b.add_argument("name", choices=("dataplane", "ring", "planner", "chaos", "fuzz"),
+                   help="which benchmark")
     b.add_argument("--out", help="output folder")
     b.set_defaults(func=cmd_bench)
     return p

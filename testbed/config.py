@@ -157,9 +157,12 @@ def load_yaml(path: str | Path, what: str = "experiment") -> dict:
     if not p.exists() and not p.suffix and (EXPERIMENT_DIR / f"{p}.yaml").exists():
         p = EXPERIMENT_DIR / f"{p}.yaml"
     try:
-        text = p.read_text()
+        text = p.read_text(encoding="utf-8")
     except OSError as e:
         raise ConfigError(f"cannot read {what} file: {e.strerror}", source=str(path)) from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"not a text (UTF-8) {what} file: byte {e.object[e.start]:#04x} at offset {e.start}",
+                          source=str(path)) from None
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as e:
@@ -267,6 +270,12 @@ def validate(data: dict, source: str = "<experiment>") -> Experiment:
     itemsize = workloads.dtype_bytes(w["dtype"])
     w["bytes"] = max(itemsize, int(nbytes * exp["scale"]) // itemsize * itemsize)
     w["length"] = w["bytes"] // itemsize
+    limit = workloads.max_vector_bytes(len(nodes))
+    if w["bytes"] > limit:
+        c.fail("workload.model" if w["model"] is not None else "workload.size",
+               f"{w['bytes'] / 1e9:.3g} GB per vector does not fit in this machine's memory "
+               f"({workloads.machine_memory() / 1e9:.3g} GB for {len(nodes)} agents x {workloads.AGENT_VECTORS} "
+               f"vectors): at most {limit / 1e6:.0f} MB (after scale)")
     _check_compute(c, w["compute_s"], nodes)
 
     e = exp["emulator"]

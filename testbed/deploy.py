@@ -2,43 +2,55 @@
 
 The experiment's topology describes the real WAN (rates and delays measured or given); it
 is only used to plan and to predict, nothing is shaped.  This machine runs the
-coordinator; each datacenter's agent runs on its host, started with the system ``ssh``
-client (so ``~/.ssh/config``, keys, ssh-agent and ProxyJump apply; BatchMode: a host that
-would ask for a password fails instead).  The hosts file (YAML)::
+coordinator; each datacenter's agent runs on its host, reached with paramiko
+(:mod:`testbed.ssh`: ``~/.ssh/config``, keys, ssh-agent and ProxyJump apply; host keys are
+checked against known_hosts; no ``ssh`` binary is needed).  The hosts file (YAML)::
 
     coordinator: 192.0.2.1:7000   # address:port the agents reach this machine at (port 0: any)
     python: python3               # interpreter on the hosts (needs numpy)
-    workdir: /tmp/testbed-agent   # each datacenter uses WORKDIR/NAME (relative: to the login dir)
-    ssh_options: ["-p", "2222"]   # extra ssh arguments for every host
+    workdir: .testbed-agent       # each datacenter uses WORKDIR/NAME (relative: to the login dir;
+                                  # created private, refused if someone else owns it)
+    ssh_config: ~/.ssh/config     # (default) Host, HostName, User, Port, IdentityFile, ProxyJump
+    known_hosts: ~/.ssh/known_hosts   # (default: the config's UserKnownHostsFile, else this)
+    accept_new_host_keys: false   # true: trust and record a host's key on first contact
+    identity_file: ~/.ssh/id_testbed  # (optional) key file(s) tried first
+    connect_timeout_s: 10         # TCP connect, SSH banner and authentication, each
+    command_timeout_s: 60         # every remote command
     hosts:
       dc1: {ssh: alice@dc1.example.org, address: 198.51.100.1}
-      dc2: {ssh: alice@dc2.example.org, address_from: {dc1: 10.0.0.2}, data_port: 7101}
+      dc2: {ssh: dc2-alias, address_from: {dc1: 10.0.0.2}, data_port: 7101}
 
-``address``: where the other agents connect to this datacenter (IP or name; default: the
-ssh host); ``address_from``: peer -> the address that peer uses instead (e.g. a private
-link).  ``data_port`` (default 7100), ``python`` and ``workdir`` may be set per host.
+``ssh``: ``[user@]host[:port]`` or a ``~/.ssh/config`` alias.  ``address``: where the other
+agents connect to this datacenter (IP or name; default: the ssh host after the config's
+HostName); ``address_from``: peer -> the address that peer uses instead (e.g. a private
+link).  ``data_port`` (default 7100), ``python`` and ``workdir`` may be set per host;
+``clock_offset_ms`` (testing) shifts that host's agent clock (:mod:`agents.clock`).
 
-Set-up copies ``agents/`` and the harness modules they import (``testbed/plan.py``,
-``testbed/errors.py``) to WORKDIR/NAME with ``tar`` over ssh and records each host's
-kernel, Python and numpy.  Every run writes the agent's config and secret there and
-starts it; the agent's log streams back into OUT/agents/NAME.log.  Agents exit by
-themselves when the coordinator finishes or disappears; teardown (also on error or
-Ctrl-C) kills any that did not (``agent.pid``).
+One SSH connection per host serves the whole experiment, opened in parallel (at most
+:data:`testbed.ssh.MAX_PARALLEL` at once).  Set-up copies ``agents/`` and the harness
+modules they import (``testbed/plan.py``, ``testbed/errors.py``) to WORKDIR/NAME with SFTP
+(only files whose SHA-256 differs), records each host's kernel, Python and numpy, and
+starts a clock echo (``python3 -m agents.clock``).  Before every run the clock offset of
+each host is estimated NTP-style over that echo (:mod:`testbed.clock`), recorded in the
+run's ``clock_offsets`` and subtracted from every timestamp the agents report, so CCT and
+per-transfer timings are on this machine's clock.  Every run writes the agent's config and
+secret with SFTP and starts it in a channel; its output streams into OUT/agents/NAME.log.
+Agents exit by themselves when the coordinator finishes or disappears; teardown (also on
+error or Ctrl-C) kills any that did not (``agent.pid``).
 """
 
 from __future__ import annotations
 
-import io
 import json
 import shlex
-import subprocess
-import tarfile
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+import paramiko
+
+from testbed import clock, ssh
 from testbed.checks import Checker
 from testbed.config import Experiment, load_yaml
 from testbed.errors import ConfigError, RunError
@@ -46,34 +58,88 @@ from testbed.experiment import add_summaries, plan_variants, run_variants
 from testbed.hosts import DATA_PORT, Hosts
 from testbed.results import REPO, environment
 
-SSH_BASE = ["ssh", "-T", "-o", "BatchMode=yes", "-o", "ConnectTimeout=10"]
 CODE = ["agents/*.py", "testbed/__init__.py", "testbed/plan.py", "testbed/errors.py"]  # what an agent imports
-HOSTS_KEYS = {"coordinator", "python", "workdir", "ssh_options", "hosts"}
-HOST_KEYS = {"ssh", "address", "address_from", "data_port", "python", "workdir"}
+HOSTS_KEYS = {"coordinator", "python", "workdir", "hosts", "ssh_config", "known_hosts", "accept_new_host_keys",
+              "identity_file", "connect_timeout_s", "command_timeout_s"}
+HOST_KEYS = {"ssh", "address", "address_from", "data_port", "python", "workdir", "clock_offset_ms"}
+CLOCK_EXCHANGES = 8  # per host and run; the one with the least round trip is used
 
 
 @dataclass
 class Host:
     name: str
-    ssh: str  # ssh destination ([user@]host or a ~/.ssh/config alias)
+    ssh: str  # ssh destination ([user@]host[:port] or a ~/.ssh/config alias)
     address: str  # where peers connect to it
     address_from: dict[str, str]  # peer -> address that peer uses instead
     data_port: int
     python: str
     workdir: str  # this datacenter's folder on the host
+    clock_offset_ms: float = 0.0  # testing: shift the agent's clock
 
 
 @dataclass
 class HostsFile:
     coordinator: tuple[str, int]
     hosts: dict[str, Host]
-    ssh_options: list[str]
+    ssh: ssh.SshOptions
+
+
+def _ssh_options(data: dict, c: Checker):
+    """The hosts file's SSH keys, checked (files named must exist; the config must parse)."""
+    def path(key: str, default: str | None = None) -> str | None:
+        value = data.get(key, default)
+        if value is not None and (not isinstance(value, str) or not value):
+            c.fail(key, f"expected a file path, got {value!r}")
+        return value and str(Path(value).expanduser())
+
+    config_file = path("ssh_config", "~/.ssh/config")
+    config = paramiko.SSHConfig()
+    if "ssh_config" in data or Path(config_file).exists():
+        try:
+            config = paramiko.SSHConfig.from_path(config_file)
+        except (OSError, paramiko.ConfigParseError) as e:
+            c.fail("ssh_config", f"cannot read {config_file}: {getattr(e, 'strerror', None) or e}")
+    ids = data.get("identity_file", [])
+    ids = [ids] if isinstance(ids, str) else ids
+    if not isinstance(ids, list) or not all(isinstance(i, str) for i in ids):
+        c.fail("identity_file", "expected a key file path or a list of them")
+    for i in ids:
+        if not Path(i).expanduser().is_file():
+            c.fail("identity_file", f"no such key file: {i}")
+    accept_new = data.get("accept_new_host_keys", False)
+    if not isinstance(accept_new, bool):
+        c.fail("accept_new_host_keys", f"expected true or false, got {accept_new!r}")
+    return ssh.SshOptions(config=config, known_hosts=path("known_hosts"), accept_new=accept_new,
+                          identity_files=tuple(str(Path(i).expanduser()) for i in ids),
+                          connect_timeout_s=c.number(data.get("connect_timeout_s", 10.0), "connect_timeout_s",
+                                                     positive=True),
+                          command_timeout_s=c.number(data.get("command_timeout_s", 60.0), "command_timeout_s",
+                                                     positive=True))
+
+
+DEFAULT_WORKDIR = ".testbed-agent"  # per user: relative to the login (home) directory
+
+
+def private_dir(path: str) -> str:
+    """Shell command creating ``path`` private to the login user (mode 700, umask 077), and
+    refusing (exit 3, a message on stderr) a symbolic link, or a directory or parent owned
+    by another user (a parent may be root's): on a shared host another user could otherwise
+    create the directory first and read or replace the agent code and the secret."""
+    d = shlex.quote(path)
+    return (f"umask 077 && mkdir -p {d} && if [ -L {d} ]; then echo \"refusing workdir {d}: a symbolic link\" >&2; "
+            f"exit 3; fi && for x in \"$(dirname {d})\" {d}; do o=$(stat -c %u \"$x\"); "
+            f"if [ \"$o\" != \"$(id -u)\" ] && {{ [ \"$x\" = {d} ] || [ \"$o\" != 0 ]; }}; then "
+            f"echo \"refusing workdir {d}: $x is owned by uid $o, not by $(id -un)\" >&2; exit 3; fi; done && "
+            f"chmod 700 {d}")
 
 
 def load_hosts(path: str | Path, nodes: list[str]) -> HostsFile:
     """Read and check a hosts file against the experiment's datacenters ``nodes``."""
     source = str(path)
     data, c = load_yaml(path, what="hosts"), Checker(source)
+    if "ssh_options" in data:
+        c.fail("ssh_options", "no longer used: deploy reaches hosts with paramiko, not the ssh binary; put "
+                              "options in ~/.ssh/config (or the file ssh_config names), keys in identity_file")
     c.mapping(data, "", HOSTS_KEYS)
     for key in ("coordinator", "hosts"):
         if key not in data:
@@ -81,9 +147,7 @@ def load_hosts(path: str | Path, nodes: list[str]) -> HostsFile:
     host, _, port = str(data["coordinator"]).rpartition(":")
     if not host or not port.isdigit() or int(port) > 65535:
         c.fail("coordinator", f"expected ADDRESS:PORT (port 0: any free), got {data['coordinator']!r}")
-    options = data.get("ssh_options", [])
-    if not isinstance(options, list) or not all(isinstance(o, str) for o in options):
-        c.fail("ssh_options", "expected a list of strings")
+    options = _ssh_options(data, c)
     c.mapping(data["hosts"], "hosts")
     missing = [n for n in nodes if n not in data["hosts"]]
     if missing:
@@ -95,7 +159,11 @@ def load_hosts(path: str | Path, nodes: list[str]) -> HostsFile:
         c.mapping(h, key, HOST_KEYS)
         if not isinstance(h.get("ssh"), str) or not h["ssh"]:
             c.fail(f"{key}.ssh", "expected an ssh destination such as user@host")
-        address = h.get("address", h["ssh"].rpartition("@")[2])
+        try:
+            resolved = ssh.resolve(h["ssh"], options.config)
+        except ValueError as e:
+            c.fail(f"{key}.ssh", str(e))
+        address = h.get("address", resolved["hostname"])
         if not isinstance(address, str) or not address:
             c.fail(f"{key}.address", f"expected an IP address or host name, got {address!r}")
         address_from = c.mapping(h.get("address_from", {}), f"{key}.address_from")
@@ -105,132 +173,145 @@ def load_hosts(path: str | Path, nodes: list[str]) -> HostsFile:
                 c.fail(f"{key}.address_from.{peer}", f"expected an IP address or host name, got {a!r}")
         data_port = c.number(h.get("data_port", DATA_PORT), f"{key}.data_port", integer=True, minimum=1)
         python = str(h.get("python", data.get("python", "python3")))
-        workdir = str(h.get("workdir", f"{data.get('workdir', '/tmp/testbed-agent')}/{name}"))
-        hosts[name] = Host(name, h["ssh"], address, dict(address_from), data_port, python, workdir)
+        workdir = str(h.get("workdir", f"{data.get('workdir', DEFAULT_WORKDIR)}/{name}"))
+        offset = c.number(h.get("clock_offset_ms", 0.0), f"{key}.clock_offset_ms")
+        hosts[name] = Host(name, h["ssh"], address, dict(address_from), data_port, python, workdir, offset)
     return HostsFile((host.strip("[]"), int(port)), hosts, options)
 
 
-def code_bundle() -> bytes:
-    """tar.gz of the files an agent needs (paths relative to the repository)."""
-    buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w:gz") as tar:
-        for pattern in CODE:
-            for f in sorted(REPO.glob(pattern)):
-                tar.add(f, arcname=str(f.relative_to(REPO)))
-    return buf.getvalue()
-
-
-def _files_tar(files: dict[str, bytes]) -> bytes:
-    """Uncompressed tar of small files, each readable by the owner only."""
-    buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w") as tar:
-        for name, content in files.items():
-            info = tarfile.TarInfo(name)
-            info.size, info.mode, info.mtime = len(content), 0o600, int(time.time())
-            tar.addfile(info, io.BytesIO(content))
-    return buf.getvalue()
+def code_files() -> dict[str, bytes]:
+    """The files an agent needs: path relative to the repository -> content."""
+    return {str(f.relative_to(REPO)): f.read_bytes() for pattern in CODE for f in sorted(REPO.glob(pattern))}
 
 
 class SshHosts(Hosts):
-    """Agents on real hosts over ssh; the coordinator on this machine.  Same interface as
-    :class:`testbed.hosts.Hosts` (addresses, start_agent, health, stop_agents)."""
+    """Agents on real hosts over SSH (one paramiko connection per host); the coordinator on
+    this machine.  Same interface as :class:`testbed.hosts.Hosts` (addresses,
+    clock_offsets, start_agent, health, stop_agents)."""
 
     def __init__(self, hosts_file: HostsFile, log: Callable[[str], None] = lambda m: None):
-        self.hosts, self.ssh_options, self.log = hosts_file.hosts, hosts_file.ssh_options, log
+        self.hosts, self.log = hosts_file.hosts, log
         self.coordinator_host, port = hosts_file.coordinator
         self.coordinator_bind = ("0.0.0.0", port)
         self.environment: dict[str, dict] = {}
-        self._procs: dict[str, tuple[subprocess.Popen, Path]] = {}
+        self.conns = {n: ssh.Connection(n, h.ssh, hosts_file.ssh) for n, h in self.hosts.items()}
+        self._echo: dict[str, tuple] = {}  # dc -> (channel, its reader) of the clock echo
+        self._procs: dict[str, ssh.RemoteProcess] = {}
 
     def __enter__(self) -> "SshHosts":
-        self.install()
+        try:
+            self.connect()
+            self.install()
+        except BaseException:
+            self.close()
+            raise
         return self
 
     def __exit__(self, *exc) -> None:
-        self.stop_agents()
+        self.close()
 
-    def _argv(self, h: Host, command: str) -> list[str]:
-        return [*SSH_BASE, *self.ssh_options, h.ssh, command]
+    def _each(self, fn: Callable[[str, Host], object]) -> dict:
+        return ssh.for_each(self.hosts, fn)
 
-    def _run(self, h: Host, command: str, what: str, stdin: bytes = b"", timeout: float = 60.0) -> str:
-        try:
-            res = subprocess.run(self._argv(h, command), input=stdin, capture_output=True, timeout=timeout)
-        except subprocess.TimeoutExpired:
-            raise RunError(f"{h.name} ({h.ssh}): {what}: no answer within {timeout:g}s") from None
-        except FileNotFoundError:
-            raise RunError("the ssh client is not installed (apt install openssh-client)") from None
-        if res.returncode != 0:
-            err = res.stderr.decode(errors="replace").strip().splitlines()
-            raise RunError(f"{h.name} ({h.ssh}): {what} failed (exit {res.returncode}): "
-                           f"{err[-1] if err else 'no message'}")
-        return res.stdout.decode(errors="replace")
+    def connect(self) -> None:
+        """One connection per host, opened in parallel; RunError naming every host that failed."""
+        self.log(f"connecting to {len(self.hosts)} hosts over SSH")
+        self._each(lambda dc, h: self.conns[dc].connect())
 
     def install(self) -> None:
-        """Copy the agent code to every host (in parallel) and record its environment."""
-        bundle = code_bundle()
+        """Copy the agent code to every host (only what changed), record its environment and
+        start its clock echo."""
+        files = code_files()
 
-        def one(h: Host) -> None:
-            w, py = shlex.quote(h.workdir), h.python
-            out = self._run(h, f"mkdir -p {w} && tar -xzf - -C {w} && uname -r && cd {w} && {py} -c "
-                               + shlex.quote("import sys, numpy, agents.agent; "
-                                             "print(sys.version.split()[0], numpy.__version__)"),
-                            "installing the agent", stdin=bundle)
-            lines = out.split()
-            self.environment[h.name] = {"ssh": h.ssh, "kernel": lines[0], "python": lines[1],
-                                        "numpy": lines[2], "workdir": h.workdir}
+        def one(dc: str, h: Host) -> None:
+            conn, w = self.conns[dc], shlex.quote(h.workdir)
+            conn.run(private_dir(h.workdir), "creating the agent's private workdir")
+            sent = conn.sync(h.workdir, files)
+            out = conn.run(f"uname -r && cd {w} && {h.python} -c " + shlex.quote(
+                "import sys, numpy, agents.agent; print(sys.version.split()[0], numpy.__version__)"),
+                "checking the agent's Python").split()
+            self.environment[dc] = {"ssh": h.ssh, "kernel": out[0], "python": out[1], "numpy": out[2],
+                                    "workdir": h.workdir, "code_files_sent": len(sent)}
+            chan = conn.channel(f"cd {w} && exec {h.python} -m agents.clock --offset-ms {h.clock_offset_ms:g}")
+            self._echo[dc] = (chan, chan.makefile("rb"))
 
-        self.log(f"installing the agent on {len(self.hosts)} hosts over ssh")
-        with ThreadPoolExecutor(max_workers=min(16, len(self.hosts))) as pool:
-            for f in [pool.submit(one, h) for h in self.hosts.values()]:
-                f.result()
+        self.log(f"installing the agent on {len(self.hosts)} hosts (SFTP, changed files only)")
+        self._each(one)
 
     def addresses(self) -> dict[str, dict[str, str]]:
         """src -> {dst: address src connects to}, as the coordinator takes it."""
         return {s: {d: h.address_from.get(s, h.address) for d, h in self.hosts.items() if d != s}
                 for s in self.hosts}
 
+    def clock_offsets(self) -> dict[str, clock.Offset]:
+        """Each host's clock minus this machine's, estimated now (NTP-style, over the echo)."""
+        def one(dc: str, h: Host) -> clock.Offset:
+            chan, reader = self._echo[dc]
+            chan.settimeout(self.conns[dc].options.command_timeout_s)
+            exchanges = []
+            try:
+                for _ in range(CLOCK_EXCHANGES):
+                    t0 = time.time_ns()
+                    chan.sendall(b"\n")
+                    line = reader.readline()
+                    t3 = time.time_ns()
+                    t1, t2 = map(int, line.split())
+                    exchanges.append((t0, t1, t2, t3))
+            except (OSError, ValueError) as e:
+                raise self.conns[dc].error(f"clock exchange failed: {e or 'no answer'}") from None
+            return clock.estimate(exchanges)
+
+        return self._each(one)
+
     def start_agent(self, dc: str, cfg: dict, out_dir: Path, secret_file: Path) -> None:
-        h = self.hosts[dc]
-        node = {**cfg, "data_port": h.data_port, "bind": "0.0.0.0", "secret_file": "secret"}
-        files = _files_tar({"node.json": json.dumps(node).encode(), "secret": secret_file.read_bytes()})
-        cmd = (f"cd {shlex.quote(h.workdir)} && tar -xf - && echo $$ > agent.pid && "
-               f"exec {h.python} -m agents.agent --config node.json")
+        h, conn = self.hosts[dc], self.conns[dc]
+        node = {**cfg, "data_port": h.data_port, "bind": "0.0.0.0", "secret_file": "secret",
+                "clock_offset_ms": h.clock_offset_ms}
+        conn.put(h.workdir, {"node.json": json.dumps(node).encode(), "secret": secret_file.read_bytes()}, mode=0o600)
         log = out_dir / "agents" / f"{dc}.log"
         log.parent.mkdir(parents=True, exist_ok=True)
-        with open(log, "ab") as f:  # own session: Ctrl-C reaches us, and teardown stops the agent
-            p = subprocess.Popen(self._argv(h, cmd), stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=f,
-                                 start_new_session=True)
-        self._procs[dc] = (p, log)
-        try:
-            p.stdin.write(files)
-            p.stdin.close()
-        except OSError:  # ssh already gone: health() reports it with the log's last line
-            pass
+        self._procs[dc] = conn.start(f"cd {shlex.quote(h.workdir)} && echo $$ > agent.pid && "
+                                     f"exec {h.python} -m agents.agent --config node.json", log)
 
     def health(self) -> str | None:
-        """Why a run cannot go on (an ssh session or agent exited), or None."""
-        for dc, (p, log) in self._procs.items():
-            if p.poll() is not None:
-                tail = log.read_text(errors="replace").strip().splitlines()[-1:] or ["no output"]
-                return f"{dc}: agent on {self.hosts[dc].ssh} exited with code {p.returncode}: {tail[0]}"
+        """Why a run cannot go on (an agent exited, a connection dropped), or None."""
+        for dc, p in self._procs.items():
+            code = p.poll()
+            if code is not None:
+                tail = p.log.read_text(errors="replace").strip().splitlines()[-1:] or ["no output"]
+                return (f"{dc}: agent on {self.hosts[dc].ssh} " + ("lost (SSH connection dropped)" if code == -1
+                        else f"exited with code {code}") + f": {tail[0]}")
         return None
 
     def stop_agents(self, grace_s: float = 5.0) -> None:
         """Wait ``grace_s`` for the agents to exit, then kill the rest on their hosts."""
         deadline = time.monotonic() + grace_s
-        for dc, (p, _) in self._procs.items():
-            try:
-                p.wait(timeout=max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                h = self.hosts[dc]
-                try:
-                    self._run(h, f"cd {shlex.quote(h.workdir)} && kill $(cat agent.pid) 2>/dev/null; true",
-                              "stopping the agent", timeout=15)
-                except RunError as e:
-                    self.log(f"warning: {e}")
-                p.kill()
-                p.wait()
+        while time.monotonic() < deadline and any(p.poll() is None for p in self._procs.values()):
+            time.sleep(0.05)
+        left = {dc: self.hosts[dc] for dc, p in self._procs.items() if p.poll() is None}
+
+        def kill(dc: str, h: Host) -> None:
+            self.conns[dc].run(f"cd {shlex.quote(h.workdir)} && kill $(cat agent.pid) 2>/dev/null; true",
+                               "stopping the agent", timeout=15)
+
+        try:
+            ssh.for_each(left, kill)
+        except RunError as e:
+            self.log(f"warning: {e}")
+        for p in self._procs.values():
+            p.close()
         self._procs.clear()
+
+    def close(self) -> None:
+        """Stop the agents and clock echos, close every connection."""
+        try:
+            self.stop_agents()
+        finally:
+            for chan, _ in self._echo.values():
+                chan.close()
+            self._echo.clear()
+            for conn in self.conns.values():
+                conn.close()
 
 
 def check_deployable(exp: Experiment, hosts_path: str | Path) -> HostsFile:

@@ -20,7 +20,6 @@ the host) carrying the node address.
 from __future__ import annotations
 
 import os
-import subprocess
 import time
 from pathlib import Path
 from typing import Callable
@@ -143,6 +142,7 @@ def _tail(path: Path) -> str:
 def shell(exp: Experiment, progress: Callable[[str], None]) -> None:
     """Mininet's interactive CLI on the experiment's network (dynamics and faults run)."""
     from mininet.cli import CLI
+    from mininet.log import setLogLevel
 
     from testbed.emulator.dynamics import Scheduler
     from testbed.experiment import open_network
@@ -150,6 +150,10 @@ def shell(exp: Experiment, progress: Callable[[str], None]) -> None:
     with open_network(exp, progress) as net:
         for dc in net.topo.nodes:
             _add_node_interface(net, dc)
+            # Mininet's pingall/iperf address a host by its first interface's IP: name the node
+            # address there (bookkeeping only; the interface keeps its link address)
+            net.host(dc).defaultIntf().ip = net.node_address(dc)
+        setLogLevel("output")  # the network was built quietly; the CLI prints at this level
         names = ", ".join(f"{net.host(dc).name}={dc} ({net.node_address(dc)})" for dc in net.topo.nodes)
         progress(f"hosts: {names}; 'exit' or Ctrl-D tears the network down")
         sched = Scheduler(net, exp.dynamics, exp.faults, scale=exp.scale, log=progress).start()

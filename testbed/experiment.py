@@ -37,19 +37,21 @@ def compute_times(spec, nodes: list[str], iterations: int, seed: int) -> dict[st
     return out
 
 
-def build_plan(exp: Experiment, scheme: dict | None = None):
+def build_plan(exp: Experiment, scheme: dict | None = None, *, source: str = "", key: str = "scheme"):
     """(topology scaled, graph, plan, prediction, bound) for a validated experiment and one of
-    its schemes (default: the main one) — pure planning, no network."""
+    its schemes (default: the main one) — pure planning, no network.  What the planner rejects
+    (a disconnected topology, a parameter) is a ConfigError naming ``source`` and ``key``."""
     from testbed import costmodel
     from testbed.planners import make_plan
     from testbed.planners.bound import optimum
     from testbed.wan import validate_connected
 
     scheme, topo, w = scheme or exp.scheme, exp.topology, exp.workload
-    validate_connected(topo, source=exp.name, key="topology")
+    validate_connected(topo, source=source or exp.name, key="topology")
     graph = topo.graph()
     params = {k: v for k, v in scheme.items() if k != "name"}
-    plan = make_plan(scheme["name"], graph, w.length, params, elem_bytes=w.elem_bytes)
+    plan = make_plan(scheme["name"], graph, w.length, params, elem_bytes=w.elem_bytes, source=source or exp.name,
+                     key=key)
     plan.validate()
     prediction = costmodel.predict(plan, graph, elem_bytes=w.elem_bytes, stop_and_wait=exp.agents.stop_and_wait)
     # The optimum is a packing of reduce/broadcast trees over every node, a bound for an AllReduce
@@ -67,14 +69,16 @@ def run_variants(exp: Experiment, planned: list, hosts: Hosts, out_dir: Path,
     w, a = exp.workload, exp.agents
     runs = []
     for rep in range(exp.repetitions):
-        for v, plan, _, _ in planned:
+        for v, plan, prediction, _ in planned:
             progress(f"repetition {rep + 1}/{exp.repetitions} of {v.label}: starting {len(plan.nodes)} agents")
             seed = exp.seed * 1000 + rep
             n_its = w.warmup + w.iterations
             result = run_agents(hosts, plan, out_dir, iterations=n_its, seed=seed, dtype=w.dtype,
                                 compute_s=compute_times(w.compute_s, plan.nodes, n_its, seed),
-                                stop_and_wait=a.stop_and_wait, timeout_s=a.timeout_s, progress=progress)
+                                stop_and_wait=a.stop_and_wait, timeout_s=a.timeout_s, progress=progress,
+                                predicted_s=prediction["cct_s"])
             r = _summarise_run(rep, v.label, result, w.warmup)
+            r.update({k: result[k] for k in ("clock_offsets",) if k in result})  # real hosts: their clocks
             runs.append(r)
             if on_run:
                 on_run(runs)
@@ -84,16 +88,22 @@ def run_variants(exp: Experiment, planned: list, hosts: Hosts, out_dir: Path,
     return runs
 
 
-def plan_variants(exp: Experiment, progress: Callable[[str], None]) -> list:
-    """[(variant, plan, prediction, bound)] for every scheme of ``exp``."""
+def plan_variants(exp: Experiment, progress: Callable[[str], None], source: str = "") -> list:
+    """[(variant, plan, prediction, bound)] for every scheme of ``exp``; ConfigError (naming
+    ``source`` and the scheme's key) for what a planner rejects."""
     planned = []
-    for v in exp.variants:
+    for i, v in enumerate(exp.variants):
         progress(f"planning {v.label} ({v.scheme['name']}) for {exp.workload.bytes / 1e6:.3g} MB")
-        _, _, plan, prediction, bound = build_plan(exp, v.scheme)
+        _, _, plan, prediction, bound = build_plan(exp, v.scheme, source=source, key=scheme_key(i))
         progress(f"  {sum(len(p) for p in plan.programs.values())} ops; predicted CCT {prediction['cct_s']:.3f}s, "
                  + (f"bound {bound['cct_s']:.3f}s" if bound else "no bound (partial reduce)"))
         planned.append((v, plan, prediction, bound))
     return planned
+
+
+def scheme_key(i: int) -> str:
+    """Where variant ``i`` of ``Experiment.variants`` (0: the main scheme) is in the file."""
+    return "scheme" if i == 0 else f"variants[{i - 1}].scheme"
 
 
 def add_summaries(results: dict, planned: list, exp: Experiment) -> dict:
@@ -196,7 +206,7 @@ def _summarise_run(rep: int, label: str, result: dict, warmup: int = 0) -> dict:
             "cct_s": stats([it["cct_s"] for it in its if not it["warmup"]])["mean"],
             "warmup_cct_s": [it["cct_s"] for it in its if it["warmup"]],  # cold: TCP start on fresh connections
             "iterations": its, "correct": all(it["correct"] for it in its) and not incorrect,
-            "incorrect": incorrect, "transfers": result.get("transfers"), "links": _per_link(result.get("transfers"))}
+            "incorrect": incorrect, "errors": result.get("errors", []), "transfers": result.get("transfers"), "links": _per_link(result.get("transfers"))}
 
 
 def _per_link(transfers: dict | None) -> list[dict]:

@@ -24,6 +24,10 @@ class Hosts(Protocol):
     def addresses(self) -> dict:
         """src -> {dst: address src connects to} (or a flat dc -> address map)."""
 
+    def clock_offsets(self) -> dict:
+        """dc -> :class:`testbed.clock.Offset` of its host's clock from this machine's, measured
+        now ({}: the agents run on this machine's clock)."""
+
     def start_agent(self, dc: str, cfg: dict, out_dir: Path, secret_file: Path) -> None:
         """Start datacenter ``dc``'s agent with node config ``cfg`` (name, coordinator)."""
 
@@ -36,12 +40,13 @@ class Hosts(Protocol):
 
 def run_agents(hosts: Hosts, plan, out_dir: Path, *, iterations: int = 1, seed: int = 0, dtype: str = "float32",
                compute_s: dict | None = None, stop_and_wait: bool = False, timeout_s: float = 120.0,
-               progress: Callable[[str], None] = lambda m: None) -> dict:
+               progress: Callable[[str], None] = lambda m: None, predicted_s: float | None = None) -> dict:
     """Start a coordinator here and one agent per datacenter on ``hosts``, run ``plan``
     ``iterations`` times, and return the coordinator's results.  Agents are stopped
     (killed if need be) before returning, also on error."""
     from agents.coordinator import Coordinator
 
+    offsets = hosts.clock_offsets()  # node -> testbed.clock.Offset of its host's clock from ours
     out_dir.mkdir(parents=True, exist_ok=True)
     secret_file = out_dir / "secret"
     if not secret_file.exists():
@@ -50,13 +55,18 @@ def run_agents(hosts: Hosts, plan, out_dir: Path, *, iterations: int = 1, seed: 
     coord = Coordinator(plan, addresses=hosts.addresses(), data_port=None, secret=secret_file.read_text(),
                         iterations=iterations, seed=seed, dtype=dtype, compute_s=compute_s,
                         stop_and_wait=stop_and_wait, timeout_s=timeout_s, bind=hosts.coordinator_bind,
-                        progress=progress, health=hosts.health)
+                        progress=progress, health=hosts.health, predicted_s=predicted_s,
+                        clock_offsets_ns={n: o.offset_ns for n, o in offsets.items()})
     coord.start()
     try:
         for dc in plan.nodes:
             hosts.start_agent(dc, {"name": dc, "coordinator": f"{hosts.coordinator_host}:{coord.address[1]}"},
                               out_dir, secret_file)
-        return coord.run()
+        result = coord.run()
+        if offsets:
+            result["clock_offsets"] = {n: {"offset_ms": o.offset_ns / 1e6, "rtt_ms": o.rtt_ns / 1e6}
+                                       for n, o in offsets.items()}
+        return result
     finally:
         coord.close()
         hosts.stop_agents()

@@ -6,12 +6,14 @@ Figures (matplotlib, no pyplot state, so it works in threads and without a displ
 * ``cct.png`` — CCT per variant: mean bar, min..max spread, every repetition, the cost
   model's prediction and the spanning-tree-packing bound beside it, efficiency = bound/CCT;
 * ``gantt-N.png`` — one measured iteration of the main scheme: every transfer as a bar on
-  its (sender -> receiver) row while it is being received (a thin line while sent but not yet arriving), coloured by flow (tree);
+  its (sender -> receiver) row while it is being received (a thin line while sent but not
+  yet arriving), coloured by flow (tree);
 * ``links-N.png`` — goodput of every WAN link direction over the run against its
   configured rate (which ``dynamics`` change), with dynamics and faults marked.  Transfers
   between non-adjacent datacenters are charged to every link of their routed path
   (:func:`testbed.routing.data_paths`, the emulator's routes); bytes are spread evenly over
-  a transfer's receive start .. end;
+  a transfer's receive start .. end (application-level: a receiver draining its socket
+  buffer shows short peaks above the rate); light lines: where each variant's run starts;
 * ``sweep.png`` — for sweeps: the first swept parameter on x, mean CCT on y, one line per
   scheme (and per value of the other swept parameters).
 """
@@ -21,7 +23,6 @@ from __future__ import annotations
 import base64
 import csv
 import html
-import io
 import json
 import math
 from pathlib import Path
@@ -124,6 +125,7 @@ def cct_figure(entries: list[tuple[str, dict]], path: Path) -> Path:
     ax.set_xticks(list(xs), [lbl for lbl, _ in entries], rotation=30 if len(entries) > 4 else 0, ha="right"
                   if len(entries) > 4 else "center")
     ax.set_ylabel("CCT (s)")
+    ax.margins(y=0.1)
     ax.set_title("Collective completion time per variant (efficiency = bound / measured)")
     ax.legend(fontsize=8, loc="upper left")
     return _save(fig, path)
@@ -165,8 +167,8 @@ def gantt_figure(results: dict, path: Path) -> Path | None:
         k = flows.index(t.get("flow", 0))
         y = ypos[(t["src"], t["dst"])]
         ax.plot([(t["send_start_ns"] - t0) / 1e9, (t["recv_start_ns"] - t0) / 1e9], [y, y], color=cmap(k % 20), lw=1, zorder=1)
-        ax.barh(y, (t["recv_end_ns"] - t["recv_start_ns"]) / 1e9, left=(t["recv_start_ns"] - t0) / 1e9, height=0.7,
-                color=cmap(k % 20), edgecolor="black", linewidth=0.3, zorder=2)
+        ax.barh(y, (t["recv_end_ns"] - t["recv_start_ns"]) / 1e9, left=(t["recv_start_ns"] - t0) / 1e9,
+                height=0.7, color=cmap(k % 20), edgecolor="black", linewidth=0.3, zorder=2)
     ax.set_yticks(range(len(pairs)), [f"{a}->{b}" for a, b in pairs], fontsize=7)
     ax.invert_yaxis()
     ax.set_xlabel("seconds since the iteration's first send")
@@ -240,6 +242,8 @@ def links_figure(results: dict, path: Path) -> Path | None:
                 overlap = min(b, (i + 1) * width) - max(a, i * width)
                 if overlap > 0:
                     bins[i] += t["bytes"] * overlap / dur
+    starts = [(min(t["send_start_ns"] for t in _transfers(r)) / 1e9 - origin, r) for r in results.get("runs", [])
+              if _transfers(r)]
     hops = sorted(load, key=lambda h: -sum(load[h]))[:MAX_LINK_PANELS]
     hops.sort()
     # events are timed from the network's start: without it they cannot be placed
@@ -260,8 +264,14 @@ def links_figure(results: dict, path: Path) -> Path | None:
             fault = e["event"] != "rate"
             if fault or hop in ((e.get("src"), e.get("dst")),):
                 ax.axvline(e["t_s"], color="red" if fault else "grey", lw=0.8, ls=":" if not fault else "-")
+        for x, _ in starts:
+            ax.axvline(x, color="#bbbbbb", lw=0.6)
         ax.set_title(f"{hop[0]}->{hop[1]}", fontsize=8)
         ax.tick_params(labelsize=7)
+    for x, r in starts:  # which variant ran when, on the first row
+        for ax in axes[0]:
+            ax.text(x, 0.98, f"{r['variant']}#{r['repetition']}", transform=ax.get_xaxis_transform(), fontsize=6,
+                    va="top", ha="left", rotation=90, color="#555555", clip_on=True)
     for ax in list(axes.flat)[len(hops):]:
         ax.set_visible(False)
     axes[0][0].legend(fontsize=7)
@@ -354,7 +364,8 @@ def _warnings(results: dict) -> list[str]:
 
 CSS = """body{font-family:sans-serif;margin:1.5em;max-width:1100px}table{border-collapse:collapse;font-size:85%;
 margin:.5em 0;display:block;overflow-x:auto}td,th{border:1px solid #bbb;padding:2px 6px;text-align:right}th{background:#eee}
-.warn{background:#fde2e1;border:2px solid #c00;color:#900;padding:.6em 1em;font-weight:bold}
+.warn{background:#fde2e1;border:2px solid #c00;color:#900;padding:.6em 1em;
+font-weight:bold}
 img{max-width:100%;border:1px solid #ddd}pre{background:#f6f6f6;padding:.5em;font-size:80%;overflow:auto;
 max-height:30em}figure{margin:1em 0}"""
 

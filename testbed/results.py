@@ -64,7 +64,7 @@ def git_commit() -> str:
 
 def environment(caps=None) -> dict:
     pkgs = {}
-    for name in ("numpy", "networkx", "scipy", "mininet", "PyYAML", "matplotlib"):
+    for name in ("numpy", "networkx", "scipy", "mininet", "PyYAML", "matplotlib", "paramiko"):
         try:
             pkgs[name] = metadata.version(name)
         except metadata.PackageNotFoundError:

@@ -23,6 +23,7 @@ FC-dominated tensors slice evenly into chunks — the per-tensor tables keep tha
 
 from __future__ import annotations
 
+import os
 import re
 from decimal import Decimal, InvalidOperation
 
@@ -233,6 +234,21 @@ def dtype_bytes(dtype) -> int:
         return int(np.dtype(dtype).itemsize)
     except TypeError:
         raise ValueError(f"unknown dtype {dtype!r}; use e.g. float32, float16, bf16, float64") from None
+
+
+#: Vectors of the workload's length one agent holds at once: its buffer ``x``, the reference
+#: sum it checks against, and the input being generated (agents/executor.py, agents/inputs.py).
+AGENT_VECTORS = 3
+
+
+def machine_memory() -> int:
+    """This machine's physical memory in bytes."""
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def max_vector_bytes(agents: int) -> int:
+    """Largest vector ``agents`` agents on this machine can hold (each AGENT_VECTORS of them)."""
+    return machine_memory() // (max(1, agents) * AGENT_VECTORS)
 
 
 def model_bytes(name: str, dtype="float32") -> int:

@@ -390,12 +390,17 @@ def test_authenticated_peer_sending_garbage_fails_the_run():
         ctrl = wire.connect(tuple(cluster.coordinator.address), secret,
                             {"role": "agent", "name": "ghost", "data_port": 1})
 
+        def recv(kind):
+            while (msg := wire.recv_json(ctrl)[1])["msg"] != kind:
+                wire.send_json(ctrl, {"msg": "alive"})  # a heartbeat for every one received
+            return msg
+
         def ghost():
-            _, job = wire.recv_json(ctrl)
+            job = recv("job")
             data = wire.connect(tuple(job["job"]["peers"]["b"]), secret,
                                 {"role": "data", "name": "ghost", "channel": 0})
             wire.send_json(ctrl, {"msg": "ready"})
-            _, go = wire.recv_json(ctrl)
+            recv("go")
             sent["t"] = time.monotonic()
             wire.send_frame(data, _data(1234, 40), np.zeros(10, np.float32))
             data.recv(1)

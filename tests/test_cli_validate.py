@@ -37,6 +37,17 @@ BROKEN = {
     "dynamics_bad_link": (GOOD + "dynamics: [{at_s: 1, link: [h1, h7], rate_mbps: 5}]\n", "dynamics[0].link"),
     "fault_bad_kind": (GOOD + "faults: [{at_s: 1, explode: h1}]\n", "faults[0]"),
     "bad_tcp_cc": (GOOD + "emulator: {tcp_cc: 'fast please'}\n", "emulator.tcp_cc"),
+    # what only planning finds (validate runs the planners, no network)
+    "disconnected": (textwrap.dedent("""\
+        name: t
+        scheme: {name: ring}
+        topology: {name: d, datacenters: [a, b, c], links: [{between: [a, b], rate_mbps: 10}]}
+        """), "topology: topology 'd' is not connected"),
+    "planner_rejects_param": (GOOD.replace("{name: ring}", "{name: mtree, H: 0.001}"),
+                              "scheme.H: mtree: GBST found no spanning tree"),
+    "planner_rejects_variant": (GOOD + "variants: [{label: m, scheme: {name: mtree, H: 0.001}}]\n",
+                                "variants[0].scheme.H: mtree"),
+    "size_beyond_memory": (GOOD.replace("64KB", "5TB"), "does not fit in this machine's memory"),
 }
 
 
@@ -64,6 +75,27 @@ def test_broken_file_is_rejected_clearly(tmp_path, case):
     assert len(lines) == 1, res.stderr  # one line, no traceback
     assert lines[0].startswith("error: ") and str(f) in lines[0]
     assert expected in lines[0]
+
+
+def test_binary_file_is_one_line(tmp_path):
+    f = tmp_path / "binary.yaml"
+    f.write_bytes(b"name: t\n\xff\xfe\x00\x01 binary")
+    res = _cli("validate", str(f))
+    assert res.returncode == 2
+    assert res.stderr.strip().splitlines() == [f"error: {f}: not a text (UTF-8) experiment file: "
+                                               "byte 0xff at offset 8"]
+
+
+def test_memory_limit_is_given():
+    from testbed import config, workloads
+    from testbed.errors import ConfigError
+
+    limit = workloads.max_vector_bytes(3)
+    assert 0 < limit < workloads.machine_memory()
+    ok = {"name": "t", "topology": "small-3", "scheme": {"name": "ring"}, "workload": {"size": limit}}
+    assert config.validate(ok).workload.bytes <= limit
+    with pytest.raises(ConfigError, match=f"at most {limit / 1e6:.0f} MB"):
+        config.validate({**ok, "workload": {"size": limit + 8}})
 
 
 def test_run_rejects_broken_file_before_starting_anything(tmp_path):

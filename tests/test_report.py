@@ -118,7 +118,8 @@ def test_two_parameter_sweep_runs_and_plots(netenv, tmp_path):
     assert res.stderr.count("network up") == 1, res.stderr
     rows = list(csv.DictReader(open(tmp_path / "s" / "sweep.csv")))
     assert len(rows) == 4 * 2 + 1
-    sizes = {(r["scheme.chunks"], r["workload.size"], r["variant"]): float(r["cct_mean_s"]) for r in rows if r["variant"]}
+    sizes = {(r["scheme.chunks"], r["workload.size"], r["variant"]): float(r["cct_mean_s"])
+             for r in rows if r["variant"]}
     assert sizes[("1", "512KB", "ring")] > sizes[("1", "128KB", "ring")]
     for p in sweep["points"][:4]:
         assert json.loads((tmp_path / "s" / p["dir"] / "results.json").read_text())["summary"]["correct"]

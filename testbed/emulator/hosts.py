@@ -24,6 +24,10 @@ class EmulatedHosts(Hosts):
     def addresses(self) -> dict:
         return self.net.address_map()
 
+    def clock_offsets(self) -> dict:
+        """None to correct: every agent runs on this machine's clock."""
+        return {}
+
     def start_agent(self, dc: str, cfg: dict, out_dir: Path, secret_file: Path) -> None:
         path = out_dir / "agents" / f"{dc}.json"
         path.parent.mkdir(exist_ok=True)
@@ -34,7 +38,10 @@ class EmulatedHosts(Hosts):
                                          cwd=str(REPO), env=dict(os.environ, PYTHONPATH=str(REPO)))
 
     def health(self) -> str | None:
-        """Why a run cannot go on (an agent process exited), or None."""
+        """Why a run cannot go on (an agent process exited, the network broke), or None."""
+        problem = self.net.health()
+        if problem:
+            return problem
         for dc, p in self._procs.items():
             if p.poll() is not None:
                 return f"{dc}: agent process exited with code {p.returncode} (log: agents/{dc}.log)"

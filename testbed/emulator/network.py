@@ -21,6 +21,7 @@ Routes are static: a link taken down is not routed around (faults mean unreachab
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import time
@@ -28,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from testbed.emulator import DEFAULT_TCP_CC, shaping
+from testbed.emulator import DEFAULT_TCP_CC, cleanup, shaping
 from testbed.emulator.capabilities import Capabilities, probe
 from testbed.errors import RunError
 from testbed.routing import shortest_paths
@@ -129,6 +130,7 @@ class WanNetwork:
             raise RunError(f"interface {CONTROL_BRIDGE} exists: another run is active, or a crashed run left "
                            "its network behind (remove it with: python3 -m testbed clean)")
         self._allow_tcp_cc()
+        self.run_id = cleanup.claim()  # inherited by every process of this network (clean spares live runs)
         setLogLevel("error")
         self._owns_bridge = True  # from here on, stop() removes what this run made
         self.log(f"building {len(self.topo.nodes)} datacenters, {len(self.topo.links)} links "
@@ -166,6 +168,8 @@ class WanNetwork:
         net.start()
         _check(subprocess.run(["ip", "addr", "replace", f"{CONTROL_IP}/16", "dev", CONTROL_BRIDGE],
                               capture_output=True, text=True), "control bridge address")
+        _check(subprocess.run(["ip", "link", "set", "dev", CONTROL_BRIDGE, "alias",
+                               cleanup.ALIAS_PREFIX + self.run_id], capture_output=True, text=True), "bridge alias")
         self._configure_hosts()
         if wan is not None:
             self._start_relays(wan, relay_pairs)
@@ -196,6 +200,9 @@ class WanNetwork:
         (this only permits it; the machine's own default is unchanged)."""
         proc = Path("/proc/sys/net/ipv4")
         available = (proc / "tcp_available_congestion_control").read_text().split()
+        if self.tcp_cc not in available and shutil.which("modprobe"):  # e.g. Debian's kernel: bbr is a module
+            subprocess.run(["modprobe", f"tcp_{self.tcp_cc}"], capture_output=True, timeout=30)
+            available = (proc / "tcp_available_congestion_control").read_text().split()
         if self.tcp_cc not in available:
             raise RunError(f"TCP congestion control {self.tcp_cc!r} is not available in this kernel "
                            f"(available: {', '.join(available)})")
@@ -263,6 +270,17 @@ class WanNetwork:
             self.relays.append(r)
             r.start(wan.popen)
         self.log(f"user-space delay relay: {len(groups)} process(es) for {len(pairs)} links")
+
+    def health(self) -> str | None:
+        """Why the network cannot carry a run any more (a relay or a host's shell, which holds
+        its namespace, is gone — e.g. killed from outside), or None."""
+        for k, r in enumerate(self.relays):
+            if not r.running:
+                return f"relay: WAN delay relay process {k} exited (code {r.proc.poll() if r.proc else '?'})"
+        for dc, h in self.hosts.items():
+            if h.shell is None or h.shell.poll() is not None:
+                return f"{dc}: the datacenter's host (network namespace) is gone"
+        return None
 
     # -- addressing --------------------------------------------------------------
     def host(self, dc: str):

@@ -1,0 +1,80 @@
+#!/usr/bin/env bash
+# The VM stage, run INSIDE the Debian guest by `python3 -m testbed.vm stage` (from the
+# checkout's copy at /root/testbed), where the kernel has netem:
+#   bash testbed/vm/stage.sh SCALE
+# 1. testbed/setup.sh again (the image was provisioned by it: a second run must change
+#    nothing; it builds the relay and runs doctor on the guest's kernel);
+# 2. doctor must report netem and choose it;
+# 3. the netem-path tests (skipped on a host without netem; method auto is netem here); the
+#    two linkcheck-based ones are reported, gating only with STRICT=1 (README: TCG timing);
+# 4. linkcheck of netstorm-internet2-9 and of lossy-jitter-4 (loss + jitter on every link):
+#    it runs to its verdict and every link is shaped htb+netem; the verdict itself is printed
+#    and kept in OUT but gates only with STRICT=1 (under TCG it fails on timing: README);
+# 5. experiments/quickstart.yaml: correct, its links htb+netem.
+# SCALE multiplies link rates (and quickstart's data size): the guest runs under qemu's TCG.
+# Every step runs even if an earlier one failed; the last line names the failed steps.
+# Results go to /mnt/xfer/out (copied back to the host with `--out`).
+set -uo pipefail
+SCALE=${1:?usage: stage.sh SCALE}
+OUT=${TESTBED_VM_OUT:-/mnt/xfer/out}
+mkdir -p "$OUT"
+failed=()
+T0=$(date +%s)
+step() {  # step NAME COMMAND...
+  local name=$1 t=$(date +%s); shift
+  echo "== vm stage: $name"
+  if "$@"; then echo "== vm stage: $name: ok ($(( $(date +%s) - t )) s)"
+  else echo "== vm stage: $name: FAILED ($(( $(date +%s) - t )) s)"; failed+=("$name"); fi
+}
+netem_only() {  # every link of DIR/FILE shaped htb+netem (and, for results.json, every run correct)
+  python3 - "$1" <<'PY'
+import json, sys
+r = json.load(open(sys.argv[1]))
+links = r.get("links") or r.get("directions")
+methods = {d["method"] for d in links}
+bad = [] if methods == {"htb+netem"} else [f"link methods {sorted(methods)}, expected only htb+netem"]
+if "runs" in r and not r["runs"]:
+    bad.append("no runs")
+for v in r.get("runs", []):
+    if not v.get("correct", True):
+        bad.append(f"run {v.get('variant')} rep {v.get('repetition')}: result not correct")
+print(f"{sys.argv[1]}: " + ("; ".join(bad) if bad else f"{len(links)} link directions, all htb+netem"))
+sys.exit(1 if bad else 0)
+PY
+}
+doctor_netem() {
+  python3 -m testbed doctor --json > "$OUT/doctor.json" || return 1
+  python3 -c 'import json, sys; d = json.load(open(sys.argv[1])); c = d.get("capabilities", d)
+print("doctor: netem", c["netem"], "| run will use", c["shaping_method"])
+sys.exit(0 if c["netem"] and c["shaping_method"] == "netem" else 1)' "$OUT/doctor.json"
+}
+step "setup.sh (second run)" bash testbed/setup.sh
+step "doctor reports netem" doctor_netem
+step "python is the interpreter with the packages" python -c 'import mininet.net, numpy, scipy, yaml, testbed'
+
+step "netem-path tests" python3 -m pytest -q -p no:cacheprovider tests/test_netem.py -k "not relay"  # the relay under TCG: README
+reported() {  # run; a failure is printed but gates only with STRICT=1 (timing under TCG: README)
+  "$@" && return 0
+  [ "${STRICT:-0}" = 1 ] && return 1
+  echo "(reported, not gating: under qemu's TCG the guest's own timing is not a real machine's; STRICT=1 gates)"
+}
+step "netem-path linkcheck tests" reported python3 -m pytest -q -p no:cacheprovider \
+  "tests/test_emulator.py::test_small3_rates_and_delays_within_tolerance" \
+  "tests/test_emulator.py::test_lossy_jittery_link_is_measured_within_tolerance"
+linkcheck() {  # the check must run to its verdict (exit 0 or 1); the verdict gates only with STRICT=1
+  python3 -m testbed linkcheck "$@"
+  local rc=$?
+  [ $rc -eq 1 ] && [ "${STRICT:-0}" != 1 ] && { reported false; return 0; }
+  return $rc
+}
+for topo in netstorm-internet2-9 testbed/vm/lossy-jitter-4.yaml; do
+  name=$(basename "$topo" .yaml)
+  step "linkcheck $name (scale $SCALE)" linkcheck "$topo" --scale "$SCALE" --tcp-cc bbr --seconds 4 \
+    --out "$OUT/linkcheck-$name"
+  step "linkcheck $name: htb+netem" netem_only "$OUT/linkcheck-$name/linkcheck.json"
+done
+step "quickstart (scale $SCALE)" python3 -m testbed run experiments/quickstart.yaml --set "scale=$SCALE" \
+  --out "$OUT/quickstart"
+step "quickstart: correct, htb+netem" netem_only "$OUT/quickstart/results.json"
+echo "== vm stage: $(( $(date +%s) - T0 )) s in the guest; ${#failed[@]} step(s) failed${failed:+: ${failed[*]}}"
+[ ${#failed[@]} -eq 0 ]

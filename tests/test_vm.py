@@ -1,0 +1,73 @@
+"""The VM tooling's host-side logic (testbed/vm), without booting anything.  The guest
+itself is exercised by `python3 -m testbed.vm stage` (.ci/run's VM stage)."""
+
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import pytest
+
+import testbed.vm as vm
+
+
+def _git_repo(tmp_path: Path) -> Path:
+    repo = tmp_path / "repo"
+    for name in vm.IMAGE_INPUTS:
+        (repo / name).parent.mkdir(parents=True, exist_ok=True)
+        (repo / name).write_text(f"# {name}\n")
+    (repo / ".gitignore").write_text("results/\n")
+    (repo / "results").mkdir()
+    (repo / "results" / "big.json").write_text("{}")
+    subprocess.run(["git", "init", "-q", str(repo)], check=True)
+    subprocess.run(["git", "-C", str(repo), "add", "."], check=True)
+    (repo / "new.py").write_text("x = 1\n")  # untracked, not ignored: a change being tested
+    return repo
+
+
+def test_checkout_tar_carries_tracked_and_new_files_but_not_ignored_ones(tmp_path):
+    repo = _git_repo(tmp_path)
+    (repo / "testbed/setup.sh").unlink()  # deleted in the work tree: not carried
+    with tarfile.open(vm.checkout_tar(tmp_path / "c.tar", repo)) as tar:
+        names = set(tar.getnames())
+    assert names == {".gitignore", "new.py", "testbed/vm/build.sh", "testbed/vm/guest-init.sh"}
+
+
+def test_image_key_follows_exactly_the_image_inputs(tmp_path):
+    repo = _git_repo(tmp_path)
+    key = vm.image_key(repo)
+    (repo / "new.py").write_text("x = 2\n")
+    assert vm.image_key(repo) == key  # the checkout travels per boot: no rebuild
+    (repo / "testbed/setup.sh").write_text("# changed provisioning\n")
+    assert vm.image_key(repo) != key
+
+
+def test_qemu_never_writes_the_cached_image_and_uses_tcg_by_default(tmp_path):
+    cmd = vm.qemu_command(tmp_path, tmp_path / "x", cpus=1, memory_mb=1024, accel="tcg")
+    drive = cmd[cmd.index("-drive") + 1]
+    assert "snapshot=on" in drive and drive.startswith(f"file={tmp_path / 'root.img'}")
+    assert cmd[cmd.index("-accel") + 1] == "tcg" and "-no-reboot" in cmd
+    assert "panic=-1" in cmd[cmd.index("-append") + 1]  # a dead init ends qemu, never hangs it
+
+
+@pytest.mark.parametrize("args", [["run"], ["run", "--timeout", "0", "--", "true"], ["stage", "--cpus", "0"],
+                                  ["stage", "--accel", "xen"]])
+def test_bad_arguments_exit_2_before_building_anything(args, tmp_path):
+    res = subprocess.run([sys.executable, "-m", "testbed.vm", *args], capture_output=True, text=True,
+                         env={"PATH": "/usr/bin:/bin", "TESTBED_VM_CACHE": str(tmp_path / "cache")},
+                         timeout=60, cwd=Path(vm.__file__).parents[2])
+    assert res.returncode == 2, res.stderr
+    assert not (tmp_path / "cache").exists()
+
+
+def test_compare_puts_the_two_paths_side_by_side_and_summarises_each():
+    def result(method, ratio, delay, ok):
+        row = {"phase": "single", "src": "a", "dst": "b", "rate_mbps": 5.0, "delay_ms": 10.0, "jitter_ms": 1.0,
+               "loss": 0.01, "rate_ratio": ratio, "measured_delay_ms": delay, "measured_jitter_ms": 1.1,
+               "measured_loss": 0.012, "checks": {"rate": ok, "delay": True}, "ok": ok}
+        return {"topology": "t", "scale": 0.1, "method": method, "directions": [row]}
+
+    text = vm.compare_linkchecks(result("relay", 0.95, 10.2, True), result("netem", 0.90, 11.5, False))
+    assert "0.950  0.900" in text and "+0.20  +1.50" in text and "ok / rate" in text
+    assert "single relay: rate ratio 0.950-0.950, |delay error| <= 0.20 ms, 1/1" in text
+    assert "single netem: rate ratio 0.900-0.900, |delay error| <= 1.50 ms, 0/1" in text
