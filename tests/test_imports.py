@@ -78,7 +78,9 @@ def test_no_upward_imports():
 
 
 def test_agents_import_only_the_harness_deploy_copies():
-    bad = [f"{mod}:{line} imports {m}" for mod, imps in GRAPH.items() if _under(mod, ("agents",))
+    # agents.coordinator runs on this machine (its command line writes with testbed.results)
+    bad = [f"{mod}:{line} imports {m}" for mod, imps in GRAPH.items()
+           if _under(mod, ("agents",)) and mod != "agents.coordinator"
            for m, _, line in imps if m.startswith("testbed") and m not in AGENT_HARNESS]
     assert not bad, "\n".join(bad)
 
