@@ -382,6 +382,7 @@ def test_chaos_trials(tmp_path):
 
 # -- on an emulated WAN -----------------------------------------------------------------
 def _run(tmp_path, extra="", reps=50):
+    tmp_path.mkdir(parents=True, exist_ok=True)
     f = tmp_path / "exp.yaml"
     f.write_text(f"name: chaos\ntopology: small-3\nscheme: {{name: ring}}\nrepetitions: {reps}\n"
                  "workload: {size: 1MB, iterations: 3}\nagents: {timeout_s: 4}\n" + extra)

@@ -7,7 +7,7 @@
 # 2. doctor must report netem and choose it;
 # 3. the netem-path tests (skipped on a host without netem; method auto is netem here); the
 #    two linkcheck-based ones are reported, gating only with STRICT=1 (README: TCG timing);
-# 4. linkcheck of netstorm-internet2-9 and of lossy-jitter-4 (loss + jitter on every link):
+# 4. (LINKCHECKS=1, `stage --linkchecks`; ~20 min under TCG, so not in CI) linkcheck of netstorm-internet2-9 and of lossy-jitter-4 (loss + jitter on every link):
 #    it runs to its verdict and every link is shaped htb+netem; the verdict itself is printed
 #    and kept in OUT but gates only with STRICT=1 (under TCG it fails on timing: README);
 # 5. experiments/quickstart.yaml: correct, its links htb+netem.
@@ -58,6 +58,7 @@ reported() {  # run; a failure is printed but gates only with STRICT=1 (timing u
   [ "${STRICT:-0}" = 1 ] && return 1
   echo "(reported, not gating: under qemu's TCG the guest's own timing is not a real machine's; STRICT=1 gates)"
 }
+if [ "${LINKCHECKS:-0}" = 1 ]; then  # the long link checks (~20 min under TCG): --linkchecks
 step "netem-path linkcheck tests" reported python3 -m pytest -q -p no:cacheprovider \
   "tests/test_emulator.py::test_small3_rates_and_delays_within_tolerance" \
   "tests/test_emulator.py::test_lossy_jittery_link_is_measured_within_tolerance"
@@ -73,6 +74,7 @@ for topo in netstorm-internet2-9 testbed/vm/lossy-jitter-4.yaml; do
     --out "$OUT/linkcheck-$name"
   step "linkcheck $name: htb+netem" netem_only "$OUT/linkcheck-$name/linkcheck.json"
 done
+fi
 step "quickstart (scale $SCALE)" python3 -m testbed run experiments/quickstart.yaml --set "scale=$SCALE" \
   --out "$OUT/quickstart"
 step "quickstart: correct, htb+netem" netem_only "$OUT/quickstart/results.json"
