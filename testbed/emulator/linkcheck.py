@@ -283,7 +283,9 @@ def _single(net, src: str, dst: str, seconds: float, tcp_cc: str) -> dict:
 
 
 def _concurrent(net, directions, seconds: float, tcp_cc: str) -> list[dict]:
-    cc = {(s, d): LOSSY_CC if net.directions[(s, d)].spec.loss > 0 else tcp_cc for s, d in directions}
+    avail = Path("/proc/sys/net/ipv4/tcp_available_congestion_control").read_text().split()
+    lossy = LOSSY_CC if LOSSY_CC in avail else tcp_cc  # no tcp_bbr module: the rate row says tcp-<cc>
+    cc = {(s, d): lossy if net.directions[(s, d)].spec.loss > 0 else tcp_cc for s, d in directions}
     verdict = _tcp(net, directions, seconds, "concurrent", cc)
     rows = [_loaded_row(net, s, d, "concurrent", m, cc[(s, d)]) for (s, d), m in zip(directions, verdict)]
     info = verdict if all(c == tcp_cc for c in cc.values()) else \
