@@ -15,8 +15,11 @@ import subprocess
 import time
 from pathlib import Path
 
-from testbed.results import environment, new_run_dir, write_json_atomic
-from testbed.runner import EmulatedHosts, Progress, run_agents
+from typing import Callable
+
+from testbed.emulator.hosts import EmulatedHosts
+from testbed.hosts import run_agents
+from testbed.results import environment
 
 
 def _topology(links, name):
@@ -60,18 +63,16 @@ def bench_dataplane(out: Path, progress, size_mb: float = 48.0, rate: float = 10
 def bench_ring(out: Path, progress, size_mb: float = 24.0) -> dict:
     from testbed import config
     from testbed.costmodel import alpha_beta
-    from testbed.runner import run_experiment
+    from testbed.experiment import build_plan, run_experiment
 
     exp = config.validate({"name": "bench-ring", "topology": "ring-6", "scheme": {"name": "ring"},
                            "workload": {"size": f"{size_mb}MB"}, "repetitions": 2}, "<bench>")
     res = run_experiment(exp, out / "ring", progress)
-    from testbed.runner import build_plan
-
     _, graph, plan, prediction, _ = build_plan(exp)
-    ab = alpha_beta(plan, graph, elem_bytes=4)
+    ab = alpha_beta(plan, graph, elem_bytes=exp.workload.elem_bytes)
     measured = res["summary"]["cct_s"]["mean"]
     ab_s = ab["cct_s"] if isinstance(ab, dict) else ab
-    return {"bytes": exp["workload"]["bytes"], "measured_cct_s": measured, "alpha_beta_cct_s": ab_s,
+    return {"bytes": exp.workload.bytes, "measured_cct_s": measured, "alpha_beta_cct_s": ab_s,
             "flow_model_cct_s": prediction["cct_s"], "ratio_to_alpha_beta": measured / ab_s,
             "ratio_to_flow_model": measured / prediction["cct_s"], "correct": res["summary"]["correct"],
             "emulation": {k: res["emulation"][k] for k in ("method", "kept_up", "warnings")}}
@@ -97,14 +98,9 @@ def bench_planner(out: Path, progress) -> dict:
     return result
 
 
-def main(args) -> int:
-    progress = Progress()
-    out = Path(args.out) if args.out else new_run_dir("results", f"bench-{args.name}")
-    fn = {"dataplane": bench_dataplane, "ring": bench_ring, "planner": bench_planner}[args.name]
-    result = {"bench": args.name, **fn(out, progress), "environment": environment()}
-    write_json_atomic(out / "bench.json", result)
-    for k, v in result.items():
-        if k != "environment":
-            print(f"{k}: {v}")
-    print(f"bench: {out / 'bench.json'}")
-    return 0
+BENCHES = {"dataplane": bench_dataplane, "ring": bench_ring, "planner": bench_planner}
+
+
+def run_bench(name: str, out: Path, progress: Callable[[str], None] = lambda m: None) -> dict:
+    """Run benchmark ``name`` (its scratch files under ``out``); its bench.json data."""
+    return {"bench": name, **BENCHES[name](out, progress), "environment": environment()}

@@ -26,17 +26,18 @@ def _experiment_args(p: argparse.ArgumentParser) -> None:
 def cmd_run(args) -> int:
     from testbed import config
     from testbed.results import new_run_dir, write_json_atomic
-    from testbed.runner import Progress, run_experiment
+    from testbed.progress import Progress
+    from testbed.experiment import run_experiment
 
     exp = config.load_experiment(args.experiment, args.overrides)
     progress = Progress(quiet=args.quiet)
-    out = Path(args.out) if args.out else new_run_dir(exp["output"]["dir"], exp["name"])
-    if exp["sweep"]:
+    out = Path(args.out) if args.out else new_run_dir(exp.output_dir, exp.name)
+    if exp.sweep:
         return _run_sweep(exp, out, progress, report=not args.no_report)
-    progress(f"experiment {exp['name']!r}: scheme {exp['scheme']['name']} on {exp['topology']['name']}, "
-             f"{exp['repetitions']} repetition(s); results -> {out}")
-    results = run_experiment(exp, out, progress)
-    write_json_atomic(out / "results.json", results)
+    progress(f"experiment {exp.name!r}: scheme {exp.scheme['name']} on {exp.topology.name}, "
+             f"{exp.repetitions} repetition(s); results -> {out}")
+    results = run_experiment(exp, out, progress, save=lambda r: write_json_atomic(out / "results.json", r))
+    write_json_atomic(out / "results.json", results)  # complete: with the emulation's health and events
     code = _report(results, out)
     if not args.no_report:
         _write_report([out], out)
@@ -50,11 +51,11 @@ def _write_report(folders: list[Path], out: Path) -> None:
     print(f"report: {write_report(folders, out)}")
 
 
-def _run_sweep(exp: dict, out: Path, progress, report: bool) -> int:
+def _run_sweep(exp, out: Path, progress, report: bool) -> int:
     from testbed.report import sweep_columns, sweep_rows
     from testbed.sweep import run_sweep
 
-    progress(f"sweep {exp['name']!r} over {', '.join(exp['sweep']['keys'])}: {len(exp['sweep']['points'])} points; "
+    progress(f"sweep {exp.name!r} over {', '.join(exp.sweep['keys'])}: {len(exp.sweep['points'])} points; "
              f"results -> {out}")
     record = run_sweep(exp, out, progress)
     cols = [c for c in sweep_columns(record) if c not in ("scheme", "cct_stdev_s", "repetitions", "error")]
@@ -84,10 +85,10 @@ def cmd_exec(args) -> int:
     from testbed import config
     from testbed.execute import exec_command
     from testbed.results import new_run_dir, write_json_atomic
-    from testbed.runner import Progress
+    from testbed.progress import Progress
 
     exp = config.load_experiment(args.experiment, args.overrides)
-    out = Path(args.out) if args.out else new_run_dir(exp["output"]["dir"], f"{exp['name']}-exec")
+    out = Path(args.out) if args.out else new_run_dir(exp.output_dir, f"{exp.name}-exec")
     results = exec_command(exp, args.command, out, on=args.on.split(",") if args.on else None, master_port=args.master_port,
                            timeout_s=args.timeout, progress=Progress(quiet=args.quiet))
     write_json_atomic(out / "results.json", results)
@@ -101,7 +102,7 @@ def cmd_exec(args) -> int:
 def cmd_shell(args) -> int:
     from testbed import config
     from testbed.execute import shell
-    from testbed.runner import Progress
+    from testbed.progress import Progress
 
     shell(config.load_experiment(args.experiment, args.overrides), Progress())
     return 0
@@ -109,15 +110,19 @@ def cmd_shell(args) -> int:
 
 def cmd_deploy(args) -> int:
     from testbed import config
-    from testbed.deploy import deploy
-    from testbed.runner import Progress
+    from testbed.deploy import check_deployable, deploy
+    from testbed.progress import Progress
+    from testbed.results import new_run_dir, write_json_atomic
 
     exp = config.load_experiment(args.experiment, args.overrides)
-    if exp["sweep"]:
+    if exp.sweep:
         raise ConfigError("sweeps run with `run`, not `deploy`", source=args.experiment, key="sweep")
     progress = Progress(quiet=args.quiet)
-    progress(f"experiment {exp['name']!r}: scheme {exp['scheme']['name']} on the real hosts of {args.hosts}")
-    results, out = deploy(exp, args.hosts, Path(args.out) if args.out else None, progress)
+    progress(f"experiment {exp.name!r}: scheme {exp.scheme['name']} on the real hosts of {args.hosts}")
+    hosts = check_deployable(exp, args.hosts)  # before the results folder is made
+    out = Path(args.out) if args.out else new_run_dir(exp.output_dir, f"{exp.name}-deploy")
+    results = deploy(exp, hosts, out, progress)
+    write_json_atomic(out / "results.json", results)
     return _report(results, out)
 
 
@@ -152,11 +157,11 @@ def cmd_validate(args) -> int:
     from testbed import config
 
     exp = config.load_experiment(args.experiment, args.overrides)
-    t = exp["topology"]
-    print(f"{args.experiment}: ok — scheme {exp['scheme']['name']}, topology {t['name']} "
-          f"({len(t['datacenters'])} datacenters, {len(t['links'])} links), "
-          f"{exp['workload']['bytes']} bytes, {exp['repetitions']} repetition(s)"
-          + (f", a sweep of {len(exp['sweep']['points'])} points" if exp["sweep"] else ""))
+    t = exp.topology
+    print(f"{args.experiment}: ok — scheme {exp.scheme['name']}, topology {t.name} "
+          f"({len(t.nodes)} datacenters, {len(t.links)} links), "
+          f"{exp.workload.bytes} bytes, {exp.repetitions} repetition(s)"
+          + (f", a sweep of {len(exp.sweep['points'])} points" if exp.sweep else ""))
     if args.hosts:
         from testbed.deploy import check_deployable
 
@@ -168,12 +173,10 @@ def cmd_validate(args) -> int:
 
 def cmd_plan(args) -> int:
     from testbed import config
-    from testbed.runner import variants
-
     exp = config.load_experiment(args.experiment, args.overrides)
-    chosen = [v for v in variants(exp) if args.variant in (None, v["label"])]
+    chosen = [v for v in exp.variants if args.variant in (None, v.label)]
     if not chosen:
-        raise ConfigError(f"no variant {args.variant!r} (have: {', '.join(v['label'] for v in variants(exp))})",
+        raise ConfigError(f"no variant {args.variant!r} (have: {', '.join(v.label for v in exp.variants)})",
                           source=args.experiment, key="variants")
     for v in chosen:
         _print_plan(exp, v, args)
@@ -181,16 +184,16 @@ def cmd_plan(args) -> int:
 
 
 def _print_plan(exp: dict, variant: dict, args) -> None:
-    from testbed.runner import build_plan, elem_bytes
+    from testbed.experiment import build_plan
 
-    topo, graph, plan, prediction, bound = build_plan(exp, variant["scheme"])
+    topo, graph, plan, prediction, bound = build_plan(exp, variant.scheme)
     if args.json:
-        print(json.dumps({"label": variant["label"], "plan": plan.to_dict() if args.full else plan.meta,
+        print(json.dumps({"label": variant.label, "plan": plan.to_dict() if args.full else plan.meta,
                           "prediction": prediction, "bound": bound}, indent=1, default=str))
         return
-    print(f"== {variant['label']}")
-    print(f"scheme {plan.scheme} on {topo.name} (scale {topo.scale:g}): {exp['workload']['bytes']} bytes, "
-          f"{sum(len(p) for p in plan.programs.values())} ops, {plan.bytes_sent(elem_bytes(exp)) / 1e6:.3g} MB on the wire")
+    print(f"== {variant.label}")
+    print(f"scheme {plan.scheme} on {topo.name} (scale {topo.scale:g}): {exp.workload.bytes} bytes, "
+          f"{sum(len(p) for p in plan.programs.values())} ops, {plan.bytes_sent(exp.workload.elem_bytes) / 1e6:.3g} MB on the wire")
     for i, t in enumerate(plan.meta.get("trees", [])):
         ch = {}
         for n, p in t["parent"].items():
@@ -245,15 +248,46 @@ def cmd_clean(args) -> int:
 
 
 def cmd_linkcheck(args) -> int:
-    from testbed.emulator.linkcheck import linkcheck
+    from testbed.emulator.linkcheck import format_table, run_linkcheck
+    from testbed.progress import Progress
+    from testbed.results import environment, new_run_dir, write_json_atomic
+    from testbed.topology import load_topology
 
-    return linkcheck(args)
+    topo = load_topology(args.topology, source=args.topology).scaled(args.scale)
+    phases = ("concurrent",) if args.concurrent else ("single",) if args.single else ("single", "concurrent")
+    out = Path(args.out) if args.out else new_run_dir("results", f"linkcheck-{topo.name}")
+    result = run_linkcheck(topo, seconds=args.seconds, phases=phases, method=args.method, tcp_cc=args.tcp_cc,
+                           progress=Progress())
+    result["environment"] = environment()
+    write_json_atomic(Path(out) / "linkcheck.json", result)
+    print(format_table(result))
+    if "concurrent_cpu_util" in result:
+        print(f"CPU during concurrent phase: {result['concurrent_cpu_util']:.0%}")
+    print(f"CPU busy {result['cpu_util']:.0%}, taken by the hypervisor (steal) {result['steal']:.1%}; load "
+          f"average before/after {result['load_before'][0]:.1f}/{result['load_after'][0]:.1f}; "
+          f"emulator kept up: {result['emulation_kept_up']}")
+    print("verdict: rate by UDP (single) or TCP (concurrent; bbr where a link has loss), delay/jitter/loss by "
+          "one-way UDP probes, queue = delay under a standing queue; 'tcp' = TCP goodput under "
+          f"{result['tcp_cc']} (informative)")
+    print(f"total configured capacity {result['total_capacity_mbps']:.0f} Mbit/s at scale {topo.scale:g}; "
+          f"{'all directions within tolerance' if result['ok'] else 'SOME DIRECTIONS OUT OF TOLERANCE'}")
+    print(f"linkcheck: {Path(out) / 'linkcheck.json'}")
+    return 0 if result["ok"] else 1
 
 
 def cmd_bench(args) -> int:
-    from testbed import bench
+    from testbed.bench import run_bench
+    from testbed.progress import Progress
+    from testbed.results import new_run_dir, write_json_atomic
 
-    return bench.main(args)
+    out = Path(args.out) if args.out else new_run_dir("results", f"bench-{args.name}")
+    result = run_bench(args.name, out, Progress())
+    write_json_atomic(out / "bench.json", result)
+    for k, v in result.items():
+        if k != "environment":
+            print(f"{k}: {v}")
+    print(f"bench: {out / 'bench.json'}")
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -39,14 +39,17 @@ from __future__ import annotations
 
 import copy
 import re
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from testbed.checks import Checker
 from testbed.emulator import DEFAULT_TCP_CC
 from testbed.emulator.shaping import CHOICES as SHAPING_CHOICES
 from testbed.errors import ConfigError
+from testbed.wan import Topology
 
 EXPERIMENT_DIR = Path(__file__).resolve().parent.parent / "experiments"
 
@@ -66,45 +69,86 @@ DEFAULTS: dict[str, Any] = {
 TOP_KEYS = {"name", "topology", "scheme", *DEFAULTS}
 
 
-class _Checker:
-    """Small helpers that raise ConfigError with the file and key path."""
+@dataclass(frozen=True)
+class Workload:
+    """The vector every worker reduces: ``bytes`` (already scaled) = ``length`` elements of
+    ``elem_bytes`` each; ``warmup`` iterations run first and are left out of CCT statistics."""
 
-    def __init__(self, source: str):
-        self.source = source
+    size: Any
+    model: str | None
+    dtype: str
+    iterations: int
+    warmup: int
+    compute_s: Any
+    bytes: int
+    length: int
 
-    def fail(self, key: str, msg: str):
-        raise ConfigError(msg, source=self.source, key=key)
+    @property
+    def elem_bytes(self) -> int:
+        return self.bytes // self.length
 
-    def mapping(self, value, key: str, allowed: set[str] | None = None) -> dict:
-        if not isinstance(value, dict):
-            self.fail(key, f"expected a mapping, got {type(value).__name__}")
-        if allowed is not None:
-            extra = sorted(set(value) - allowed)
-            if extra:
-                self.fail(f"{key}.{extra[0]}" if key else extra[0],
-                          f"unknown key (allowed: {', '.join(sorted(allowed))})")
-        return value
 
-    def number(self, value, key: str, *, integer=False, minimum=None, positive=False):
-        ok = isinstance(value, int) if integer else isinstance(value, (int, float))
-        if not ok or isinstance(value, bool):
-            self.fail(key, f"expected {'an integer' if integer else 'a number'}, got {value!r}")
-        if positive and value <= 0:
-            self.fail(key, f"must be > 0, got {value!r}")
-        if minimum is not None and value < minimum:
-            self.fail(key, f"must be >= {minimum}, got {value!r}")
-        return value
+@dataclass(frozen=True)
+class Variant:
+    """One scheme an experiment compares: ``scheme`` is ``{name, <every parameter>}``."""
 
-    def choice(self, value, key: str, choices):
-        if value not in choices:
-            self.fail(key, f"expected one of {', '.join(map(str, choices))}, got {value!r}")
-        return value
+    label: str
+    scheme: dict
 
-    def node(self, value, key: str, nodes: list[str]):
-        if value not in nodes:
-            shown = ", ".join(nodes[:12]) + (" ..." if len(nodes) > 12 else "")
-            self.fail(key, f"unknown datacenter {value!r} (known: {shown})")
-        return value
+    @property
+    def params(self) -> dict:
+        return {k: v for k, v in self.scheme.items() if k != "name"}
+
+
+@dataclass(frozen=True)
+class EmulatorSettings:
+    method: str
+    relay_procs: int
+    max_late_ms: float
+    tcp_cc: str
+
+
+@dataclass(frozen=True)
+class AgentSettings:
+    timeout_s: float
+    stop_and_wait: bool
+
+
+@dataclass(frozen=True, eq=False)
+class Experiment:
+    """A validated experiment.  ``topology`` is already scaled by ``scale`` (loaded once);
+    ``variants`` starts with the main scheme; ``dynamics`` and ``faults`` are normalised
+    (rates as in the file: the emulator's scheduler multiplies them by ``scale``).
+    :meth:`to_dict` is the resolved mapping results.json records (unscaled topology)."""
+
+    name: str
+    source: str
+    topology: Topology
+    scale: float
+    seed: int
+    repetitions: int
+    workload: Workload
+    variants: tuple[Variant, ...]
+    dynamics: tuple
+    faults: tuple
+    emulator: EmulatorSettings
+    agents: AgentSettings
+    output_dir: str
+    sweep: dict | None  # {"keys": [key paths], "points": [{"values": {key: value}, "experiment": Experiment}]}
+    resolved: dict = field(repr=False)
+
+    @property
+    def scheme(self) -> dict:
+        """The main scheme (``{name, <parameters>}``)."""
+        return self.variants[0].scheme
+
+    def to_dict(self) -> dict:
+        d = copy.deepcopy(self.resolved)
+        if self.sweep:
+            d["sweep"] = {"keys": list(self.sweep["keys"]),
+                          "points": [{"values": p["values"], "experiment": p["experiment"].to_dict()}
+                                     for p in self.sweep["points"]]}
+        return d
 
 
 def load_yaml(path: str | Path, what: str = "experiment") -> dict:
@@ -160,13 +204,14 @@ def _merge(defaults: dict, given: dict) -> dict:
     return out
 
 
-def validate(data: dict, source: str = "<experiment>") -> dict:
-    """Check an experiment mapping and return it fully resolved (defaults filled in,
-    ``topology`` resolved to its mapping, ``workload.bytes`` computed)."""
+def validate(data: dict, source: str = "<experiment>") -> Experiment:
+    """Check an experiment mapping; the :class:`Experiment` (its ``to_dict()``: the mapping
+    fully resolved, defaults filled in, ``topology`` resolved to its mapping,
+    ``workload.bytes`` computed)."""
     from testbed import workloads
     from testbed.topology import load_topology
 
-    c = _Checker(source)
+    c = Checker(source)
     c.mapping(data, "", TOP_KEYS)
     for key in ("name", "topology", "scheme"):
         if key not in data:
@@ -219,7 +264,7 @@ def validate(data: dict, source: str = "<experiment>") -> dict:
             c.fail("workload.size", str(e))
         if nbytes <= 0:
             c.fail("workload.size", "must be > 0")
-    itemsize = 4 if w["dtype"] == "float32" else 8
+    itemsize = workloads.dtype_bytes(w["dtype"])
     w["bytes"] = max(itemsize, int(nbytes * exp["scale"]) // itemsize * itemsize)
     w["length"] = w["bytes"] // itemsize
     _check_compute(c, w["compute_s"], nodes)
@@ -241,15 +286,21 @@ def validate(data: dict, source: str = "<experiment>") -> dict:
 
     exp["dynamics"] = validate_dynamics(exp["dynamics"], topo, c, source)
     exp["faults"] = validate_faults(exp["faults"], topo, c)
-    if data.get("sweep") is not None:
-        exp["sweep"] = expand_sweep(c, data, source)
-    return exp
+    sweep = expand_sweep(c, data, source) if data.get("sweep") is not None else None
+    return Experiment(
+        name=exp["name"], source=source, topology=topo.scaled(exp["scale"]), scale=exp["scale"], seed=exp["seed"],
+        repetitions=exp["repetitions"], workload=Workload(**w),
+        variants=(Variant(exp["scheme"]["name"], exp["scheme"]),
+                  *(Variant(v["label"], v["scheme"]) for v in exp["variants"])),
+        dynamics=tuple(exp["dynamics"]), faults=tuple(exp["faults"]), emulator=EmulatorSettings(**e),
+        agents=AgentSettings(**a), output_dir=exp["output"]["dir"], sweep=sweep,
+        resolved=copy.deepcopy({**exp, "sweep": None}))
 
 
 SWEEP_FIXED = {"name", "sweep", "output"}  # keys a sweep point may not change
 
 
-def expand_sweep(c: _Checker, data: dict, source: str) -> dict:
+def expand_sweep(c: Checker, data: dict, source: str) -> dict:
     """``sweep: {grid: {key.path: [values]}, points: [{key.path: value}]}`` -> ``{"keys",
     "points": [{"values", "experiment"}]}``: the grid's every combination (first key
     slowest), then the explicit points; each point is the experiment with its values set as
@@ -291,7 +342,7 @@ def expand_sweep(c: _Checker, data: dict, source: str) -> dict:
     return {"keys": keys, "points": out}
 
 
-def _scheme(c: _Checker, scheme, key: str, nodes: list[str]) -> dict:
+def _scheme(c: Checker, scheme, key: str, nodes: list[str]) -> dict:
     """Validate ``{name: ..., <param>: ...}`` with the planner registry (the scheme's
     parameter table: types, choices, bounds, datacenters) and return it with every default
     filled in."""
@@ -301,7 +352,7 @@ def _scheme(c: _Checker, scheme, key: str, nodes: list[str]) -> dict:
     return resolve_scheme(scheme, nodes, source=c.source, key=key)
 
 
-def _check_compute(c: _Checker, spec, nodes: list[str]) -> None:
+def _check_compute(c: Checker, spec, nodes: list[str]) -> None:
     key = "workload.compute_s"
     if isinstance(spec, (int, float)) and not isinstance(spec, bool):
         c.number(spec, key, minimum=0)
@@ -320,6 +371,6 @@ def _check_compute(c: _Checker, spec, nodes: list[str]) -> None:
         c.fail(f"{key}.{kind}", "expected a list of two numbers")
 
 
-def load_experiment(path: str | Path, overrides: list[str] = ()) -> dict:
+def load_experiment(path: str | Path, overrides: list[str] = ()) -> Experiment:
     data = apply_overrides(load_yaml(path), list(overrides), str(path))
     return validate(data, str(path))

@@ -39,10 +39,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from testbed.config import _Checker, load_yaml
+from testbed.checks import Checker
+from testbed.config import Experiment, load_yaml
 from testbed.errors import ConfigError, RunError
-from testbed.results import REPO, environment, new_run_dir, write_json_atomic
-from testbed.runner import DATA_PORT, add_summaries, plan_variants, run_variants
+from testbed.experiment import add_summaries, plan_variants, run_variants
+from testbed.hosts import DATA_PORT, Hosts
+from testbed.results import REPO, environment
 
 SSH_BASE = ["ssh", "-T", "-o", "BatchMode=yes", "-o", "ConnectTimeout=10"]
 CODE = ["agents/*.py", "testbed/__init__.py", "testbed/plan.py", "testbed/errors.py"]  # what an agent imports
@@ -71,7 +73,7 @@ class HostsFile:
 def load_hosts(path: str | Path, nodes: list[str]) -> HostsFile:
     """Read and check a hosts file against the experiment's datacenters ``nodes``."""
     source = str(path)
-    data, c = load_yaml(path, what="hosts"), _Checker(source)
+    data, c = load_yaml(path, what="hosts"), Checker(source)
     c.mapping(data, "", HOSTS_KEYS)
     for key in ("coordinator", "hosts"):
         if key not in data:
@@ -129,9 +131,9 @@ def _files_tar(files: dict[str, bytes]) -> bytes:
     return buf.getvalue()
 
 
-class SshHosts:
+class SshHosts(Hosts):
     """Agents on real hosts over ssh; the coordinator on this machine.  Same interface as
-    :class:`testbed.runner.EmulatedHosts` (addresses, start_agent, health, stop_agents)."""
+    :class:`testbed.hosts.Hosts` (addresses, start_agent, health, stop_agents)."""
 
     def __init__(self, hosts_file: HostsFile, log: Callable[[str], None] = lambda m: None):
         self.hosts, self.ssh_options, self.log = hosts_file.hosts, hosts_file.ssh_options, log
@@ -231,26 +233,21 @@ class SshHosts:
         self._procs.clear()
 
 
-def check_deployable(exp: dict, hosts_path: str | Path) -> HostsFile:
+def check_deployable(exp: Experiment, hosts_path: str | Path) -> HostsFile:
     """The checked hosts file for ``exp``; ConfigError if either cannot be deployed."""
-    from testbed.topology import load_topology
-
     for key in ("dynamics", "faults"):
-        if exp[key]:
+        if getattr(exp, key):
             raise ConfigError("emulator-only: real hosts cannot be reshaped; remove it to deploy",
-                              source=exp["name"], key=key)
-    return load_hosts(hosts_path, load_topology(exp["topology"]).nodes)
+                              source=exp.name, key=key)
+    return load_hosts(hosts_path, exp.topology.nodes)
 
 
-def deploy(exp: dict, hosts_path: str | Path, out_dir: Path | None, progress: Callable[[str], None]) -> tuple:
-    """Run every scheme of ``exp`` on the real hosts of ``hosts_path``; (results, out_dir)."""
-    hosts_file = check_deployable(exp, hosts_path)
-    _, planned = plan_variants(exp, progress)
-    out_dir = out_dir or new_run_dir(exp["output"]["dir"], f"{exp['name']}-deploy")
-    results: dict = {"experiment": exp, "environment": environment(), "runs": []}
+def deploy(exp: Experiment, hosts_file: HostsFile, out_dir: Path, progress: Callable[[str], None]) -> dict:
+    """Run every scheme of ``exp`` on the real hosts of ``hosts_file`` (from
+    :func:`check_deployable`; agent logs in ``out_dir``); the data of results.json."""
+    planned = plan_variants(exp, progress)
+    results: dict = {"experiment": exp.to_dict(), "environment": environment(), "runs": []}
     with SshHosts(hosts_file, log=progress) as hosts:
         results["deployment"] = {"coordinator": hosts.coordinator_host, "hosts": hosts.environment}
         results["runs"] = run_variants(exp, planned, hosts, out_dir, progress)
-    add_summaries(results, planned, exp)
-    write_json_atomic(out_dir / "results.json", results)
-    return results, out_dir
+    return add_summaries(results, planned, exp)

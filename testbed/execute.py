@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
+from testbed.config import Experiment
 from testbed.errors import ConfigError, RunError
 
 NODE_IFNAME = "tbnode"
@@ -41,9 +42,9 @@ def _add_node_interface(net, dc: str) -> None:
         raise RunError(f"{dc}: cannot add interface {NODE_IFNAME} for the node address: {out.strip()}")
 
 
-def ranks(exp: dict, on: list[str] | None) -> list[str]:
+def ranks(exp: Experiment, on: list[str] | None) -> list[str]:
     """The datacenters that run the command, in rank order; unknown names are input errors."""
-    nodes = [d["name"] if isinstance(d, dict) else d for d in exp["topology"]["datacenters"]]
+    nodes = list(exp.topology.nodes)
     if not on:
         return nodes
     bad = [d for d in on if d not in nodes]
@@ -64,29 +65,29 @@ def substitute(argv: list[str], dc: str, rank: int) -> list[str]:
     return [a.replace("{dc}", dc).replace("{rank}", str(rank)) for a in argv]
 
 
-def exec_command(exp: dict, argv: list[str], out_dir: Path, *, on: list[str] | None = None,
+def exec_command(exp: Experiment, argv: list[str], out_dir: Path, *, on: list[str] | None = None,
                  master_port: int = 29500, timeout_s: float | None = None,
                  progress: Callable[[str], None] = lambda m: None) -> dict:
     """Run ``argv`` in the chosen datacenters of ``exp``'s network; return the results
     record (``processes``: per datacenter rank, argv, exit code, wall time, output)."""
     from testbed.emulator.dynamics import Scheduler
     from testbed.results import environment
-    from testbed.runner import open_network
+    from testbed.experiment import open_network
 
     if not argv:
         raise ConfigError("no command given (usage: exec EXP.yaml -- CMD ARGS...)")
     dcs = ranks(exp, on)
-    timeout_s = timeout_s or exp["agents"]["timeout_s"]
+    timeout_s = timeout_s or exp.agents.timeout_s
     logs = out_dir / "exec"
     logs.mkdir(parents=True, exist_ok=True)
-    results: dict = {"experiment": exp, "environment": environment(), "command": argv, "processes": {}}
+    results: dict = {"experiment": exp.to_dict(), "environment": environment(), "command": argv, "processes": {}}
     with open_network(exp, progress) as net:
         results["links"] = net.link_report()
         results["events_t0_s"] = net.t0
         addrs = {dc: net.node_address(dc) for dc in dcs}
         for dc in dcs:
             _add_node_interface(net, dc)
-        sched = Scheduler(net, exp["dynamics"], exp["faults"], scale=exp["scale"], log=progress).start()
+        sched = Scheduler(net, exp.dynamics, exp.faults, scale=exp.scale, log=progress).start()
         procs = {}
         try:
             for rank, dc in enumerate(dcs):
@@ -139,19 +140,19 @@ def _tail(path: Path) -> str:
     return data[-OUTPUT_KEEP:].decode(errors="replace")
 
 
-def shell(exp: dict, progress: Callable[[str], None]) -> None:
+def shell(exp: Experiment, progress: Callable[[str], None]) -> None:
     """Mininet's interactive CLI on the experiment's network (dynamics and faults run)."""
     from mininet.cli import CLI
 
     from testbed.emulator.dynamics import Scheduler
-    from testbed.runner import open_network
+    from testbed.experiment import open_network
 
     with open_network(exp, progress) as net:
         for dc in net.topo.nodes:
             _add_node_interface(net, dc)
         names = ", ".join(f"{net.host(dc).name}={dc} ({net.node_address(dc)})" for dc in net.topo.nodes)
         progress(f"hosts: {names}; 'exit' or Ctrl-D tears the network down")
-        sched = Scheduler(net, exp["dynamics"], exp["faults"], scale=exp["scale"], log=progress).start()
+        sched = Scheduler(net, exp.dynamics, exp.faults, scale=exp.scale, log=progress).start()
         try:
             CLI(net.net)
         finally:

@@ -16,27 +16,28 @@ import time
 from pathlib import Path
 from typing import Callable
 
+from testbed.config import Experiment
 from testbed.errors import TestbedError
 
 
-def network_key(exp: dict) -> str | None:
+def network_key(exp: Experiment) -> str | None:
     """Points with the same key can share a network; None: this point needs its own."""
-    if exp["dynamics"] or exp["faults"]:
+    if exp.dynamics or exp.faults:
         return None
-    e = exp["emulator"]
-    return json.dumps([exp["topology"], exp["scale"], exp["seed"], e["method"], e["relay_procs"], e["tcp_cc"]],
+    e = exp.emulator
+    return json.dumps([exp.topology.to_dict(), exp.seed, e.method, e.relay_procs, e.tcp_cc],
                       sort_keys=True, default=str)
 
 
-def run_sweep(exp: dict, out: Path, progress: Callable[[str], None]) -> dict:
-    """Run every point of ``exp["sweep"]`` into ``out``; return the sweep record."""
+def run_sweep(exp: Experiment, out: Path, progress: Callable[[str], None]) -> dict:
+    """Run every point of ``exp.sweep`` into ``out``; return the sweep record."""
     from testbed.report import VARIANT_COLUMNS, sweep_columns, sweep_rows, variant_rows, write_csv
     from testbed.results import write_json_atomic
-    from testbed.runner import open_network, run_experiment
+    from testbed.experiment import open_network, run_experiment
 
-    points = exp["sweep"]["points"]
-    base = {k: v for k, v in exp.items() if k != "sweep"}
-    record = {"name": exp["name"], "keys": exp["sweep"]["keys"], "experiment": base,
+    points = exp.sweep["points"]
+    base = {k: v for k, v in exp.to_dict().items() if k != "sweep"}
+    record = {"name": exp.name, "keys": exp.sweep["keys"], "experiment": base,
               "points": [{"index": i, "values": p["values"], "dir": f"points/{i:03d}", "status": "pending"}
                          for i, p in enumerate(points)]}
 

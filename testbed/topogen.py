@@ -33,17 +33,8 @@ import networkx as nx
 import numpy as np
 
 from .errors import ConfigError
-from .topology import (
-    LinkDir,
-    Link,
-    Topology,
-    NAME_RE,
-    _check_field,
-    _k,
-    _typename,
-    _unknown_key_msg,
-    check_number,
-)
+from .checks import check_number, key_path, typename, unknown_key_msg
+from .wan import NAME_RE, Link, LinkDir, Topology, check_link_field
 
 MTREE_SOURCE = ("MTREE: S. Luo, R. Wang, H. Xing, 'Efficient Inter-Datacenter AllReduce With "
                 "Multiple Trees', Sec. IV-A (Workloads): rates integer multiples of 10 Mbit/s from "
@@ -71,19 +62,19 @@ def _seed(x: Any) -> int:
 
 def _bool(x: Any, key: str) -> bool:
     if not isinstance(x, bool):
-        raise ConfigError(f"expected true or false, got {_typename(x)}", key=key)
+        raise ConfigError(f"expected true or false, got {typename(x)}", key=key)
     return x
 
 
 def _choice(x: Any, key: str, options: Sequence[str]) -> str:
     if not isinstance(x, str) or x not in options:
-        raise ConfigError(f"expected one of {', '.join(map(repr, options))}, got {_typename(x)}", key=key)
+        raise ConfigError(f"expected one of {', '.join(map(repr, options))}, got {typename(x)}", key=key)
     return x
 
 
 def _uniform_dir(rate_mbps: Any, delay_ms: Any) -> LinkDir:
-    return LinkDir(rate_mbps=_check_field("rate_mbps", rate_mbps, source="", key="rate_mbps"),
-                   delay_ms=_check_field("delay_ms", delay_ms, source="", key="delay_ms"))
+    return LinkDir(rate_mbps=check_link_field("rate_mbps", rate_mbps, source="", key="rate_mbps"),
+                   delay_ms=check_link_field("delay_ms", delay_ms, source="", key="delay_ms"))
 
 
 def _names(n: int) -> list[str]:
@@ -282,7 +273,7 @@ def crew_mesh(n: Any = 8, seed: Any = 0, *, unit_mbps: Any = 25, k_mean: Any = 5
     std = _num(k_std, "k_std", minimum=0)
     kmin = _int(k_min, "k_min", minimum=1)
     kmax = _int(k_max, "k_max", minimum=kmin)
-    delay = _check_field("delay_ms", delay_ms, source="", key="delay_ms")
+    delay = check_link_field("delay_ms", delay_ms, source="", key="delay_ms")
     rng = np.random.default_rng(_seed(seed))
     pairs = list(combinations(range(n), 2))
     k = np.clip(np.rint(rng.normal(mean, std, size=(len(pairs), 2))), kmin, kmax)
@@ -470,10 +461,10 @@ def zoo(path: Any, *, rate_mbps: Any = 100, delay_ms: Any = 0, km_per_ms: Any = 
     * Self-loops are dropped; directed files are read as undirected.
     """
     if not isinstance(path, (str, Path)) or not str(path):
-        raise ConfigError(f"expected a path to a .graphml or .gml file, got {_typename(path)}", key="path")
+        raise ConfigError(f"expected a path to a .graphml or .gml file, got {typename(path)}", key="path")
     p = Path(path)
-    rate_fallback = _check_field("rate_mbps", rate_mbps, source="", key="rate_mbps")
-    delay_fallback = _check_field("delay_ms", delay_ms, source="", key="delay_ms")
+    rate_fallback = check_link_field("rate_mbps", rate_mbps, source="", key="rate_mbps")
+    delay_fallback = check_link_field("delay_ms", delay_ms, source="", key="delay_ms")
     kpm = _num(km_per_ms, "km_per_ms", minimum=0, min_open=True)
     use_speed = _bool(use_link_speed, "use_link_speed")
     naming = _choice(node_names, "node_names", ("auto", "label", "index"))
@@ -595,31 +586,31 @@ def build(spec: Any, *, source: str = "", key: str = "generator", base_dir: Path
     ``path`` is resolved against ``base_dir``.  Errors name ``source`` and
     ``key.<parameter>``."""
     if not isinstance(spec, Mapping):
-        raise ConfigError(f"expected a mapping like {{kind: ring, n: 6}}, got {_typename(spec)}",
+        raise ConfigError(f"expected a mapping like {{kind: ring, n: 6}}, got {typename(spec)}",
                           source=source, key=key)
     if "kind" not in spec:
         raise ConfigError(f"missing 'kind' (expected one of: {', '.join(GENERATORS)})", source=source,
-                          key=_k(key, "kind"))
+                          key=key_path(key, "kind"))
     kind = spec["kind"]
     if not isinstance(kind, str) or kind not in GENERATORS:
         import difflib
 
         hint = difflib.get_close_matches(str(kind), list(GENERATORS), n=1)
         raise ConfigError(f"unknown generator kind {kind!r} (expected one of: {', '.join(GENERATORS)})"
-                          + (f"; did you mean {hint[0]!r}?" if hint else ""), source=source, key=_k(key, "kind"))
+                          + (f"; did you mean {hint[0]!r}?" if hint else ""), source=source, key=key_path(key, "kind"))
     fn = GENERATORS[kind]
     accepted, required = _params_of(fn)
     params = {k: v for k, v in spec.items() if k != "kind"}
     extras = {f: v for f, v in (link_defaults or {}).items() if f in COMMON_PARAMS}
     for p in list(params):
         if p in COMMON_PARAMS:
-            extras[p] = _check_field(p, params.pop(p), source=source, key=_k(key, p))
+            extras[p] = check_link_field(p, params.pop(p), source=source, key=key_path(key, p))
         elif p not in accepted:
-            raise ConfigError(_unknown_key_msg(f"generator {kind!r}", p, accepted + list(COMMON_PARAMS)),
-                              source=source, key=_k(key, str(p)))
+            raise ConfigError(unknown_key_msg(f"generator {kind!r}", p, accepted + list(COMMON_PARAMS)),
+                              source=source, key=key_path(key, str(p)))
     for p in required:
         if p not in params:
-            raise ConfigError(f"missing parameter {p!r} for generator {kind!r}", source=source, key=_k(key, p))
+            raise ConfigError(f"missing parameter {p!r} for generator {kind!r}", source=source, key=key_path(key, p))
     if kind == "zoo" and isinstance(params.get("path"), str) and base_dir is not None:
         pp = Path(params["path"]).expanduser()
         if not pp.is_absolute() and not pp.is_file():
@@ -627,7 +618,7 @@ def build(spec: Any, *, source: str = "", key: str = "generator", base_dir: Path
     try:
         topo = fn(**params)
     except ConfigError as e:
-        raise ConfigError(e.message, source=source, key=_k(key, e.key)) from None
+        raise ConfigError(e.message, source=source, key=key_path(key, e.key)) from None
     if extras:
         topo.links = [replace(l, ab=replace(l.ab, **extras), ba=replace(l.ba, **extras)) for l in topo.links]
     return topo

@@ -17,7 +17,7 @@ import pytest
 import yaml
 
 from testbed import config
-from testbed.deploy import SshHosts, code_bundle, deploy, load_hosts
+from testbed.deploy import SshHosts, check_deployable, code_bundle, load_hosts
 from testbed.errors import ConfigError
 
 REPO = Path(__file__).resolve().parent.parent
@@ -71,7 +71,7 @@ def test_dynamics_cannot_be_deployed(tmp_path):
     exp = config.validate({"name": "d", "topology": "small-3", "scheme": {"name": "ring"},
                            "faults": [{"at_s": 1, "link_down": ["h1", "h2"]}]}, "<test>")
     with pytest.raises(ConfigError, match="faults: emulator-only"):
-        deploy(exp, _hosts_file(tmp_path, _three()), tmp_path / "out", lambda m: None)
+        check_deployable(exp, _hosts_file(tmp_path, _three()))
 
 
 def test_validate_checks_a_hosts_file_without_connecting(tmp_path):

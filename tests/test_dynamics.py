@@ -37,7 +37,7 @@ def test_inline_and_trace_dynamics_are_normalised(tmp_path):
     exp_file = tmp_path / "e.yaml"
     exp = config.validate({**BASE, "dynamics": [{"at_s": 0.2, "link": ["h1", "h3"], "rate_mbps": [5, 6]},
                                                 {"trace": "rates.csv"}]}, str(exp_file))
-    got = sorted((d["at_s"], d["src"], d["dst"], d["rate_mbps"]) for d in exp["dynamics"])
+    got = sorted((d["at_s"], d["src"], d["dst"], d["rate_mbps"]) for d in exp.dynamics)
     assert got == [(0.2, "h1", "h3", 5.0), (0.2, "h3", "h1", 6.0), (0.5, "h1", "h2", 10.0), (1.0, "h2", "h1", 20.0)]
 
 

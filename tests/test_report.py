@@ -129,11 +129,12 @@ def test_two_parameter_sweep_runs_and_plots(netenv, tmp_path):
 def test_sweep_expands_grid_and_points_and_validates_each():
     exp = config.validate({**BASE, "sweep": {"grid": {"scheme.chunks": [1, 2], "seed": [1, 2, 3]},
                                              "points": [{"workload.size": "2MB"}]}}, "x.yaml")
-    pts = exp["sweep"]["points"]
-    assert len(pts) == 7 and exp["sweep"]["keys"] == ["scheme.chunks", "seed", "workload.size"]
-    assert pts[0]["values"] == {"scheme.chunks": 1, "seed": 1} and pts[5]["experiment"]["seed"] == 3
-    assert pts[6]["experiment"]["workload"]["bytes"] == 2_000_000 and pts[6]["experiment"]["scheme"]["chunks"] == 1
-    assert all(p["experiment"]["sweep"] is None for p in pts)
+    pts = exp.sweep["points"]
+    assert len(pts) == 7 and exp.sweep["keys"] == ["scheme.chunks", "seed", "workload.size"]
+    assert pts[0]["values"] == {"scheme.chunks": 1, "seed": 1} and pts[5]["experiment"].seed == 3
+    assert pts[6]["experiment"].workload.bytes == 2_000_000 and pts[6]["experiment"].scheme["chunks"] == 1
+    assert all(p["experiment"].sweep is None for p in pts)
+    assert exp.to_dict()["sweep"]["points"][5]["experiment"]["seed"] == 3  # results.json's mapping
     for bad, where in [({"grid": {"scheme.chunkz": [1]}}, "sweep point 0 (scheme.chunkz=1): scheme.chunkz"),
                        ({"grid": {"seed": [1, -1]}}, "sweep point 1 (seed=-1): seed"),
                        ({"grid": {"name": ["x"]}}, "sweep.name"), ({"grid": {"seed": 1}}, "sweep.grid.seed"),

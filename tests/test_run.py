@@ -13,7 +13,8 @@ from testbed import config
 from testbed.emulator.cleanup import leftovers
 from testbed.emulator.network import WanNetwork
 from testbed.planners import make_plan
-from testbed.runner import EmulatedHosts, run_agents
+from testbed.emulator.hosts import EmulatedHosts
+from testbed.hosts import run_agents
 from testbed.topology import load_topology
 
 pytestmark = pytest.mark.net
@@ -94,6 +95,21 @@ def test_sigkill_then_clean_leaves_nothing(netenv, tmp_path):
     res = _run_cli("clean")
     assert res.returncode == 0
     assert not _new(netenv), _new(netenv)  # ... but `clean` removes it all
+
+
+def test_a_failed_run_keeps_the_repetitions_that_finished(netenv, tmp_path):
+    """results.json is rewritten after every repetition: a crash mid-run leaves the finished
+    repetitions in it, and the error, and exits 1."""
+    f = tmp_path / "e.yaml"
+    f.write_text("name: crash\ntopology: small-3\nscheme: {name: ring}\nrepetitions: 60\n"
+                 "workload: {size: 200KB, iterations: 1, warmup: 0}\nfaults: [{at_s: 6, crash: h2}]\n"
+                 "agents: {timeout_s: 10}\n")
+    res = _run_cli("run", str(f), "--out", str(tmp_path / "o"), "--no-report", timeout=180)
+    assert res.returncode == 1, res.stderr[-2000:]
+    out = json.loads((tmp_path / "o" / "results.json").read_text())
+    assert "h2" in out["error"]
+    assert 1 <= len(out["runs"]) < 60 and all(r["correct"] for r in out["runs"]), len(out["runs"])
+    assert [r["repetition"] for r in out["runs"]] == list(range(len(out["runs"])))
 
 
 def test_crashed_datacenter_fails_the_run_naming_it(netenv, tmp_path):

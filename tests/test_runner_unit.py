@@ -4,7 +4,7 @@ import pytest
 
 from testbed import config
 from testbed.errors import ConfigError
-from testbed.runner import build_plan, compute_times, variants
+from testbed.experiment import build_plan, compute_times
 
 BASE = {"name": "t", "topology": "small-3", "scheme": {"name": "ring"}, "workload": {"size": "64KB"}}
 
@@ -25,8 +25,8 @@ def test_compute_times_kinds():
 def test_variants_validated_and_ordered():
     exp = config.validate({**BASE, "variants": [{"label": "hub", "scheme": {"name": "ps", "hub": "h2"}},
                                                 {"scheme": {"name": "mst"}}]}, "x.yaml")
-    assert [v["label"] for v in variants(exp)] == ["ring", "hub", "mst"]
-    assert variants(exp)[1]["scheme"]["hub_rule"] == "max-bandwidth"  # defaults filled
+    assert [v.label for v in exp.variants] == ["ring", "hub", "mst"]
+    assert exp.variants[1].scheme["hub_rule"] == "max-bandwidth"  # defaults filled
 
 
 @pytest.mark.parametrize("bad, key", [
@@ -43,7 +43,7 @@ def test_bad_variants_name_the_key(bad, key):
 
 def test_scale_multiplies_size_and_rates():
     exp = config.validate({**BASE, "scale": 0.5, "workload": {"size": "1MB"}}, "x.yaml")
-    assert exp["workload"]["bytes"] == 500_000
+    assert exp.workload.bytes == 500_000 and exp.workload.length == 125_000
     topo, graph, plan, prediction, bound = build_plan(exp)
     assert topo.scale == 0.5
     assert max(d["rate_mbps"] for _, _, d in graph.edges(data=True)) == 40.0  # 80 * 0.5
@@ -52,7 +52,7 @@ def test_scale_multiplies_size_and_rates():
 
 def test_partial_reduce_has_no_allreduce_bound():
     """The spanning-tree packing bounds an AllReduce of every node, not a group P of them."""
-    from testbed.runner import _summary
+    from testbed.experiment import _summary
 
     exp = config.validate({**BASE, "scheme": {"name": "crew", "active": ["h1", "h2"]}}, "x.yaml")
     *_, prediction, bound = build_plan(exp)
@@ -62,7 +62,7 @@ def test_partial_reduce_has_no_allreduce_bound():
 
 
 def test_warmup_iterations_are_checked_but_not_timed():
-    from testbed.runner import _summarise_run
+    from testbed.experiment import _summarise_run
 
     def it(i, cct, ok=True):
         return {"iteration": i, "cct_s": cct, "correct": ok, "workers": {"a": {"correct": ok}}}
@@ -76,7 +76,7 @@ def test_warmup_iterations_are_checked_but_not_timed():
 
 
 def test_emulation_health_expects_relay_statistics_only_where_relays_ran():
-    from testbed.runner import _emulation_health
+    from testbed.experiment import _emulation_health
 
     assert _emulation_health("relay", 0, [], 0.5, 0.0, 2.0)["kept_up"] is True  # no link needed a relay
     h = _emulation_health("relay", 2, [], 0.5, 0.0, 2.0)

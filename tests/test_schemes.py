@@ -149,7 +149,8 @@ def test_errors_found_while_planning_carry_the_key_path():
 def test_every_scheme_gives_exact_results_on_a_real_network(netenv, tmp_path):
     """Real Mininet WAN, real agent processes, real TCP: every registered scheme once."""
     from testbed.emulator.network import WanNetwork
-    from testbed.runner import EmulatedHosts, run_agents
+    from testbed.emulator.hosts import EmulatedHosts
+    from testbed.hosts import run_agents
 
     topo = load_topology("quick-5")
     graph = topo.graph()

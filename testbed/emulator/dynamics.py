@@ -28,10 +28,11 @@ import threading
 import time
 from pathlib import Path
 
-from testbed.topology import Topology
+from testbed.checks import Checker
+from testbed.wan import Topology
 
 
-def _link(c, value, key: str, topo: Topology) -> list[str]:
+def _link(c: Checker, value, key: str, topo: Topology) -> list[str]:
     if not (isinstance(value, list) and len(value) == 2):
         c.fail(key, "expected [datacenter, datacenter]")
     for i, dc in enumerate(value):
@@ -43,7 +44,7 @@ def _link(c, value, key: str, topo: Topology) -> list[str]:
     return list(value)
 
 
-def validate_dynamics(items, topo: Topology, c, source: str) -> list[dict]:
+def validate_dynamics(items, topo: Topology, c: Checker, source: str) -> list[dict]:
     """Check ``dynamics:`` and return it normalised to timed rate events plus redraw specs."""
     if not isinstance(items, list):
         c.fail("dynamics", "expected a list")
@@ -100,7 +101,7 @@ def validate_dynamics(items, topo: Topology, c, source: str) -> list[dict]:
     return out
 
 
-def validate_faults(items, topo: Topology, c) -> list[dict]:
+def validate_faults(items, topo: Topology, c: Checker) -> list[dict]:
     if not isinstance(items, list):
         c.fail("faults", "expected a list")
     out = []

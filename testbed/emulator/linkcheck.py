@@ -43,13 +43,12 @@ import re
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 from scipy.stats import binomtest, truncnorm
 
 from testbed.emulator import DEFAULT_TCP_CC
 from testbed.emulator.shaping import MTU, standing_queue_ms
-from testbed.results import STEAL_MAX, CpuMeter, environment, new_run_dir, write_json_atomic
+from testbed.results import STEAL_MAX, CpuMeter
 
 RATE_OK = (0.93, 1.02)
 LOSS_ALPHA = 1e-3  # two-sided binomial test level for measured vs configured loss
@@ -355,29 +354,3 @@ def format_table(result: dict) -> str:
             f"{_f(d.get('measured_queue_ms'), '.0f', 6)} {_f(d.get('tcp_goodput_mbps'), '.1f', 7)} "
             f"{d.get('tcp_cc', '-'):>5}  {'ok' if d['ok'] else 'FAIL ' + ','.join(bad)}")
     return "\n".join(lines)
-
-
-def linkcheck(args) -> int:
-    from testbed.runner import Progress
-    from testbed.topology import load_topology
-
-    topo = load_topology(args.topology, source=args.topology).scaled(args.scale)
-    phases = ("concurrent",) if args.concurrent else ("single",) if args.single else ("single", "concurrent")
-    out = Path(args.out) if args.out else new_run_dir("results", f"linkcheck-{topo.name}")
-    result = run_linkcheck(topo, seconds=args.seconds, phases=phases, method=args.method, tcp_cc=args.tcp_cc,
-                           progress=Progress())
-    result["environment"] = environment()
-    write_json_atomic(Path(out) / "linkcheck.json", result)
-    print(format_table(result))
-    if "concurrent_cpu_util" in result:
-        print(f"CPU during concurrent phase: {result['concurrent_cpu_util']:.0%}")
-    print(f"CPU busy {result['cpu_util']:.0%}, taken by the hypervisor (steal) {result['steal']:.1%}; load "
-          f"average before/after {result['load_before'][0]:.1f}/{result['load_after'][0]:.1f}; "
-          f"emulator kept up: {result['emulation_kept_up']}")
-    print("verdict: rate by UDP (single) or TCP (concurrent; bbr where a link has loss), delay/jitter/loss by "
-          "one-way UDP probes, queue = delay under a standing queue; 'tcp' = TCP goodput under "
-          f"{result['tcp_cc']} (informative)")
-    print(f"total configured capacity {result['total_capacity_mbps']:.0f} Mbit/s at scale {topo.scale:g}; "
-          f"{'all directions within tolerance' if result['ok'] else 'SOME DIRECTIONS OUT OF TOLERANCE'}")
-    print(f"linkcheck: {Path(out) / 'linkcheck.json'}")
-    return 0 if result["ok"] else 1

@@ -28,6 +28,7 @@ from typing import Any, Callable, Sequence
 
 import networkx as nx
 
+from testbed.checks import Checker
 from testbed.errors import ConfigError
 from testbed.plan import Plan
 
@@ -66,29 +67,24 @@ class Param:
         """``value`` if it is valid for this parameter (ints widened to float, tuples to lists
         where the type asks for it), else ConfigError naming ``key``."""
 
-        def fail(k: str, msg: str):
-            raise ConfigError(msg, source=source, key=k)
-
+        c = Checker(source)
         types = self.type if isinstance(self.type, tuple) else (self.type,)
         if float in types and isinstance(value, int) and not isinstance(value, bool):
             value = float(value)
         if list in types and isinstance(value, tuple):
             value = list(value)
         if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
-            fail(key, f"expected {' or '.join(t.__name__ for t in types)}, got {value!r}")
-        if self.choices and value not in self.choices:
-            fail(key, f"expected one of {', '.join(map(str, self.choices))}, got {value!r}")
+            c.fail(key, f"expected {' or '.join(t.__name__ for t in types)}, got {value!r}")
+        if self.choices:
+            c.choice(value, key, self.choices)
         bounds = [(sign, test, getattr(self, name)) for name, (sign, test) in _BOUNDS.items()
                   if getattr(self, name) is not None]
         if not all(test(value, b) for _, test, b in bounds):
-            fail(key, f"must be {' and '.join(f'{sign} {b}' for sign, _, b in bounds)}, got {value!r}")
-        names = [(key, value)] if self.kind == NODE and value else []
+            c.fail(key, f"must be {' and '.join(f'{sign} {b}' for sign, _, b in bounds)}, got {value!r}")
+        if self.kind == NODE and value:
+            c.node(value, key, nodes)
         if self.kind == NODES and value is not None:
-            names = [(f"{key}[{i}]", n) for i, n in enumerate(value)]
-        for k, n in names:
-            if n not in nodes:
-                shown = ", ".join(nodes[:12]) + (" ..." if len(nodes) > 12 else "")
-                fail(k, f"unknown datacenter {n!r} (known: {shown})")
+            c.nodes(value, key, nodes)
         return value
 
 

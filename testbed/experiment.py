@@ -1,31 +1,20 @@
-"""``testbed run``: experiment -> plan -> emulated WAN -> agents -> checked results.json."""
+"""An experiment's run: plan every variant, run them on :class:`~testbed.hosts.Hosts` (the
+emulated WAN for ``run``, real hosts for ``deploy``), summarise.  Returns the data of
+results.json; the command line writes it."""
 
 from __future__ import annotations
 
 import contextlib
-import os
 import random
-import secrets
-import sys
-import time
 from pathlib import Path
 from typing import Callable
 
-from testbed.results import REPO, STEAL_MAX, CpuMeter, environment, stats, write_json_atomic
+from testbed.config import Experiment
+from testbed.errors import TestbedError
+from testbed.hosts import Hosts, run_agents
+from testbed.results import STEAL_MAX, CpuMeter, environment, stats
 
-DATA_PORT = 7100
 CPU_BUSY = 0.95  # whole-machine utilisation above which the emulator may not keep up
-
-
-class Progress:
-    """Prints ``[  12.3s] message`` lines so long runs show where they are."""
-
-    def __init__(self, quiet: bool = False, stream=sys.stderr):
-        self.t0, self.quiet, self.stream = time.monotonic(), quiet, stream
-
-    def __call__(self, msg: str) -> None:
-        if not self.quiet:
-            print(f"[{time.monotonic() - self.t0:7.1f}s] {msg}", file=self.stream, flush=True)
 
 
 def compute_times(spec, nodes: list[str], iterations: int, seed: int) -> dict[str, list[float]]:
@@ -48,142 +37,74 @@ def compute_times(spec, nodes: list[str], iterations: int, seed: int) -> dict[st
     return out
 
 
-def variants(exp: dict) -> list[dict]:
-    """The schemes an experiment compares: the main ``scheme`` first, then ``variants``."""
-    return [{"label": exp["scheme"]["name"], "scheme": exp["scheme"]}] + list(exp["variants"])
-
-
-def build_plan(exp: dict, scheme: dict | None = None):
+def build_plan(exp: Experiment, scheme: dict | None = None):
     """(topology scaled, graph, plan, prediction, bound) for a validated experiment and one of
     its schemes (default: the main one) — pure planning, no network."""
     from testbed import costmodel
     from testbed.planners import make_plan
     from testbed.planners.bound import optimum
-    from testbed.topology import load_topology, validate_connected
+    from testbed.wan import validate_connected
 
-    scheme = scheme or exp["scheme"]
-    topo = load_topology(exp["topology"]).scaled(exp["scale"])
-    validate_connected(topo, source=exp["name"], key="topology")
+    scheme, topo, w = scheme or exp.scheme, exp.topology, exp.workload
+    validate_connected(topo, source=exp.name, key="topology")
     graph = topo.graph()
     params = {k: v for k, v in scheme.items() if k != "name"}
-    plan = make_plan(scheme["name"], graph, exp["workload"]["length"], params, elem_bytes=elem_bytes(exp))
+    plan = make_plan(scheme["name"], graph, w.length, params, elem_bytes=w.elem_bytes)
     plan.validate()
-    prediction = costmodel.predict(plan, graph, elem_bytes=elem_bytes(exp),
-                                   stop_and_wait=exp["agents"]["stop_and_wait"])
+    prediction = costmodel.predict(plan, graph, elem_bytes=w.elem_bytes, stop_and_wait=exp.agents.stop_and_wait)
     # The optimum is a packing of reduce/broadcast trees over every node, a bound for an AllReduce
     # of all of them; a partial reduce (CREW's group P, forest's active workers) has none here.
     partial = set(plan.contributing()) != set(plan.nodes) or set(plan.finishing()) != set(plan.nodes)
-    bound = None if partial else optimum(graph, exp["workload"]["bytes"])
+    bound = None if partial else optimum(graph, w.bytes)
     return topo, graph, plan, prediction, bound
 
 
-class EmulatedHosts:
-    """Where :func:`run_agents` puts agents in the emulator: one process per datacenter in
-    its Mininet host; the coordinator listens on the control network (root namespace).
-    :class:`testbed.deploy.SshHosts` is the same interface for real hosts over SSH."""
-
-    def __init__(self, net):
-        from testbed.emulator.network import CONTROL_IP
-
-        self.net, self._procs = net, {}
-        self.coordinator_host = CONTROL_IP  # agents connect here; the coordinator binds it, any port
-        self.coordinator_bind = (CONTROL_IP, 0)
-
-    def addresses(self) -> dict:
-        return self.net.address_map()
-
-    def start_agent(self, dc: str, cfg: dict, out_dir: Path, secret_file: Path) -> None:
-        path = out_dir / "agents" / f"{dc}.json"
-        path.parent.mkdir(exist_ok=True)
-        write_json_atomic(path, {**cfg, "data_port": DATA_PORT, "bind": "0.0.0.0",
-                                 "secret_file": str(secret_file.resolve()),
-                                 "log_file": str((out_dir / "agents" / f"{dc}.log").resolve())})
-        self._procs[dc] = self.net.popen(dc, [sys.executable, "-m", "agents.agent", "--config", str(path.resolve())],
-                                         cwd=str(REPO), env=dict(os.environ, PYTHONPATH=str(REPO)))
-
-    def health(self) -> str | None:
-        """Why a run cannot go on (an agent process exited), or None."""
-        for dc, p in self._procs.items():
-            if p.poll() is not None:
-                return f"{dc}: agent process exited with code {p.returncode} (log: agents/{dc}.log)"
-        return None
-
-    def stop_agents(self) -> None:
-        self.net.stop_processes()
-        self._procs.clear()
-
-
-def run_agents(hosts, plan, out_dir: Path, *, iterations: int = 1, seed: int = 0, dtype: str = "float32",
-               compute_s: dict | None = None, stop_and_wait: bool = False, timeout_s: float = 120.0,
-               progress: Callable[[str], None] = lambda m: None) -> dict:
-    """Start a coordinator here and one agent per datacenter on ``hosts`` (an
-    :class:`EmulatedHosts` or :class:`testbed.deploy.SshHosts`), run ``plan``
-    ``iterations`` times, and return the coordinator's results.  Agents are stopped
-    (killed if need be) before returning, also on error."""
-    from agents.coordinator import Coordinator
-
-    out_dir.mkdir(parents=True, exist_ok=True)
-    secret_file = out_dir / "secret"
-    if not secret_file.exists():
-        secret_file.touch(mode=0o600)
-        secret_file.write_text(secrets.token_hex(32))
-    coord = Coordinator(plan, addresses=hosts.addresses(), data_port=None, secret=secret_file.read_text(),
-                        iterations=iterations, seed=seed, dtype=dtype, compute_s=compute_s,
-                        stop_and_wait=stop_and_wait, timeout_s=timeout_s, bind=hosts.coordinator_bind,
-                        progress=progress, health=hosts.health)
-    coord.start()
-    try:
-        for dc in plan.nodes:
-            hosts.start_agent(dc, {"name": dc, "coordinator": f"{hosts.coordinator_host}:{coord.address[1]}"},
-                              out_dir, secret_file)
-        return coord.run()
-    finally:
-        coord.close()
-        hosts.stop_agents()
-
-
-def run_variants(exp: dict, planned: list, hosts, out_dir: Path, progress: Callable[[str], None]) -> list[dict]:
+def run_variants(exp: Experiment, planned: list, hosts: Hosts, out_dir: Path,
+                 progress: Callable[[str], None], on_run: Callable[[list], None] | None = None) -> list[dict]:
     """Run every planned variant ``repetitions`` times on ``hosts``, interleaved (so slow
-    drifts hit all variants alike); one summarised record per run."""
-    w, a = exp["workload"], exp["agents"]
+    drifts hit all variants alike); one summarised record per run, ``on_run(runs so far)``
+    after each."""
+    w, a = exp.workload, exp.agents
     runs = []
-    for rep in range(exp["repetitions"]):
+    for rep in range(exp.repetitions):
         for v, plan, _, _ in planned:
-            progress(f"repetition {rep + 1}/{exp['repetitions']} of {v['label']}: starting {len(plan.nodes)} agents")
-            seed = exp["seed"] * 1000 + rep
-            n_its = w["warmup"] + w["iterations"]
-            result = run_agents(hosts, plan, out_dir, iterations=n_its, seed=seed, dtype=w["dtype"],
-                                compute_s=compute_times(w["compute_s"], plan.nodes, n_its, seed),
-                                stop_and_wait=a["stop_and_wait"], timeout_s=a["timeout_s"], progress=progress)
-            r = _summarise_run(rep, v["label"], result, w["warmup"])
+            progress(f"repetition {rep + 1}/{exp.repetitions} of {v.label}: starting {len(plan.nodes)} agents")
+            seed = exp.seed * 1000 + rep
+            n_its = w.warmup + w.iterations
+            result = run_agents(hosts, plan, out_dir, iterations=n_its, seed=seed, dtype=w.dtype,
+                                compute_s=compute_times(w.compute_s, plan.nodes, n_its, seed),
+                                stop_and_wait=a.stop_and_wait, timeout_s=a.timeout_s, progress=progress)
+            r = _summarise_run(rep, v.label, result, w.warmup)
             runs.append(r)
-            progress(f"repetition {rep + 1} of {v['label']}: CCT {r['cct_s']:.3f}s, correct={r['correct']}")
+            if on_run:
+                on_run(runs)
+            progress(f"repetition {rep + 1} of {v.label}: CCT {r['cct_s']:.3f}s, correct={r['correct']}")
             if not r["correct"]:  # results are still written; the CLI exits 1
                 progress(f"WRONG RESULT at {', '.join(r['incorrect']) or 'some workers (digests differ)'}")
     return runs
 
 
-def plan_variants(exp: dict, progress: Callable[[str], None]) -> tuple:
-    """(scaled topology, [(variant, plan, prediction, bound)]) for every scheme of ``exp``."""
-    w, planned, topo = exp["workload"], [], None
-    for v in variants(exp):
-        progress(f"planning {v['label']} ({v['scheme']['name']}) for {w['bytes'] / 1e6:.3g} MB")
-        topo, graph, plan, prediction, bound = build_plan(exp, v["scheme"])
+def plan_variants(exp: Experiment, progress: Callable[[str], None]) -> list:
+    """[(variant, plan, prediction, bound)] for every scheme of ``exp``."""
+    planned = []
+    for v in exp.variants:
+        progress(f"planning {v.label} ({v.scheme['name']}) for {exp.workload.bytes / 1e6:.3g} MB")
+        _, _, plan, prediction, bound = build_plan(exp, v.scheme)
         progress(f"  {sum(len(p) for p in plan.programs.values())} ops; predicted CCT {prediction['cct_s']:.3f}s, "
                  + (f"bound {bound['cct_s']:.3f}s" if bound else "no bound (partial reduce)"))
         planned.append((v, plan, prediction, bound))
-    return topo, planned
+    return planned
 
 
-def add_summaries(results: dict, planned: list, exp: dict) -> dict:
+def add_summaries(results: dict, planned: list, exp: Experiment) -> dict:
     """Fill ``results["variants"]`` and ``results["summary"]`` from ``results["runs"]``."""
     results["variants"] = []
     for v, plan, prediction, bound in planned:
-        runs = [r for r in results["runs"] if r["variant"] == v["label"]]
+        runs = [r for r in results["runs"] if r["variant"] == v.label]
         results["variants"].append({
-            "label": v["label"], "scheme": v["scheme"], "summary": _summary(runs, prediction, bound),
+            "label": v.label, "scheme": v.scheme, "summary": _summary(runs, prediction, bound),
             "plan": {"scheme": plan.scheme, "ops": sum(len(p) for p in plan.programs.values()),
-                     "bytes_sent": plan.bytes_sent(elem_bytes(exp)), "meta": plan.meta},
+                     "bytes_sent": plan.bytes_sent(exp.workload.elem_bytes), "meta": plan.meta},
             "prediction": prediction, "bound": bound})
     main = results["variants"][0]["summary"]
     results["summary"] = {**main, "correct": all(r["correct"] for r in results["runs"]) and bool(results["runs"]),
@@ -191,35 +112,57 @@ def add_summaries(results: dict, planned: list, exp: dict) -> dict:
     return results
 
 
-def open_network(exp: dict, progress: Callable[[str], None], caps=None):
+def open_network(exp: Experiment, progress: Callable[[str], None], caps=None):
     """The experiment's emulated WAN (a context manager: built on entry, torn down on exit)."""
     from testbed.emulator.network import WanNetwork
-    from testbed.topology import load_topology
 
-    e = exp["emulator"]
-    return WanNetwork(load_topology(exp["topology"]).scaled(exp["scale"]), method=e["method"],
-                      relay_procs=e["relay_procs"], seed=exp["seed"], log=progress, caps=caps, tcp_cc=e["tcp_cc"])
+    em = exp.emulator
+    return WanNetwork(exp.topology, method=em.method, relay_procs=em.relay_procs, seed=exp.seed, log=progress,
+                      caps=caps, tcp_cc=em.tcp_cc)
 
 
-def run_experiment(exp: dict, out_dir: Path, progress: Callable[[str], None], net=None) -> dict:
+def run_experiment(exp: Experiment, out_dir: Path, progress: Callable[[str], None], net=None,
+                   save: Callable[[dict], None] | None = None) -> dict:
     """Plan every variant, build the WAN once (or use ``net``, an open network of the same
     topology: a sweep reuses one), run every variant ``repetitions`` times on it, tear down
-    what it built, return results."""
+    what it built, return results.  ``save(results so far)`` after every run, and with
+    ``error`` set when a run fails (the error is raised after it), so a later failure keeps
+    what finished."""
     from testbed.emulator.capabilities import probe
-    from testbed.emulator.dynamics import Scheduler
 
-    _, planned = plan_variants(exp, progress)
+    planned = plan_variants(exp, progress)
     caps = probe()
-    results: dict = {"experiment": exp, "environment": environment(caps), "runs": []}
+    results: dict = {"experiment": exp.to_dict(), "environment": environment(caps), "runs": []}
+
+    def checkpoint(runs: list) -> None:
+        results["runs"] = runs
+        if save:
+            save(add_summaries(results, planned, exp))
+
+    try:
+        _run_on_network(exp, planned, results, out_dir, progress, caps, net, checkpoint)
+    except TestbedError as e:
+        results["error"] = str(e)
+        if save:
+            save(add_summaries(results, planned, exp))
+        raise
+    return add_summaries(results, planned, exp)
+
+
+def _run_on_network(exp: Experiment, planned: list, results: dict, out_dir: Path, progress, caps, net,
+                    checkpoint: Callable[[list], None]) -> None:
+    from testbed.emulator.dynamics import Scheduler
+    from testbed.emulator.hosts import EmulatedHosts
+
     with (open_network(exp, progress, caps) if net is None else contextlib.nullcontext(net)) as net:
         results["links"] = net.link_report()
         results["events_t0_s"] = net.t0  # events[].t_s count from here (Unix time), transfers are Unix ns
         results["environment"]["host_sysctls"] = net.host_sysctls
-        sched = Scheduler(net, exp["dynamics"], exp["faults"], scale=exp["scale"], log=progress).start()
+        sched = Scheduler(net, exp.dynamics, exp.faults, scale=exp.scale, log=progress).start()
         net.reset_relay_window()  # judge the emulator on the measured phase only
         cpu = CpuMeter().start()
         try:
-            results["runs"] = run_variants(exp, planned, EmulatedHosts(net), out_dir, progress)
+            run_variants(exp, planned, EmulatedHosts(net), out_dir, progress, on_run=checkpoint)
         finally:
             sched.stop()
             cpu_util, steal = cpu.stop()
@@ -229,13 +172,7 @@ def run_experiment(exp: dict, out_dir: Path, progress: Callable[[str], None], ne
             except Exception as e:  # never mask the run's own error with a reporting one
                 relay, results["events"] = [], results["events"] + [{"error": f"relay statistics: {e}"}]
             results["emulation"] = _emulation_health(net.method, len(net.relays), relay, cpu_util, steal,
-                                                      exp["emulator"]["max_late_ms"])
-    return add_summaries(results, planned, exp)
-
-
-def elem_bytes(exp: dict) -> int:
-    """Bytes per vector element, as validation sized the workload (``bytes`` = ``length`` x it)."""
-    return exp["workload"]["bytes"] // exp["workload"]["length"]
+                                                      exp.emulator.max_late_ms)
 
 
 def _comparison(variants: list[dict]) -> list[dict]:

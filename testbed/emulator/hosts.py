@@ -1,0 +1,45 @@
+"""Agents in the emulator: one process per datacenter in its Mininet host."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+from testbed.emulator.network import CONTROL_IP
+from testbed.hosts import DATA_PORT, Hosts
+from testbed.results import REPO, write_json_atomic
+
+
+class EmulatedHosts(Hosts):
+    """:class:`~testbed.hosts.Hosts` of a :class:`~testbed.emulator.network.WanNetwork`: one
+    agent process per datacenter in its Mininet host; the coordinator listens on the control
+    network (root namespace)."""
+
+    def __init__(self, net):
+        self.net, self._procs = net, {}
+        self.coordinator_host = CONTROL_IP  # agents connect here; the coordinator binds it, any port
+        self.coordinator_bind = (CONTROL_IP, 0)
+
+    def addresses(self) -> dict:
+        return self.net.address_map()
+
+    def start_agent(self, dc: str, cfg: dict, out_dir: Path, secret_file: Path) -> None:
+        path = out_dir / "agents" / f"{dc}.json"
+        path.parent.mkdir(exist_ok=True)
+        write_json_atomic(path, {**cfg, "data_port": DATA_PORT, "bind": "0.0.0.0",
+                                 "secret_file": str(secret_file.resolve()),
+                                 "log_file": str((out_dir / "agents" / f"{dc}.log").resolve())})
+        self._procs[dc] = self.net.popen(dc, [sys.executable, "-m", "agents.agent", "--config", str(path.resolve())],
+                                         cwd=str(REPO), env=dict(os.environ, PYTHONPATH=str(REPO)))
+
+    def health(self) -> str | None:
+        """Why a run cannot go on (an agent process exited), or None."""
+        for dc, p in self._procs.items():
+            if p.poll() is not None:
+                return f"{dc}: agent process exited with code {p.returncode} (log: agents/{dc}.log)"
+        return None
+
+    def stop_agents(self) -> None:
+        self.net.stop_processes()
+        self._procs.clear()
