@@ -11,7 +11,7 @@ measured cubic, not the link).  Per direction:
   emulator's truncated normal; lost probes vs ``loss`` by an exact binomial test.  Probes are
   spaced >= 6 jitter sigmas, so the relay's FIFO order never delays one behind the other.
 * **rate and queue** -- iperf3 UDP at 1.5 x the rate fills the sender's queue: the goodput at
-  the receiver (payload share 1448/1490 of the L2 rate HTB enforces, times 1 - loss) is the
+  the receiver (payload share 1468/1510 of the L2 rate HTB enforces, times 1 - loss) is the
   link rate, and probes sent through the same full queue measure delay under a standing queue
   vs ``queue_pkts`` at that rate (:func:`testbed.emulator.shaping.standing_queue_ms`).
 * **TCP goodput** under the experiment's congestion control (``--tcp-cc``), informative only,
@@ -25,8 +25,9 @@ load.  UDP is not used here: at full load its per-packet cost (no GSO) would mea
 emulation host's CPU.  Where BBR replaced the experiment's congestion control, a second
 all-at-once pass measures the informative TCP goodput under it.
 
-Pass rules: rate ratio (measured / (rate x (1 - loss)); UDP: of the payload share) in [0.93,
-1.02] (TCP: goodput is at most 1448/1514 ~ 0.956 of the L2 rate); delay (median one-way
+Pass rules: rate ratio = goodput / (rate x payload share x (1 - loss)) in [0.93, 1.02], the
+payload share being what HTB's L2 rate leaves for payload (UDP 1468/1510, TCP 1448/1514); under
+full load the reverse direction's ACKs also share each link, a few percent; delay (median one-way
 idle; RTT/2 under load): |delay - expected| <= max(1 ms, 3 %) (+ 3 jitter sigmas under load,
 where FIFO order shifts the delay); jitter within 4 standard errors + 0.2 ms; loss: binomial p-value >= 1e-3;
 standing queue within max(2 ms, 5 %).  CPU steal and load average are recorded: a failure
@@ -55,8 +56,9 @@ BASE_PORT = 5201
 PROBE_PORT = 6201
 PROBE_PPS = 2000  # idle probes a second (at most 25 % of the link rate, spaced >= 6 jitter sigmas)
 PROBE_BYTES = 64  # UDP payload of a probe
-UDP_PAYLOAD = MTU - 20 - 8 - 4  # iperf3 datagram: 1448 bytes, as a TCP segment with timestamps
+UDP_PAYLOAD = MTU - 20 - 8 - 4  # iperf3 datagram: 1468 bytes (+ UDP/IP headers: 1496, under the MTU)
 UDP_FRAME = UDP_PAYLOAD + 8 + 20 + 14  # what HTB counts per datagram
+TCP_SHARE = (MTU - 52) / (MTU + 14)  # TCP payload per L2 byte at MTU 1500 (1448 with timestamps): 0.956
 OVERLOAD = 1.5  # UDP offered load / link rate when filling the queue
 LOSSY_CC = "bbr"
 
@@ -262,7 +264,7 @@ def _loaded_row(net, src, dst, phase, tcp: dict, verdict_cc: str | None) -> dict
     row = {"phase": phase, **d.report(), "loaded_owd_ms": tcp["owd_ms"], "expected_owd_ms": expect_owd,
            "checks": {"loaded_delay": delay_ok(tcp["owd_ms"], expect_owd, slack)}}
     if verdict_cc:
-        ratio = tcp["mbps"] / (d.spec.rate_mbps * (1 - d.spec.loss)) if tcp["mbps"] else None
+        ratio = tcp["mbps"] / (d.spec.rate_mbps * TCP_SHARE * (1 - d.spec.loss)) if tcp["mbps"] else None
         row.update({"measured_mbps": tcp["mbps"], "rate_method": f"tcp-{verdict_cc}", "rate_ratio": ratio})
         row["checks"]["rate"] = rate_ok(ratio)
     return row
@@ -280,7 +282,9 @@ def _single(net, src: str, dst: str, seconds: float, tcp_cc: str) -> dict:
 
 
 def _concurrent(net, directions, seconds: float, tcp_cc: str) -> list[dict]:
-    cc = {(s, d): LOSSY_CC if net.directions[(s, d)].spec.loss > 0 else tcp_cc for s, d in directions}
+    avail = Path("/proc/sys/net/ipv4/tcp_available_congestion_control").read_text().split()
+    lossy = LOSSY_CC if LOSSY_CC in avail else tcp_cc  # no tcp_bbr module: the rate row says tcp-<cc>
+    cc = {(s, d): lossy if net.directions[(s, d)].spec.loss > 0 else tcp_cc for s, d in directions}
     verdict = _tcp(net, directions, seconds, "concurrent", cc)
     rows = [_loaded_row(net, s, d, "concurrent", m, cc[(s, d)]) for (s, d), m in zip(directions, verdict)]
     info = verdict if all(c == tcp_cc for c in cc.values()) else \
