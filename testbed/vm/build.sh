@@ -53,6 +53,11 @@ t1=$(date +%s)
 # on /run takes what `ip netns` mounts there when doctor probes.
 printf '#!/bin/sh\nexit 101\n' > "$ROOT/usr/sbin/policy-rc.d"; chmod +x "$ROOT/usr/sbin/policy-rc.d"
 cp /etc/resolv.conf "$ROOT/etc/resolv.conf"
+# paramiko (deploy's SSH client) from Debian too, after debootstrap: as an --include its
+# dependencies (python3-bcrypt, ...) fail minbase's configure step.
+chroot "$ROOT" env DEBIAN_FRONTEND=noninteractive sh -c \
+  'apt-get update -qq && apt-get install -y -qq --no-install-recommends python3-paramiko' > "$WORK/paramiko.log" 2>&1 \
+  || { tail -20 "$WORK/paramiko.log" >&2; echo "vm-build: installing python3-paramiko failed" >&2; exit 1; }
 mkdir -p "$ROOT/opt/provision"
 tar xf "$CHECKOUT" -C "$ROOT/opt/provision"
 echo "vm-build: testbed/setup.sh inside the new root"
