@@ -117,8 +117,8 @@ class AgentSettings:
 @dataclass(frozen=True, eq=False)
 class Experiment:
     """A validated experiment.  ``topology`` is already scaled by ``scale`` (loaded once);
-    ``variants`` starts with the main scheme; ``dynamics`` and ``faults`` are normalised
-    (rates as in the file: the emulator's scheduler multiplies them by ``scale``).
+    ``variants`` starts with the main scheme; ``dynamics`` and ``faults`` are normalised,
+    dynamics' rates scaled like the topology (results.json keeps the file's rates).
     :meth:`to_dict` is the resolved mapping results.json records (unscaled topology)."""
 
     name: str
@@ -291,7 +291,7 @@ def validate(data: dict, source: str = "<experiment>") -> Experiment:
     if not isinstance(exp["output"]["dir"], str):
         c.fail("output.dir", "expected a path string")
 
-    from testbed.emulator.dynamics import validate_dynamics, validate_faults
+    from testbed.emulator.dynamics import scaled, validate_dynamics, validate_faults
 
     exp["dynamics"] = validate_dynamics(exp["dynamics"], topo, c, source)
     exp["faults"] = validate_faults(exp["faults"], topo, c)
@@ -301,7 +301,7 @@ def validate(data: dict, source: str = "<experiment>") -> Experiment:
         repetitions=exp["repetitions"], workload=Workload(**w),
         variants=(Variant(exp["scheme"]["name"], exp["scheme"]),
                   *(Variant(v["label"], v["scheme"]) for v in exp["variants"])),
-        dynamics=tuple(exp["dynamics"]), faults=tuple(exp["faults"]), emulator=EmulatorSettings(**e),
+        dynamics=tuple(scaled(exp["dynamics"], exp["scale"])), faults=tuple(exp["faults"]), emulator=EmulatorSettings(**e),
         agents=AgentSettings(**a), output_dir=exp["output"]["dir"], sweep=sweep,
         resolved=copy.deepcopy({**exp, "sweep": None}))
 

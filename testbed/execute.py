@@ -86,7 +86,7 @@ def exec_command(exp: Experiment, argv: list[str], out_dir: Path, *, on: list[st
         addrs = {dc: net.node_address(dc) for dc in dcs}
         for dc in dcs:
             _add_node_interface(net, dc)
-        sched = Scheduler(net, exp.dynamics, exp.faults, scale=exp.scale, log=progress).start()
+        sched = Scheduler(net, exp.dynamics, exp.faults, log=progress).start()
         procs = {}
         try:
             for rank, dc in enumerate(dcs):
@@ -156,7 +156,7 @@ def shell(exp: Experiment, progress: Callable[[str], None]) -> None:
         setLogLevel("output")  # the network was built quietly; the CLI prints at this level
         names = ", ".join(f"{net.host(dc).name}={dc} ({net.node_address(dc)})" for dc in net.topo.nodes)
         progress(f"hosts: {names}; 'exit' or Ctrl-D tears the network down")
-        sched = Scheduler(net, exp.dynamics, exp.faults, scale=exp.scale, log=progress).start()
+        sched = Scheduler(net, exp.dynamics, exp.faults, log=progress).start()
         try:
             CLI(net.net)
         finally:

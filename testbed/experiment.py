@@ -168,7 +168,7 @@ def _run_on_network(exp: Experiment, planned: list, results: dict, out_dir: Path
         results["links"] = net.link_report()
         results["events_t0_s"] = net.t0  # events[].t_s count from here (Unix time), transfers are Unix ns
         results["environment"]["host_sysctls"] = net.host_sysctls
-        sched = Scheduler(net, exp.dynamics, exp.faults, scale=exp.scale, log=progress).start()
+        sched = Scheduler(net, exp.dynamics, exp.faults, log=progress).start()
         net.reset_relay_window()  # judge the emulator on the measured phase only
         cpu = CpuMeter().start()
         try:

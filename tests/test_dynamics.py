@@ -5,7 +5,7 @@ import time
 import pytest
 
 from testbed import config
-from testbed.emulator.dynamics import Scheduler
+from testbed.emulator.dynamics import Scheduler, scaled
 from testbed.errors import ConfigError
 from testbed.topology import load_topology
 
@@ -41,6 +41,17 @@ def test_inline_and_trace_dynamics_are_normalised(tmp_path):
     assert got == [(0.2, "h1", "h3", 5.0), (0.2, "h3", "h1", 6.0), (0.5, "h1", "h2", 10.0), (1.0, "h2", "h1", 20.0)]
 
 
+def test_dynamics_are_scaled_once_in_the_experiment(tmp_path):
+    """The typed experiment holds rates scaled like its topology; results.json the file's."""
+    exp = config.validate({**BASE, "scale": 0.5, "dynamics": [
+        {"at_s": 0.2, "link": ["h1", "h3"], "rate_mbps": [5, 6]},
+        {"redraw": {"lo": 20, "hi": 155, "every_s": 9, "seed": 3}}]}, str(tmp_path / "e.yaml"))
+    rates = sorted(d["rate_mbps"] for d in exp.dynamics if "rate_mbps" in d)
+    assert rates == [2.5, 3.0]
+    assert [d["redraw"]["scale"] for d in exp.dynamics if "redraw" in d] == [0.5]
+    assert sorted(d["rate_mbps"] for d in exp.to_dict()["dynamics"] if "rate_mbps" in d) == [5.0, 6.0]
+
+
 @pytest.mark.parametrize("bad, key", [
     ({"at_s": 1, "link": ["h1", "h9"], "rate_mbps": 5}, "dynamics[0].link[1]"),
     ({"at_s": -1, "link": ["h1", "h2"], "rate_mbps": 5}, "dynamics[0].at_s"),
@@ -57,10 +68,10 @@ def test_bad_dynamics_name_the_key(tmp_path, bad, key):
 def test_scheduler_applies_changes_on_time_scaled():
     topo = load_topology("small-3")
     net = FakeNet(topo)
-    dyn = [{"at_s": 0.1, "src": "h1", "dst": "h2", "rate_mbps": 40.0}]
+    dyn = scaled([{"at_s": 0.1, "src": "h1", "dst": "h2", "rate_mbps": 40.0}], 0.5)
     faults = [{"at_s": 0.2, "link_down": ["h1", "h2"]}, {"at_s": 0.3, "link_up": ["h1", "h2"]},
               {"at_s": 0.35, "crash": "h3"}]
-    s = Scheduler(net, dyn, faults, scale=0.5).start()
+    s = Scheduler(net, dyn, faults).start()
     time.sleep(0.6)
     s.stop()
     kinds = [c[1:] for c in net.calls]
@@ -75,7 +86,7 @@ def test_netstorm_redraw_is_seeded_and_in_range():
     runs = []
     for _ in range(2):
         net = FakeNet(topo)
-        s = Scheduler(net, [{"redraw": {"lo": 20, "hi": 155, "every_s": 0.1, "seed": 1}}], [], scale=2.0).start()
+        s = Scheduler(net, scaled([{"redraw": {"lo": 20, "hi": 155, "every_s": 0.1, "seed": 1}}], 2.0), []).start()
         time.sleep(0.35)
         s.stop()
         runs.append([c[1:] for c in net.calls][:12])

@@ -81,7 +81,7 @@ def _cli(*args, timeout=400):
 
 @pytest.mark.net
 def test_run_writes_report_with_every_figure(netenv, tmp_path):
-    exp = {**BASE, "variants": [{"label": "ps", "scheme": {"name": "ps"}}],
+    exp = {**BASE, "variants": [{"label": "ps", "scheme": {"name": "ps"}}], "scale": 0.5,
            "dynamics": [{"at_s": 0.5, "link": ["h1", "h2"], "rate_mbps": 20}]}
     exp_file = tmp_path / "e.yaml"
     exp_file.write_text(yaml.safe_dump(exp))
@@ -92,6 +92,8 @@ def test_run_writes_report_with_every_figure(netenv, tmp_path):
     check_page(page, ["cct.png", "gantt-0.png", "links-0.png"])
     results = json.loads((tmp_path / "r" / "results.json").read_text())
     assert all(len(r["warmup_cct_s"]) == 1 for r in results["runs"])  # workload.warmup defaults to 1
+    applied = {e["rate_mbps"] for e in results["events"] if e.get("event") == "rate"}
+    assert applied == {10.0} and results["experiment"]["dynamics"][0]["rate_mbps"] == 20  # scaled once
     assert "rate" in page.read_text() and "Dynamics and faults" in page.read_text()
     rows = list(csv.DictReader(open(tmp_path / "r" / "variants.csv")))
     assert [r["variant"] for r in rows] == ["ring", "ps"] and all(float(r["cct_mean_s"]) > 0 for r in rows)

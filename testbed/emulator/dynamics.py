@@ -101,6 +101,14 @@ def validate_dynamics(items, topo: Topology, c: Checker, source: str) -> list[di
     return out
 
 
+def scaled(events: list[dict], scale: float) -> list[dict]:
+    """``events`` (as :func:`validate_dynamics` returns them) with every rate times ``scale``:
+    rate events get their ``rate_mbps`` scaled, a redraw spec gets ``scale`` (its integer draws
+    in [lo, hi] stay those of the seed, then are multiplied)."""
+    return [{"redraw": {**ev["redraw"], "scale": scale}} if "redraw" in ev
+            else {**ev, "rate_mbps": ev["rate_mbps"] * scale} for ev in events]
+
+
 def validate_faults(items, topo: Topology, c: Checker) -> list[dict]:
     if not isinstance(items, list):
         c.fail("faults", "expected a list")
@@ -131,11 +139,11 @@ def _is_num(s: str) -> bool:
 
 
 class Scheduler:
-    """Applies dynamics and faults to a running :class:`WanNetwork` from a thread."""
+    """Applies dynamics (already :func:`scaled`) and faults to a running :class:`WanNetwork`
+    from a thread."""
 
-    def __init__(self, net, dynamics: list[dict], faults: list[dict], *, scale: float = 1.0,
-                 log=lambda msg: None):
-        self.net, self.scale, self.log = net, scale, log
+    def __init__(self, net, dynamics: list[dict], faults: list[dict], *, log=lambda msg: None):
+        self.net, self.log = net, log
         self._queue: list[tuple[float, int, dict]] = []
         self._n = 0
         for ev in dynamics:
@@ -143,7 +151,7 @@ class Scheduler:
                 self._redraw = dict(ev["redraw"], rng=random.Random(ev["redraw"]["seed"]))
                 self._push(ev["redraw"]["every_s"], {"redraw": True})
             else:
-                self._push(ev["at_s"], {**ev, "rate_mbps": ev["rate_mbps"] * scale})
+                self._push(ev["at_s"], ev)
         for ev in faults:
             self._push(ev["at_s"], ev)
         self._stop = threading.Event()
@@ -183,7 +191,7 @@ class Scheduler:
             r = self._redraw
             for link in net.topo.links:
                 for src, dst in ((link.a, link.b), (link.b, link.a)):
-                    net.set_rate(src, dst, r["rng"].randint(int(r["lo"]), int(r["hi"])) * self.scale)
+                    net.set_rate(src, dst, r["rng"].randint(int(r["lo"]), int(r["hi"])) * r.get("scale", 1.0))
             self._push(at + r["every_s"], ev)
         elif "rate_mbps" in ev:
             net.set_rate(ev["src"], ev["dst"], ev["rate_mbps"])
