@@ -244,8 +244,12 @@ class Agent:
     def run(self) -> int:
         ident = {"role": "agent", "name": self.name, "data_port": self.data_port, "pid": os.getpid(),
                  "host": socket.gethostname()}
-        self.ctrl = wire.connect(self.coord_addr, self.secret, ident, timeout_s=self.handshake_s,
-                                 retry_s=self.retry_s)
+        try:
+            self.ctrl = wire.connect(self.coord_addr, self.secret, ident, timeout_s=self.handshake_s,
+                                     retry_s=self.retry_s)
+        except (OSError, wire.ProtocolError, wire.Closed) as e:  # e.g. the coordinator died before we connected
+            raise ConnectionError(f"cannot register with the {self.coord}: {type(e).__name__}: "
+                                  f"{wire.sanitize(e)}") from None
         self.silence_s = self.handshake_s  # the WELCOME is part of registering
         self.ctrl.settimeout(self.silence_s)
         log.info("registered with coordinator %s:%d (data port %d)", *self.coord_addr, self.data_port)

@@ -367,8 +367,26 @@ def test_full_disk_for_results_fails_cleanly(tmp_path):
 
 
 # -- chaos: seeded SIGSTOP / SIGKILL of agents and the coordinator ------------------------
+def test_agent_without_coordinator_names_it(tmp_path):
+    """Nothing listens at the coordinator's address (it died before the agent connected):
+    the agent gives up within its deadline and its error names the coordinator."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed again: nobody listens there
+    (tmp_path / "secret").write_bytes(os.urandom(32))
+    cfg = tmp_path / "node.json"
+    cfg.write_text(json.dumps({"name": "h1", "coordinator": f"127.0.0.1:{port}", "data_port": 0,
+                               "secret_file": str(tmp_path / "secret"), "handshake_timeout_s": 1,
+                               "connect_retry_s": 1}))
+    res = subprocess.run([sys.executable, "-m", "agents.agent", "--config", str(cfg)], cwd=REPO,
+                         capture_output=True, text=True, timeout=30)
+    assert res.returncode == 1, res.stderr
+    assert f"cannot register with the coordinator at 127.0.0.1:{port}" in res.stderr, res.stderr
+    assert "Traceback" not in res.stderr
+
+
 def test_chaos_trials(tmp_path):
-    seeds = range(20)
+    seeds = [*range(20), 31, 74]  # 31, 74: the coordinator killed before its agents registered
     with ThreadPoolExecutor(2) as pool:
         results = list(pool.map(lambda s: chaos.trial(s, tmp_path / f"t{s}"), seeds))
     bad = [r for r in results if not r["ok"]]
@@ -437,6 +455,26 @@ def test_clean_spares_a_running_experiment(netenv, tmp_path):
     assert str(tmp_path) not in res.stdout, res.stdout  # our agents untouched (and the run completes)
     _, err = p.communicate(timeout=120)
     assert p.returncode == 0, err[-2000:]
+
+
+def test_killed_run_is_cleaned_up(netenv, tmp_path):
+    """SIGKILL of ``testbed run`` mid-run leaves a network nobody owns; ``clean`` (without
+    --all) removes all of it: processes, interfaces, namespaces."""
+    from testbed.emulator.cleanup import leftovers
+
+    before = {k: set(v) for k, v in leftovers().items()}
+    p = _run(tmp_path)  # small-3 has delays: relay processes too
+    _agent_pid(tmp_path, "h1")
+    time.sleep(1.0)
+    p.kill()
+    p.communicate(timeout=30)
+    orphans = {k: set(v) - before[k] for k, v in leftovers().items()}
+    assert orphans["interfaces"] and any("tbrelay" in c for _, c in orphans["processes"]), orphans
+    res = subprocess.run([sys.executable, "-m", "testbed", "clean"], cwd=REPO, capture_output=True, text=True,
+                         timeout=60)
+    assert res.returncode == 0, res.stderr
+    left = {k: set(v) - before[k] for k, v in leftovers().items()}
+    assert not any(left.values()), left
 
 
 def test_deploy_workdir_is_private_and_refused_when_someone_else_owns_it(tmp_path):
