@@ -14,8 +14,14 @@ the outgoing data connections, report READY, then per iteration wait for GO, sle
 compute time, run the program, check the result and report DONE.  Exit 0 after FINISH,
 1 on any failure or ABORT.  Control messages are JSON objects with a ``"msg"`` key:
 
-    agent -> coordinator: ready, done, bye, alive (heartbeat), status; error (ERROR frame)
-    coordinator -> agent: welcome, job, go, finish, alive (heartbeat), status; abort (ERROR)
+    agent -> coordinator: ready, done, bye, alive (heartbeat), status, clock, probe;
+                          error (ERROR frame)
+    coordinator -> agent: welcome, job, go, finish, alive (heartbeat), status, clock; abort (ERROR)
+
+CLOCK is an NTP-style exchange (the agent answers with its receive and send times,
+:func:`testbed.clock.estimate` on the coordinator's side); PROBE reports a window of DATA chunk samples this agent
+received from one peer (NetStorm §V passive probing; the JOB's ``probe`` says the minimum
+chunk size and how many chunks make a window, None: no probing).
 
 Nothing waits without a deadline: the coordinator's WELCOME gives its heartbeat period and
 the silence after which the agent gives up on it; the JOB bounds the wait for each next
@@ -49,6 +55,7 @@ from testbed.plan import Op
 from . import clock, wire
 from .executor import Executor, Stalled
 from .inputs import expected_sum, make_input
+from .probe import Prober, Sample
 
 log = logging.getLogger("agents")
 
@@ -80,6 +87,7 @@ class Job:
     timeout_s: float = 60.0
     wait_s: float = 600.0  # longest wait for the coordinator's next message (GO, FINISH)
     limit_s: float | None = None  # longest one iteration's communication may take
+    probe: dict | None = None  # {"chunk_bytes", "chunk_num"}: report received chunks (agents.probe)
 
     def to_dict(self) -> dict:
         d = dict(self.__dict__)
@@ -107,6 +115,7 @@ class Agent:
         self.coord = f"coordinator at {host}:{port}"
         self.handshake_s = float(cfg.get("handshake_timeout_s", wire.HANDSHAKE_TIMEOUT_S))
         self.retry_s = float(cfg.get("connect_retry_s", CONNECT_RETRY_S))
+        self.prober: Prober | None = None
         self.listener = socket.create_server((cfg.get("bind", "0.0.0.0"), int(cfg.get("data_port", 0))),
                                              backlog=socket.SOMAXCONN)
         self.data_port = self.listener.getsockname()[1]
@@ -142,6 +151,11 @@ class Agent:
                     self.abort_soon(f"aborted by the coordinator: {wire.sanitize(msg.get('reason', '?'))}")
                     return
                 if kind == "alive":
+                    continue
+                if kind == "clock":  # NTP-style: receive and answer times on this agent's clock
+                    t2 = time.time_ns()
+                    self.send({"msg": "clock", "seq": msg.get("seq"), "t1": msg.get("t1"), "t2": t2,
+                               "t3": time.time_ns()})
                     continue
                 if kind == "status":
                     self.send({"msg": "status", **(self.ex.status() if self.ex else {})})
@@ -180,6 +194,17 @@ class Agent:
             raise wire.ProtocolError(f"{self.coord} sent {wire.sanitize(msg.get('msg'), 40)!r}, "
                                      f"expected {kind!r}")
         return msg
+
+    def _on_chunk(self, peer: str, sample: tuple | None) -> None:
+        """A receiver thread started (None) or completed a DATA chunk: feed the prober,
+        report a full window."""
+        if sample is None:
+            self.prober.start(peer)
+            return
+        window = self.prober.add(peer, Sample(*sample))
+        if window:
+            self.send({"msg": "probe", "src": peer, "dst": self.name, "t_ns": time.time_ns(),
+                       "samples": [list(s) for s in window]})
 
     # -- data connections ----------------------------------------------------------
     def _handshake(self, sock: socket.socket, addr) -> None:
@@ -261,8 +286,11 @@ class Agent:
         threading.Thread(target=self._heartbeat, args=(float(welcome["heartbeat_s"]),), daemon=True,
                          name="heartbeat").start()
         self.job = job = Job.from_dict(self.next_msg("job", float(welcome["job_within_s"]))["job"])
+        if job.probe:
+            self.prober = Prober(job.probe["chunk_bytes"], job.probe["chunk_num"])
         self.ex = Executor(self.name, job.program, length=job.length, scratch=job.scratch, dtype=job.dtype,
-                           stop_and_wait=job.stop_and_wait, timeout_s=job.timeout_s, limit_s=job.limit_s)
+                           stop_and_wait=job.stop_and_wait, timeout_s=job.timeout_s, limit_s=job.limit_s,
+                           on_chunk=self._on_chunk if self.prober else None)
         self.job_ready.set()
         self._connect_peers()
         self.prepare(0)

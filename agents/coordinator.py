@@ -14,7 +14,26 @@ Command line (real hosts)::
         --secret-file F --port P --out results.json [--iterations N --seed S ...]
 
 ``run()`` waits for every plan node to register, sends each its JOB, waits for READY,
-then per iteration sends GO to all and collects DONE from all.  It fails (RunError
+estimates every agent's clock offset (NTP-style CLOCK exchanges, :func:`testbed.clock.estimate`;
+every timestamp an agent reports is moved to the coordinator's clock with it, so CCTs and
+transfer records are right on hosts with unsynchronised clocks), then per iteration sends
+GO to all and collects DONE from all.  With ``probe`` the agents report windows of received
+chunks (PROBE), kept in :class:`agents.netstate.NetState` (results ``estimates``).
+
+Versioned plans and policy switches (NetStorm §VII-A): the JOB's plan is version 0.  With
+``policy``, before every iteration ``policy(iteration, netstate)`` may return another plan
+(same nodes, length, participants and receivers).  A plan not seen before gets the next
+version and is installed on every agent (PLAN: the node's program, scratch buffers and
+peers; the agent opens that version's data connections and answers INSTALLED).  The switch
+itself rides on the per-iteration barrier: GO carries the version for the iteration, and
+GO for iteration k is sent only once every agent reported DONE for k - 1 — the role of
+NetStorm's TRP exchange (workers ask before each PUSH, the scheduler answers once all
+asked), with one message less.  So no iteration mixes versions.  Every agent moves all its
+versions' executors to iteration k before it reports DONE for k - 1, so a chunk of
+iteration k that a faster peer sends before this agent has read its GO is accepted and
+held (cached) in that version's receive buffer until the iteration runs — never dropped,
+never applied to another iteration (frames of other iterations are refused).  Agents keep
+every installed version, so switching back costs only the GO.  It fails (RunError
 naming the node and reason) if an agent reports an error, disconnects, or is silent
 for ``timeout_s`` (agents send a heartbeat every second), and always tells the agents
 to finish or abort so they exit.
@@ -35,11 +54,13 @@ from typing import Callable, Mapping
 
 import numpy as np
 
+from testbed.clock import estimate as clock_estimate
 from testbed.errors import ConfigError, RunError
 from testbed.plan import RECV, Plan
 
 from . import wire
 from .agent import Job
+from .netstate import NetState
 
 log = logging.getLogger("agents.coordinator")
 
@@ -50,6 +71,8 @@ TRANSFER_COLUMNS = ["iteration", "xfer", "src", "dst", "channel", "flow", "chunk
 WORKER_KEYS = ["go_ns", "compute_end_ns", "comm_start_ns", "comm_done_ns", "receiver", "correct", "max_abs_err",
                "digest"]
 MAX_PENDING = 64  # unauthenticated connections at once; more are refused
+CLOCK_ROUNDS = 8  # NTP-style exchanges per agent; the least delayed one counts
+CLOCK_WAIT_S = 2.0  # longest wait for the answers
 INT, NUM = "an integer", "a number"
 DONE_FIELDS = {"iteration": INT, "go_ns": INT, "compute_end_ns": INT, "comm_start_ns": INT, "comm_done_ns": INT,
                "receiver": bool, "correct": bool, "max_abs_err": NUM, "digest": (str, type(None)),
@@ -167,7 +190,9 @@ class Coordinator:
                  progress: Callable[[str], None] | None = None, register_timeout_s: float | None = None,
                  health: Callable[[], str | None] | None = None, predicted_s: float | None = None,
                  handshake_s: float = wire.HANDSHAKE_TIMEOUT_S, check_startup: bool = False,
-                 clock_offsets_ns: Mapping[str, int] | None = None):
+                 clock_offsets_ns: Mapping[str, int] | None = None, probe: dict | None = None,
+                 truth: Callable[[str, str], dict | None] | None = None,
+                 policy: Callable[[int, NetState], Plan | None] | None = None):
         plan.validate()
         np.dtype(dtype)
         self.plan, self.secret, self.data_port = plan, wire.as_secret(secret), data_port
@@ -184,7 +209,7 @@ class Coordinator:
         self.heartbeat_s = min(1.0, self.silence_s / 6)
         # communication of one iteration: the stall limit plus a margin over the prediction
         self.limit_s = self.timeout_s + 4 * predicted_s if predicted_s else 10 * self.timeout_s
-        self.clock_offsets_ns = dict(clock_offsets_ns or {})
+        self._addresses = addresses
         self._peer_ip = self._resolve_addresses(addresses)
         self._xfers = {op.xfer: (src, op.peer) for src, op in plan.transfers()}
         self.listener = socket.create_server(tuple(bind), backlog=socket.SOMAXCONN)
@@ -198,6 +223,17 @@ class Coordinator:
         self._iterations: list[dict] = []
         self._rows: list[list] = []
         self._errors: list[str] = []
+        # probe: {"chunk_bytes", "chunk_num", "estimator"}; truth(src, dst): the emulator's rate/delay now
+        self.probe = dict(probe) if probe else None
+        self.net = NetState(plan.nodes, (probe or {}).get("estimator", "busy"), truth)
+        for n, off in (clock_offsets_ns or {}).items():  # measured beforehand (over ssh); CLOCK refines them
+            self.net.offsets[n] = off
+        self._clock_x: dict[str, list[tuple[int, int, int, int]]] = {}
+        self.policy = policy
+        self._plans: list[Plan] = [plan]  # index = version
+        self._installed = {0}  # versions every agent has (0: the JOB's)
+        self.version = 0
+        self.switches = 0
 
     def _resolve_addresses(self, addresses: Mapping) -> dict[tuple[str, str], str]:
         out = {}
@@ -266,7 +302,15 @@ class Coordinator:
                     msg = {"msg": "error", "message": wire.sanitize(msg.get("message", msg), 2000),
                            "stall": bool(msg.get("stall")), "status": msg.get("status"),
                            "peer": msg.get("peer") if msg.get("peer") in self.plan.nodes else None}
-                if msg.get("msg") != "alive":
+                kind = msg.get("msg")
+                if kind == "clock":
+                    self._clock_answer(name, msg, time.time_ns())
+                elif kind == "probe":
+                    try:
+                        self.net.add({**msg, "dst": name})
+                    except ValueError as e:
+                        raise wire.ProtocolError(f"malformed PROBE report: {wire.sanitize(e)}") from None
+                elif kind != "alive":
                     self._events.put(("msg", name, msg))
         except socket.timeout:
             self._events.put(("silent", name, f"no heartbeat from the agent at {conn.addr} for {self.silence_s:g} s "
@@ -475,21 +519,88 @@ class Coordinator:
         node = first[1]
         return node, None, first[2].get("message") if isinstance(first[2], dict) else first[2]
 
-    # -- the run -----------------------------------------------------------------------
-    def make_job(self, node: str) -> Job:
-        plan = self.plan
-        program = plan.programs.get(node, [])
+    # -- clocks ------------------------------------------------------------------------
+    def _clock_answer(self, name: str, msg: dict, t4: int) -> None:
+        t = [msg.get(k) for k in ("t1", "t2", "t3")]
+        if all(isinstance(x, int) and not isinstance(x, bool) for x in t):
+            with self._lock:
+                self._clock_x.setdefault(name, []).append((*t, t4))
+
+    def _sync_clocks(self, nodes: list[str]) -> None:
+        """Estimate every agent's clock offset (NTP-style, over the control connection).  An
+        agent that does not answer within ``CLOCK_WAIT_S`` keeps offset 0 (said in
+        ``estimates.clocks``); it is not a failure (its heartbeats still are the judge)."""
+        for r in range(CLOCK_ROUNDS):
+            for n in nodes:
+                self._send(n, {"msg": "clock", "seq": r, "t1": time.time_ns()})
+            time.sleep(0.005)
+        deadline = time.monotonic() + CLOCK_WAIT_S
+        while time.monotonic() < deadline:
+            with self._lock:
+                if all(len(self._clock_x.get(n, ())) >= CLOCK_ROUNDS for n in nodes):
+                    break
+            ev = self._next(deadline)
+            if ev is not None and not (ev[0] == "msg" and ev[2].get("msg") == "status"):
+                self._diagnose(ev)
+        with self._lock:
+            got = {n: list(self._clock_x.get(n, ())) for n in nodes}
+        for n, xs in got.items():
+            if xs:
+                self.net.set_offset(n, *clock_estimate(xs))
+            else:
+                self.net.clock[n] = {"offset_ms": None, "rtt_ms": None}
+                self.progress(f"{n}: no answer to CLOCK: its clock is taken as the coordinator's")
+
+    # -- versions ------------------------------------------------------------------------
+    def _use(self, plan: Plan) -> bool:
+        """Make ``plan`` the current one (installing it on the agents if new); True if the
+        version changed."""
+        known = next((v for v, p in enumerate(self._plans) if p is plan), None)
+        if known is None:
+            plan.validate()
+            old = self._plans[0]
+            if (list(plan.nodes), plan.length, plan.contributing(), plan.finishing()) != \
+                    (list(old.nodes), old.length, old.contributing(), old.finishing()):
+                raise ConfigError(f"policy plan {plan.scheme!r} differs from the first in nodes, length, "
+                                  "participants or receivers", key="policy")
+            known = len(self._plans)
+            self._plans.append(plan)
+        if known == self.version:
+            return False
+        self.plan, self.version = self._plans[known], known
+        self._peer_ip = self._resolve_addresses(self._addresses)
+        self._xfers = {op.xfer: (src, op.peer) for src, op in self.plan.transfers()}
+        if known not in self._installed:
+            for n in self.plan.nodes:
+                program, peers, scratch = self._part(n)
+                self._send(n, {"msg": "plan", "version": known, "program": [op.to_dict() for op in program],
+                               "peers": {p: list(a) for p, a in peers.items()}, "scratch": scratch})
+            self._collect("installed", list(self.plan.nodes), self.ready_limit())
+            self._installed.add(known)
+        return True
+
+    def _part(self, node: str) -> tuple[list, dict, dict]:
+        """The current plan's program, peers (ip, data port) and scratch buffers of ``node``."""
+        program = self.plan.programs.get(node, [])
         peers = {}
         for op in program:
             if op.kind != RECV and op.peer not in peers:
                 port = self.data_port or int(self._idents.get(op.peer, {}).get("data_port") or 0)
                 peers[op.peer] = (self._peer_ip[(node, op.peer)], port)
+        return program, peers, dict(self.plan.scratch.get(node, {}))
+
+    # -- the run -----------------------------------------------------------------------
+    def make_job(self, node: str) -> Job:
+        plan = self.plan
+        program, peers, scratch = self._part(node)
         return Job(name=node, nodes=list(plan.nodes), length=plan.length, participants=plan.contributing(),
                    receivers=plan.finishing(), program=program, peers=peers,
-                   scratch=dict(plan.scratch.get(node, {})), dtype=self.dtype, seed=self.seed,
+                   scratch=scratch, dtype=self.dtype, seed=self.seed,
                    iterations=self.iterations, compute_s=self.compute_s.get(node, []),
                    stop_and_wait=self.stop_and_wait, timeout_s=self.timeout_s,
-                   wait_s=self._iteration_limit() + self.ready_limit() + self.silence_s, limit_s=self.limit_s)
+                   wait_s=self._iteration_limit() + self.ready_limit() + self.silence_s, limit_s=self.limit_s,
+                   probe=({"chunk_bytes": int(self.probe["chunk_bytes"]), "chunk_num": int(self.probe["chunk_num"])}
+                          if self.probe else None))
 
     def ready_limit(self) -> float:
         """JOB to READY: peers connect (retrying while they start) and authenticate."""
@@ -504,6 +615,8 @@ class Coordinator:
         return {"scheme": self.plan.scheme, "nodes": list(self.plan.nodes), "length": self.plan.length,
                 "dtype": self.dtype, "seed": self.seed, "stop_and_wait": self.stop_and_wait,
                 "iterations": self._iterations, "transfers": {"columns": TRANSFER_COLUMNS, "rows": self._rows},
+                "estimates": self.net.report(), "switches": self.switches,
+                "versions": [{"version": v, "scheme": p.scheme, "meta": p.meta} for v, p in enumerate(self._plans)],
                 "errors": self._errors}
 
     def run(self) -> dict:
@@ -516,13 +629,17 @@ class Coordinator:
                 self._send(n, {"msg": "job", "job": self.make_job(n).to_dict()})
             self._collect("ready", nodes, self.ready_limit())
             self.progress(f"all {len(nodes)} agents ready")
+            self._sync_clocks(nodes)
             for it in range(self.iterations):
+                new = self.policy(it, self.net) if self.policy else None
+                if new is not None and self._use(new):
+                    self.switches += 1
                 go_ns = time.time_ns()
                 for n in nodes:
-                    self._send(n, {"msg": "go", "iteration": it})
+                    self._send(n, {"msg": "go", "iteration": it, "version": self.version})
                 done = self._collect("done", nodes, self._iteration_limit(), iteration=it)
                 done = {n: self._on_my_clock(n, d) for n, d in done.items()}
-                result = self._summarise(it, go_ns, done, self._errors)
+                result = {**self._summarise(it, go_ns, done, self._errors), "version": self.version}
                 self._iterations.append(result)
                 self._rows.extend(self._transfer_rows(it, done))
                 self.progress(f"iteration {it + 1}/{self.iterations}: cct {result['cct_s']:.4f} s, "
@@ -545,7 +662,7 @@ class Coordinator:
     def _on_my_clock(self, node: str, done: dict) -> dict:
         """``node``'s DONE with its timestamps moved from the agents' clocks to this machine's
         (a recv row's ``send_ts_ns`` is on the sender's clock, the rest on ``node``'s)."""
-        off = self.clock_offsets_ns
+        off = self.net.offsets
         if not off:
             return done
         me = off.get(node, 0)

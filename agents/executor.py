@@ -74,8 +74,12 @@ class Executor:
 
     def __init__(self, name: str, program: list[Op], *, length: int, scratch: dict[str, int] | None = None,
                  dtype="float32", stop_and_wait: bool = False, timeout_s: float = 60.0,
-                 limit_s: float | None = None):
+                 limit_s: float | None = None, on_chunk=None):
         self.name = name
+        # probing hooks, called in the receiver thread: on_chunk(peer, None) when a chunk's header
+        # arrived, on_chunk(peer, (bytes, send_ts_ns, first_ns, last_ns, channel, mid_ns, mid_bytes))
+        # when it is complete; (mid_ns, mid_bytes): the first read that completed half the payload
+        self.on_chunk = on_chunk
         self.prog = list(program)
         self.dtype = np.dtype(dtype)
         self.stop_and_wait = stop_and_wait
@@ -215,13 +219,21 @@ class Executor:
                 self._check(h, i)
                 buf = self._rbuf[i]
                 self._rx_iter[i], self._rx_bytes[i] = h.op_id, 0
-                recv_into_exact(sock, memoryview(buf).cast("B"), f"transfer {h.xfer}",
-                                self._count(self._rx_bytes, i))
+                count, mid = self._count(self._rx_bytes, i), [0, 0]
+                if self.on_chunk:
+                    self.on_chunk(peer, None)
+                    def count(n, count=count, mid=mid, half=buf.nbytes // 2):
+                        count(n)
+                        if not mid[1] and n >= half:
+                            mid[:] = time.time_ns(), n
+                recv_into_exact(sock, memoryview(buf).cast("B"), f"transfer {h.xfer}", count)
                 last = time.time_ns()
                 self._got[i] = h.op_id
                 if h.flags & FLAG_ACK_REQ:
                     send_frame(sock, Header(ACK, op_id=h.op_id, xfer=h.xfer, send_ts_ns=last))
                 self._events.put(("recv", i, h.send_ts_ns, first, last))
+                if self.on_chunk:
+                    self.on_chunk(peer, (h.payload_len, h.send_ts_ns, first, last, ch, *mid))
         except Closed:
             if not self._closing:
                 log.info("data connection from %s (channel %d) closed", peer, ch)

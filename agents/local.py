@@ -38,11 +38,13 @@ class LocalCluster:
 
     def __init__(self, plan: Plan, *, iterations: int = 1, seed: int = 0, dtype: str = "float32",
                  timeout_s: float = 30.0, stop_and_wait: bool = False, compute_s=None, progress=None,
-                 external: tuple[str, ...] = (), handshake_s: float | None = None):
+                 external: tuple[str, ...] = (), handshake_s: float | None = None, probe: dict | None = None,
+                 clock_offset_ms: dict[str, float] | None = None):
         self.plan = plan
         self.external = set(external)
         self.options = dict(iterations=iterations, seed=seed, dtype=dtype, timeout_s=timeout_s,
-                            stop_and_wait=stop_and_wait, compute_s=compute_s, progress=progress)
+                            stop_and_wait=stop_and_wait, compute_s=compute_s, progress=progress, probe=probe)
+        self.clock_offset_ms = dict(clock_offset_ms or {})  # node -> shift of its agent's clock
         self.handshake_s = handshake_s or wire.HANDSHAKE_TIMEOUT_S  # agents' and coordinator's (tests shorten it)
         self.procs: dict[str, subprocess.Popen] = {}
         self.logs: dict[str, Path] = {}
@@ -81,7 +83,8 @@ class LocalCluster:
             cfg = self.tmp / f"{n}.json"
             cfg.write_text(json.dumps({"name": n, "coordinator": f"{host}:{port}", "data_port": 0,
                                        "bind": addresses[n], "secret_file": str(secret_file),
-                                       "handshake_timeout_s": self.handshake_s}))
+                                       "handshake_timeout_s": self.handshake_s,
+                                       "clock_offset_ms": self.clock_offset_ms.get(n, 0)}))
             self.logs[n] = self.tmp / f"{n}.log"
             with open(self.logs[n], "wb") as log:
                 self.procs[n] = subprocess.Popen([sys.executable, "-m", "agents.agent", "--config", str(cfg)],

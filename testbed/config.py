@@ -11,6 +11,8 @@ Format (YAML; every key but ``name``, ``topology`` and ``scheme.name`` is option
     seed: 1
     repetitions: 3
     scheme: {name: ring, chunks: 4}        # scheme parameters beside the name
+                                 # + adaptive: {update_s, probe_chunk_bytes, probe_chunk_num,
+                                 #   estimator, mode} (any scheme; see ADAPTIVE_DEFAULTS)
     workload:
       size: 4MB                  # or  model: resnet50   (size = the model's parameters)
       dtype: float32             # float32 | float64
@@ -24,7 +26,9 @@ Format (YAML; every key but ``name``, ``topology`` and ``scheme.name`` is option
                                  # max_late_ms: relay p99 lateness above which results.json
                                  # says the emulation did not keep up; tcp_cc: congestion
                                  # control of every datacenter host (never the machine's default)
-    agents: {timeout_s: 120, stop_and_wait: false}
+    agents: {timeout_s: 120, stop_and_wait: false, clock_offset_ms: {}}
+                                 # clock_offset_ms: {dc: ms} shifts that agent's clock (tests of
+                                 # the clock-offset correction; real hosts have their own)
     dynamics: []                 # live rate changes, see testbed/emulator/dynamics.py
     faults: []                   # link down/up, datacenter crash/restart
     variants:                    # optional: more schemes run on the SAME network, compared
@@ -59,7 +63,7 @@ DEFAULTS: dict[str, Any] = {
     "repetitions": 1,
     "workload": {"size": "1MB", "model": None, "dtype": "float32", "iterations": 1, "warmup": 1, "compute_s": 0},
     "emulator": {"method": "auto", "relay_procs": 0, "max_late_ms": 2.0, "tcp_cc": DEFAULT_TCP_CC},
-    "agents": {"timeout_s": 120.0, "stop_and_wait": False},
+    "agents": {"timeout_s": 120.0, "stop_and_wait": False, "clock_offset_ms": {}},
     "dynamics": [],
     "faults": [],
     "variants": [],
@@ -67,6 +71,11 @@ DEFAULTS: dict[str, Any] = {
     "sweep": None,
 }
 TOP_KEYS = {"name", "topology", "scheme", *DEFAULTS}
+# scheme.adaptive (NetStorm §V): agents probe the links with their data; update_s > 0 also
+# re-plans that often on the estimated (mode: estimated) or the emulator's true current
+# (mode: oracle) rates; update_s: 0 only measures.  Chunk size and count: NetStorm Table II.
+ADAPTIVE_DEFAULTS = {"update_s": 5.0, "probe_chunk_bytes": 2_000_000, "probe_chunk_num": 4,
+                     "estimator": "busy", "mode": "estimated"}
 
 
 @dataclass(frozen=True)
@@ -112,6 +121,7 @@ class EmulatorSettings:
 class AgentSettings:
     timeout_s: float
     stop_and_wait: bool
+    clock_offset_ms: dict  # dc -> ms its agent's clock is shifted by (tests of the correction)
 
 
 @dataclass(frozen=True, eq=False)
@@ -288,6 +298,10 @@ def validate(data: dict, source: str = "<experiment>") -> Experiment:
     c.number(a["timeout_s"], "agents.timeout_s", positive=True)
     if not isinstance(a["stop_and_wait"], bool):
         c.fail("agents.stop_and_wait", f"expected true or false, got {a['stop_and_wait']!r}")
+    c.mapping(a["clock_offset_ms"], "agents.clock_offset_ms")
+    for dc, ms in a["clock_offset_ms"].items():
+        c.node(dc, "agents.clock_offset_ms", nodes)
+        c.number(ms, f"agents.clock_offset_ms.{dc}")
     if not isinstance(exp["output"]["dir"], str):
         c.fail("output.dir", "expected a path string")
 
@@ -358,7 +372,25 @@ def _scheme(c: Checker, scheme, key: str, nodes: list[str]) -> dict:
     from testbed.planners import resolve_scheme
 
     c.mapping(scheme, key)
-    return resolve_scheme(scheme, nodes, source=c.source, key=key)
+    adaptive = _adaptive(c, scheme.get("adaptive"), f"{key}.adaptive")
+    out = resolve_scheme({k: v for k, v in scheme.items() if k != "adaptive"}, nodes, source=c.source, key=key)
+    return {**out, "adaptive": adaptive} if adaptive else out
+
+
+def _adaptive(c: Checker, spec, key: str) -> dict | None:
+    """``adaptive: true | false | {...}`` resolved to None or every key of ADAPTIVE_DEFAULTS."""
+    from agents.probe import ESTIMATORS
+
+    if spec is None or spec is False:
+        return None
+    spec = {} if spec is True else c.mapping(spec, key, set(ADAPTIVE_DEFAULTS))
+    out = {**ADAPTIVE_DEFAULTS, **spec}
+    c.number(out["update_s"], f"{key}.update_s", minimum=0)
+    c.number(out["probe_chunk_bytes"], f"{key}.probe_chunk_bytes", integer=True, minimum=1)
+    c.number(out["probe_chunk_num"], f"{key}.probe_chunk_num", integer=True, minimum=1)
+    c.choice(out["estimator"], f"{key}.estimator", ESTIMATORS)
+    c.choice(out["mode"], f"{key}.mode", ("estimated", "oracle"))
+    return out
 
 
 def _check_compute(c: Checker, spec, nodes: list[str]) -> None:

@@ -49,7 +49,7 @@ def build_plan(exp: Experiment, scheme: dict | None = None, *, source: str = "",
     scheme, topo, w = scheme or exp.scheme, exp.topology, exp.workload
     validate_connected(topo, source=source or exp.name, key="topology")
     graph = topo.graph()
-    params = {k: v for k, v in scheme.items() if k != "name"}
+    params = {k: v for k, v in scheme.items() if k not in ("name", "adaptive")}
     plan = make_plan(scheme["name"], graph, w.length, params, elem_bytes=w.elem_bytes, source=source or exp.name,
                      key=key)
     plan.validate()
@@ -76,7 +76,8 @@ def run_variants(exp: Experiment, planned: list, hosts: Hosts, out_dir: Path,
             result = run_agents(hosts, plan, out_dir, iterations=n_its, seed=seed, dtype=w.dtype,
                                 compute_s=compute_times(w.compute_s, plan.nodes, n_its, seed),
                                 stop_and_wait=a.stop_and_wait, timeout_s=a.timeout_s, progress=progress,
-                                predicted_s=prediction["cct_s"])
+                                predicted_s=prediction["cct_s"], probe=probe_options(v.scheme),
+                                clock_offset_ms=a.clock_offset_ms)
             r = _summarise_run(rep, v.label, result, w.warmup)
             r.update({k: result[k] for k in ("clock_offsets",) if k in result})  # real hosts: their clocks
             runs.append(r)
@@ -86,6 +87,13 @@ def run_variants(exp: Experiment, planned: list, hosts: Hosts, out_dir: Path,
             if not r["correct"]:  # results are still written; the CLI exits 1
                 progress(f"WRONG RESULT at {', '.join(r['incorrect']) or 'some workers (digests differ)'}")
     return runs
+
+
+def probe_options(scheme: dict) -> dict | None:
+    """The coordinator's ``probe`` option from a scheme's ``adaptive`` block (None: off)."""
+    a = scheme.get("adaptive")
+    return {"chunk_bytes": a["probe_chunk_bytes"], "chunk_num": a["probe_chunk_num"],
+            "estimator": a["estimator"]} if a else None
 
 
 def plan_variants(exp: Experiment, progress: Callable[[str], None], source: str = "") -> list:
@@ -206,7 +214,8 @@ def _summarise_run(rep: int, label: str, result: dict, warmup: int = 0) -> dict:
             "cct_s": stats([it["cct_s"] for it in its if not it["warmup"]])["mean"],
             "warmup_cct_s": [it["cct_s"] for it in its if it["warmup"]],  # cold: TCP start on fresh connections
             "iterations": its, "correct": all(it["correct"] for it in its) and not incorrect,
-            "incorrect": incorrect, "errors": result.get("errors", []), "transfers": result.get("transfers"), "links": _per_link(result.get("transfers"))}
+            "incorrect": incorrect, "errors": result.get("errors", []), "transfers": result.get("transfers"), "links": _per_link(result.get("transfers")),
+            **{k: result[k] for k in ("estimates", "switches", "versions") if k in result}}
 
 
 def _per_link(transfers: dict | None) -> list[dict]:

@@ -34,16 +34,23 @@ class Hosts(Protocol):
     def health(self) -> str | None:
         """Why a run cannot go on (an agent exited), or None."""
 
+    def truth(self) -> Callable[[str, str], dict | None] | None:
+        """``truth(src, dst)`` -> the path's configured {rate_mbps, delay_ms} now (after
+        dynamics), the ground truth link estimates are recorded beside; None: unknown."""
+
     def stop_agents(self) -> None:
         """Stop every agent started (kill it if need be)."""
 
 
 def run_agents(hosts: Hosts, plan, out_dir: Path, *, iterations: int = 1, seed: int = 0, dtype: str = "float32",
                compute_s: dict | None = None, stop_and_wait: bool = False, timeout_s: float = 120.0,
-               progress: Callable[[str], None] = lambda m: None, predicted_s: float | None = None) -> dict:
+               progress: Callable[[str], None] = lambda m: None, predicted_s: float | None = None,
+               probe: dict | None = None, clock_offset_ms: dict | None = None, policy=None) -> dict:
     """Start a coordinator here and one agent per datacenter on ``hosts``, run ``plan``
     ``iterations`` times, and return the coordinator's results.  Agents are stopped
-    (killed if need be) before returning, also on error."""
+    (killed if need be) before returning, also on error.  ``probe``: passive probing
+    ({chunk_bytes, chunk_num, estimator}); ``clock_offset_ms``: {dc: ms} shifts agents'
+    clocks (tests); ``policy``: re-planning (:class:`agents.coordinator.Coordinator`)."""
     from agents.coordinator import Coordinator
 
     offsets = hosts.clock_offsets()  # node -> testbed.clock.Offset of its host's clock from ours
@@ -56,12 +63,15 @@ def run_agents(hosts: Hosts, plan, out_dir: Path, *, iterations: int = 1, seed: 
                         iterations=iterations, seed=seed, dtype=dtype, compute_s=compute_s,
                         stop_and_wait=stop_and_wait, timeout_s=timeout_s, bind=hosts.coordinator_bind,
                         progress=progress, health=hosts.health, predicted_s=predicted_s,
-                        clock_offsets_ns={n: o.offset_ns for n, o in offsets.items()})
+                        clock_offsets_ns={n: o.offset_ns for n, o in offsets.items()}, probe=probe,
+                        truth=hosts.truth(), policy=policy)
     coord.start()
     try:
         for dc in plan.nodes:
-            hosts.start_agent(dc, {"name": dc, "coordinator": f"{hosts.coordinator_host}:{coord.address[1]}"},
-                              out_dir, secret_file)
+            cfg = {"name": dc, "coordinator": f"{hosts.coordinator_host}:{coord.address[1]}"}
+            if (clock_offset_ms or {}).get(dc):
+                cfg["clock_offset_ms"] = clock_offset_ms[dc]
+            hosts.start_agent(dc, cfg, out_dir, secret_file)
         result = coord.run()
         if offsets:
             result["clock_offsets"] = {n: {"offset_ms": o.offset_ns / 1e6, "rtt_ms": o.rtt_ns / 1e6}

@@ -47,6 +47,24 @@ class EmulatedHosts(Hosts):
                 return f"{dc}: agent process exited with code {p.returncode} (log: agents/{dc}.log)"
         return None
 
+    def truth(self):
+        """``truth(src, dst)``: the configured rate (after dynamics) and delay of the path data
+        takes from src to dst now: the least rate along it, the sum of its one-way delays."""
+        from testbed.routing import data_paths
+
+        graph, events = self.net.topo.graph(), self.net.events
+        paths = data_paths(graph)
+
+        def truth(src: str, dst: str) -> dict | None:
+            path = paths.get((src, dst))
+            if not path:
+                return None
+            now = {(ev["src"], ev["dst"]): ev["rate_mbps"] for ev in list(events) if ev.get("event") == "rate"}
+            hops = list(zip(path, path[1:]))
+            return {"rate_mbps": min(now.get(h, graph.edges[h]["rate_mbps"]) for h in hops),
+                    "delay_ms": sum(graph.edges[h].get("delay_ms", 0.0) for h in hops)}
+        return truth
+
     def stop_agents(self) -> None:
         self.net.stop_processes()
         self._procs.clear()

@@ -1,0 +1,60 @@
+"""Closed loop on a real emulated WAN: passive probing estimates (NetStorm §V) against the
+emulator's configured rates and delays, with clock offsets injected and a rate step."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.net
+REPO = Path(__file__).resolve().parent.parent
+
+PROBE_EXP = """
+name: probe-accuracy
+topology: small-3
+seed: 1
+scheme: {name: netstorm, adaptive: {update_s: 0, probe_chunk_bytes: 1000000, probe_chunk_num: 2}}
+workload: {size: 8MB, iterations: 14}
+emulator: {tcp_cc: bbr}
+agents: {timeout_s: 60, clock_offset_ms: {h2: 500, h3: -500}}
+dynamics: [{at_s: 7, link: [h1, h2], rate_mbps: 40}]
+"""
+
+
+def rate_ok(est: float, truth: float) -> bool:
+    return abs(est / truth - 1) <= 0.10
+
+
+def owd_ok(est: float, truth: float) -> bool:
+    return abs(est - truth) <= max(1.0, 0.03 * truth)
+
+
+def test_estimates_within_tolerance_with_clock_offsets_and_a_rate_step(netenv, tmp_path):
+    exp = tmp_path / "exp.yaml"
+    exp.write_text(PROBE_EXP)
+    res = subprocess.run([sys.executable, "-m", "testbed", "run", str(exp), "--out", str(tmp_path), "--quiet"],
+                         cwd=REPO, capture_output=True, text=True, timeout=400)
+    assert res.returncode == 0, res.stderr[-3000:]
+    run = json.loads((tmp_path / "results.json").read_text())["runs"][0]
+    assert run["correct"]
+    est = run["estimates"]
+    for dc, want in {"h1": 0, "h2": 500, "h3": -500}.items():  # offsets found over the control network
+        assert abs(est["clocks"][dc]["offset_ms"] - want) < 1.0, est["clocks"]
+    by_link: dict = {}
+    for e in est["series"]:
+        by_link.setdefault((e["src"], e["dst"]), []).append(e)
+    # netstorm on small-3 uses both directions of h1-h2 and h2-h3 (h1-h3 idles)
+    assert {("h1", "h2"), ("h2", "h1"), ("h2", "h3"), ("h3", "h2")} <= set(by_link)
+    bad, stepped = [], 0
+    for link, series in by_link.items():
+        for prev, e in zip([None] + series, series):
+            assert e["chunks"] >= 2 and owd_ok(e["owd_ms"], e["truth"]["delay_ms"]), e
+            if prev and prev["truth"]["rate_mbps"] != e["truth"]["rate_mbps"]:
+                stepped += 1  # this window may straddle the step: the next one must be right
+                continue
+            if not rate_ok(e["rate_mbps"], e["truth"]["rate_mbps"]):
+                bad.append((link, e["t_s"], round(e["rate_mbps"], 1), e["truth"]["rate_mbps"]))
+    assert stepped == 2  # both directions of h1-h2 changed once, and were measured after it
+    assert not bad, bad
