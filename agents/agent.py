@@ -14,11 +14,14 @@ the outgoing data connections, report READY, then per iteration wait for GO, sle
 compute time, run the program, check the result and report DONE.  Exit 0 after FINISH,
 1 on any failure or ABORT.  Control messages are JSON objects with a ``"msg"`` key:
 
-    agent -> coordinator: ready, done, bye, alive (heartbeat), status, clock, probe;
+    agent -> coordinator: ready, installed, done, bye, alive (heartbeat), status, clock, probe;
                           error (ERROR frame)
-    coordinator -> agent: welcome, job, go, finish, alive (heartbeat), status, clock; abort (ERROR)
+    coordinator -> agent: welcome, job, plan, go, finish, alive (heartbeat), status, clock; abort (ERROR)
 
-CLOCK is an NTP-style exchange (the agent answers with its receive and send times,
+PLAN installs another version of the plan (program, peers, scratch: one more executor with
+its own data connections, whose handshake names the version); the agent answers INSTALLED.
+GO names the version its iteration runs (:mod:`agents.coordinator` documents the switch
+protocol).  CLOCK is an NTP-style exchange (the agent answers with its receive and send times,
 :func:`testbed.clock.estimate` on the coordinator's side); PROBE reports a window of DATA chunk samples this agent
 received from one peer (NetStorm §V passive probing; the JOB's ``probe`` says the minimum
 chunk size and how many chunks make a window, None: no probing).
@@ -123,8 +126,9 @@ class Agent:
         self.ctrl_lock = threading.Lock()
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.job: Job | None = None
-        self.ex: Executor | None = None
-        self.job_ready = threading.Event()
+        self.ex: Executor | None = None  # the version running (or last run)
+        self.execs: dict[int, Executor] = {}  # every installed plan version
+        self._installed = threading.Condition()
         self.stopping = False
         self.silence_s = self.handshake_s  # until the coordinator's WELCOME says otherwise
 
@@ -137,8 +141,8 @@ class Agent:
     def abort_soon(self, reason: str) -> None:
         """Any thread: make the main thread (and a running iteration) fail with ``reason``."""
         self.inbox.put({"msg": "abort", "reason": reason})
-        if self.ex:
-            self.ex.abort(reason)
+        for ex in list(self.execs.values()):
+            ex.abort(reason)
 
     def _ctrl_reader(self) -> None:
         """Forward coordinator messages to the inbox; answer STATUS; abort on ABORT, EOF, a
@@ -182,17 +186,20 @@ class Agent:
             if not self.stopping:
                 self.abort_soon(f"cannot send a heartbeat to the {self.coord}: {type(e).__name__}: {e}")
 
-    def next_msg(self, kind: str, timeout: float) -> dict:
-        """The coordinator's next message, which must be ``kind``, within ``timeout`` s."""
+    def next_msg(self, kind: str | tuple[str, ...], timeout: float) -> dict:
+        """The coordinator's next message, which must be ``kind`` (or one of them), within
+        ``timeout`` s."""
+        kinds = (kind,) if isinstance(kind, str) else kind
         try:
             msg = self.inbox.get(timeout=timeout)
         except queue.Empty:
-            raise Aborted(f"no {kind.upper()} from the {self.coord} within {timeout:g} s") from None
+            raise Aborted(f"no {'/'.join(k.upper() for k in kinds)} from the {self.coord} within "
+                          f"{timeout:g} s") from None
         if msg.get("msg") == "abort":
             raise Aborted(msg["reason"])
-        if msg.get("msg") != kind:
+        if msg.get("msg") not in kinds:
             raise wire.ProtocolError(f"{self.coord} sent {wire.sanitize(msg.get('msg'), 40)!r}, "
-                                     f"expected {kind!r}")
+                                     f"expected {' or '.join(map(repr, kinds))}")
         return msg
 
     def _on_chunk(self, peer: str, sample: tuple | None) -> None:
@@ -215,35 +222,51 @@ class Agent:
             if ident.get("role") != "data" or not isinstance(ident.get("channel"), int) \
                     or not isinstance(ident.get("name"), str):
                 raise wire.ProtocolError(f"not a data connection: {wire.sanitize(ident, 120)}")
-            if not self.job_ready.wait(max(0.0, deadline - time.monotonic())):
-                raise wire.ProtocolError("no job yet")
+            v = ident.get("version", 0)
+            with self._installed:  # a faster peer may connect before this agent installed the version
+                if not self._installed.wait_for(lambda: v in self.execs, max(0.0, deadline - time.monotonic())):
+                    raise wire.ProtocolError(f"no plan version {wire.sanitize(v, 20)} here")
 
         try:
             wire.tune(sock)
             ident = wire.server_handshake(sock, self.secret, check, deadline)
             sock.settimeout(None)
-            self.ex.attach_incoming(ident["name"], ident["channel"], sock)
+            self.execs[ident.get("version", 0)].attach_incoming(ident["name"], ident["channel"], sock)
             log.info("data connection from %s (channel %d) at %s", ident["name"], ident["channel"], who)
         except (wire.ProtocolError, wire.Closed, OSError) as e:
             log.warning("refused connection from %s: %s", who, wire.sanitize(e))
             wire.close_quietly(sock)
 
-    def _connect_peers(self) -> None:
+    def _install(self, version: int, program: list[Op], scratch: dict, peers: dict) -> None:
+        """One executor for plan ``version``, its outgoing data connections open."""
+        job = self.job
+        ex = Executor(self.name, program, length=job.length, scratch=scratch, dtype=job.dtype,
+                      stop_and_wait=job.stop_and_wait, timeout_s=job.timeout_s, limit_s=job.limit_s,
+                      on_chunk=self._on_chunk if self.prober else None)
+        if self.ex is not None:
+            ex.advance(self.ex.iteration)
+        with self._installed:
+            self.execs[version] = ex
+            self._installed.notify_all()
+        self._connect_peers(ex, version, peers)
+
+    def _connect_peers(self, ex: Executor, version: int, peers: dict) -> None:
         """Open every outgoing data connection at once: on long-RTT paths each handshake
         costs several round trips, so one after another would take seconds."""
         def connect(peer: str, ch: int) -> None:
-            addr = self.job.peers[peer]
+            addr = peers[peer]
+            ident = {"role": "data", "name": self.name, "channel": ch, **({"version": version} if version else {})}
             try:
-                sock = wire.connect(addr, self.secret, {"role": "data", "name": self.name, "channel": ch},
-                                    timeout_s=self.handshake_s, retry_s=self.retry_s)
+                sock = wire.connect(addr, self.secret, ident, timeout_s=self.handshake_s,
+                                    retry_s=self.retry_s)
             except (OSError, wire.ProtocolError) as e:
                 raise ConnectionError(f"data connection to peer {peer} (channel {ch}, expected listening at "
                                       f"{addr[0]}:{addr[1]}): {e}") from None
-            self.ex.attach_outgoing(peer, ch, sock)
-            log.info("connected to %s (channel %d) at %s:%d", peer, ch, *addr)
+            ex.attach_outgoing(peer, ch, sock)
+            log.info("connected to %s (channel %d, version %d) at %s:%d", peer, ch, version, *addr)
 
         with ThreadPoolExecutor(max_workers=32) as pool:
-            for f in [pool.submit(connect, peer, ch) for peer, ch in self.ex.outgoing()]:
+            for f in [pool.submit(connect, peer, ch) for peer, ch in ex.outgoing()]:
                 f.result()  # re-raise the first failure
 
     # -- main ------------------------------------------------------------------------
@@ -288,32 +311,37 @@ class Agent:
         self.job = job = Job.from_dict(self.next_msg("job", float(welcome["job_within_s"]))["job"])
         if job.probe:
             self.prober = Prober(job.probe["chunk_bytes"], job.probe["chunk_num"])
-        self.ex = Executor(self.name, job.program, length=job.length, scratch=job.scratch, dtype=job.dtype,
-                           stop_and_wait=job.stop_and_wait, timeout_s=job.timeout_s, limit_s=job.limit_s,
-                           on_chunk=self._on_chunk if self.prober else None)
-        self.job_ready.set()
-        self._connect_peers()
-        self.prepare(0)
+        self._install(0, job.program, job.scratch, job.peers)
+        self.ex = self.execs[0]
         self.send({"msg": "ready"})
         for it in range(job.iterations):
-            msg = self.next_msg("go", job.wait_s)
+            while (msg := self.next_msg(("go", "plan"), job.wait_s))["msg"] == "plan":
+                v = msg.get("version")
+                if not isinstance(v, int) or v in self.execs:
+                    raise wire.ProtocolError(f"PLAN for version {wire.sanitize(v, 20)}: not a new version")
+                self._install(v, [Op.from_dict(o) for o in msg["program"]], msg["scratch"],
+                              {p: (str(a[0]), int(a[1])) for p, a in msg["peers"].items()})
+                self.send({"msg": "installed", "version": v})
             go_ns = time.time_ns()
-            if msg.get("iteration") != it:
-                raise wire.ProtocolError(f"GO for iteration {wire.sanitize(msg.get('iteration'), 20)}, "
-                                         f"expected {it}")
+            if msg.get("iteration") != it or msg.get("version", 0) not in self.execs:
+                raise wire.ProtocolError(f"GO for iteration {wire.sanitize(msg.get('iteration'), 20)} version "
+                                         f"{wire.sanitize(msg.get('version'), 20)}, expected iteration {it} of "
+                                         "an installed version")
+            self.ex = self.execs[msg.get("version", 0)]
+            self.prepare(it)
             time.sleep(job.compute_for(it))
             compute_end = time.time_ns()
             timing = self.ex.run(it)
             check = self.verify(it)
             if not check["correct"]:
                 log.error("iteration %d: wrong result (max abs error %g)", it, check["max_abs_err"])
-            if it + 1 < job.iterations:
-                self.prepare(it + 1)
+            for ex in self.execs.values():  # before DONE: a peer's data for it + 1 may come any time now
+                ex.advance(it + 1)
             self.send({"msg": "done", "iteration": it, "go_ns": go_ns, "compute_end_ns": compute_end,
                        **timing, **check})
             log.info("iteration %d done in %.3f s", it, (timing["comm_done_ns"] - timing["comm_start_ns"]) / 1e9)
         self.next_msg("finish", job.wait_s)
-        late = self.ex.late_errors()  # e.g. a frame that arrived after the last iteration
+        late = [e for ex in self.execs.values() for e in ex.late_errors()]  # e.g. a frame after the end
         for e in late:
             log.error("after the last iteration: %s", e)
         self.send({"msg": "bye", "errors": late})
@@ -321,8 +349,8 @@ class Agent:
 
     def close(self) -> None:
         self.stopping = True
-        if self.ex:
-            self.ex.close()
+        for ex in list(self.execs.values()):
+            ex.close()
         self.listener.close()
         wire.close_quietly(self.ctrl)
 

@@ -283,6 +283,12 @@ class Executor:
             if name != "x":
                 b.fill(0)
 
+    def advance(self, iteration: int) -> None:
+        """The next iteration is ``iteration`` (another plan version ran the ones before):
+        receivers accept its frames from now on and hold them until :meth:`run`."""
+        if iteration > self.iteration:
+            self.iteration = iteration
+
     def abort(self, reason: str) -> None:
         """Make a running (or the next) :meth:`run` fail with ``reason``."""
         self._events.put(("error", ExecError(reason)))
