@@ -119,6 +119,7 @@ class Agent:
         self.handshake_s = float(cfg.get("handshake_timeout_s", wire.HANDSHAKE_TIMEOUT_S))
         self.retry_s = float(cfg.get("connect_retry_s", CONNECT_RETRY_S))
         self.prober: Prober | None = None
+        self.iteration = 0  # the one GO last started
         self.listener = socket.create_server((cfg.get("bind", "0.0.0.0"), int(cfg.get("data_port", 0))),
                                              backlog=socket.SOMAXCONN)
         self.data_port = self.listener.getsockname()[1]
@@ -205,6 +206,8 @@ class Agent:
     def _on_chunk(self, peer: str, sample: tuple | None) -> None:
         """A receiver thread started (None) or completed a DATA chunk: feed the prober,
         report a full window."""
+        if self.iteration < self.job.probe.get("from_iteration", 0):  # warm-up: cold connections
+            return
         if sample is None:
             self.prober.start(peer)
             return
@@ -327,7 +330,7 @@ class Agent:
                 raise wire.ProtocolError(f"GO for iteration {wire.sanitize(msg.get('iteration'), 20)} version "
                                          f"{wire.sanitize(msg.get('version'), 20)}, expected iteration {it} of "
                                          "an installed version")
-            self.ex = self.execs[msg.get("version", 0)]
+            self.ex, self.iteration = self.execs[msg.get("version", 0)], it
             self.prepare(it)
             time.sleep(job.compute_for(it))
             compute_end = time.time_ns()

@@ -223,7 +223,7 @@ class Coordinator:
         self._iterations: list[dict] = []
         self._rows: list[list] = []
         self._errors: list[str] = []
-        # probe: {"chunk_bytes", "chunk_num", "estimator"}; truth(src, dst): the emulator's rate/delay now
+        # probe: {"chunk_bytes", "chunk_num", "estimator", "from_iteration"}; truth(src, dst): the emulator's rate/delay now
         self.probe = dict(probe) if probe else None
         self.net = NetState(plan.nodes, (probe or {}).get("estimator", "busy"), truth)
         for n, off in (clock_offsets_ns or {}).items():  # measured beforehand (over ssh); CLOCK refines them
@@ -599,8 +599,8 @@ class Coordinator:
                    iterations=self.iterations, compute_s=self.compute_s.get(node, []),
                    stop_and_wait=self.stop_and_wait, timeout_s=self.timeout_s,
                    wait_s=self._iteration_limit() + self.ready_limit() + self.silence_s, limit_s=self.limit_s,
-                   probe=({"chunk_bytes": int(self.probe["chunk_bytes"]), "chunk_num": int(self.probe["chunk_num"])}
-                          if self.probe else None))
+                   probe=({"chunk_bytes": int(self.probe["chunk_bytes"]), "chunk_num": int(self.probe["chunk_num"]),
+                           "from_iteration": int(self.probe.get("from_iteration", 0))} if self.probe else None))
 
     def ready_limit(self) -> float:
         """JOB to READY: peers connect (retrying while they start) and authenticate."""

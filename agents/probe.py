@@ -47,6 +47,11 @@ from collections import defaultdict
 from typing import NamedTuple
 
 ESTIMATORS = ("busy", "sum", "eq17")
+# Bytes on the wire per payload byte of a full TCP segment: MSS 1448 (MTU 1500 less 20 IP, 20
+# TCP and 12 timestamp-option bytes) in a 1514-byte Ethernet frame, which is what a link's
+# rate limit counts.  Applied to turn a measured goodput into the link rate a planner's
+# configured rates are in (NetStorm's tau is goodput; its planner compares like with like).
+WIRE_BYTES_PER_PAYLOAD = 1514 / 1448
 DEFAULT_ESTIMATOR = "busy"
 PROBE_CHUNK_BYTES = 2_000_000  # NetStorm Table II / van.cc SIZE_MSG_REPORT, in bytes
 PROBE_CHUNK_NUM = 4  # NetStorm Table II PROBE_CHUNK_NUM

@@ -76,7 +76,7 @@ def run_variants(exp: Experiment, planned: list, hosts: Hosts, out_dir: Path,
             result = run_agents(hosts, plan, out_dir, iterations=n_its, seed=seed, dtype=w.dtype,
                                 compute_s=compute_times(w.compute_s, plan.nodes, n_its, seed),
                                 stop_and_wait=a.stop_and_wait, timeout_s=a.timeout_s, progress=progress,
-                                predicted_s=prediction["cct_s"], probe=probe_options(v.scheme),
+                                predicted_s=prediction["cct_s"], probe=probe_options(v.scheme, w.warmup),
                                 clock_offset_ms=a.clock_offset_ms)
             r = _summarise_run(rep, v.label, result, w.warmup)
             r.update({k: result[k] for k in ("clock_offsets",) if k in result})  # real hosts: their clocks
@@ -89,11 +89,12 @@ def run_variants(exp: Experiment, planned: list, hosts: Hosts, out_dir: Path,
     return runs
 
 
-def probe_options(scheme: dict) -> dict | None:
-    """The coordinator's ``probe`` option from a scheme's ``adaptive`` block (None: off)."""
+def probe_options(scheme: dict, warmup: int = 0) -> dict | None:
+    """The coordinator's ``probe`` option from a scheme's ``adaptive`` block (None: off);
+    chunks of the ``warmup`` iterations are not probed (fresh connections in slow start)."""
     a = scheme.get("adaptive")
     return {"chunk_bytes": a["probe_chunk_bytes"], "chunk_num": a["probe_chunk_num"],
-            "estimator": a["estimator"]} if a else None
+            "estimator": a["estimator"], "from_iteration": warmup} if a else None
 
 
 def plan_variants(exp: Experiment, progress: Callable[[str], None], source: str = "") -> list:
