@@ -12,7 +12,8 @@ Format (YAML; every key but ``name``, ``topology`` and ``scheme.name`` is option
     repetitions: 3
     scheme: {name: ring, chunks: 4}        # scheme parameters beside the name
                                  # + adaptive: {update_s, probe_chunk_bytes, probe_chunk_num,
-                                 #   estimator, mode} (any scheme; see ADAPTIVE_DEFAULTS)
+                                 #   estimator, mode} | true | false (any scheme; see
+                                 #   ADAPTIVE_DEFAULTS; netstorm: true unless false)
     workload:
       size: 4MB                  # or  model: resnet50   (size = the model's parameters)
       dtype: float32             # float32 | float64
@@ -372,7 +373,8 @@ def _scheme(c: Checker, scheme, key: str, nodes: list[str]) -> dict:
     from testbed.planners import resolve_scheme
 
     c.mapping(scheme, key)
-    adaptive = _adaptive(c, scheme.get("adaptive"), f"{key}.adaptive")
+    # netstorm is adaptive unless told otherwise (NetStorm-std: probing and re-planning, §V)
+    adaptive = _adaptive(c, scheme.get("adaptive", scheme.get("name") == "netstorm"), f"{key}.adaptive")
     out = resolve_scheme({k: v for k, v in scheme.items() if k != "adaptive"}, nodes, source=c.source, key=key)
     return {**out, "adaptive": adaptive} if adaptive else out
 
