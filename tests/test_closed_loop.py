@@ -68,3 +68,32 @@ def test_estimates_within_tolerance_with_clock_offsets_and_a_rate_step(netenv, t
     # TCP did not fill the link, early after warm-up): assert the rest, and that none is far off
     assert len(off) <= 0.1 * len(judged), off
     assert all(abs(r / t - 1) <= 0.2 for _, _, r, t in off), off
+
+
+REPLAN_EXP = """
+name: replan
+topology: small-3
+seed: 1
+scheme: {name: netstorm, adaptive: {update_s: 2, probe_chunk_bytes: 500000, probe_chunk_num: 2}}
+variants: [{label: oracle, scheme: {name: netstorm, adaptive: {update_s: 2, mode: oracle}}}]
+workload: {size: 4MB, iterations: 16}
+emulator: {tcp_cc: bbr}
+agents: {timeout_s: 60}
+dynamics: [{at_s: 3, link: [h1, h2], rate_mbps: 4}, {at_s: 3, link: [h1, h3], rate_mbps: 120}]
+"""
+
+
+def test_adaptive_scheme_switches_plans_after_a_rate_change_and_stays_exact(netenv, tmp_path):
+    """h1-h2 (80 Mbit/s) drops to 4 and h1-h3 (20) rises to 120: both the estimated and the
+    oracle re-planning move the trees off h1-h2; every iteration, before and after, exact."""
+    exp = tmp_path / "exp.yaml"
+    exp.write_text(REPLAN_EXP)
+    res = subprocess.run([sys.executable, "-m", "testbed", "run", str(exp), "--out", str(tmp_path), "--quiet",
+                          "--no-report"], cwd=REPO, capture_output=True, text=True, timeout=400)
+    assert res.returncode == 0, res.stderr[-3000:]
+    for run in json.loads((tmp_path / "results.json").read_text())["runs"]:
+        assert run["correct"] and all(it["correct"] for it in run["iterations"])
+        assert run["switches"] >= 1, (run["variant"], run["versions"])
+        last = run["versions"][run["iterations"][-1]["version"]]["meta"]
+        used = {frozenset((c, p)) for t in last["trees"] for c, p in t["parent"].items() if p}
+        assert frozenset(("h1", "h3")) in used, (run["variant"], last["trees"])
