@@ -404,16 +404,19 @@ def _remote(what: str) -> list[str]:
 
 @pytest.mark.net
 def test_deploy_sigint_stops_the_remote_agents(ssh_wan, tmp_path):
-    argv = _deploy_argv(tmp_path, _ssh_hosts(ssh_wan, tmp_path), "repetitions: 50\nworkload: {size: 4MB, iterations: 3}\n")
+    # one long repetition (a new repetition would start new agents while the old ones exit)
+    argv = _deploy_argv(tmp_path, _ssh_hosts(ssh_wan, tmp_path), "repetitions: 1\nworkload: {size: 4MB, iterations: 500}\n")
     p = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                          env=_no_ssh_env(tmp_path))
-    deadline = time.time() + 60
-    while time.time() < deadline and len(_remote("agents.agent --config node.json")) < 3:
-        time.sleep(0.2)
-    assert len(_remote("agents.agent --config node.json")) == 3
-    assert len(_remote("agents.clock")) == 3
-    time.sleep(1.0)
-    p.send_signal(signal.SIGINT)
+    try:
+        deadline = time.time() + 60
+        while time.time() < deadline and len(_remote("agents.agent --config node.json")) < 3:
+            time.sleep(0.2)
+        assert len(_remote("agents.agent --config node.json")) == 3
+        assert len(_remote("agents.clock")) == 3
+        time.sleep(1.0)
+    finally:
+        p.send_signal(signal.SIGINT)  # also when an assertion failed: never leave the run going
     _, err = p.communicate(timeout=60)
     assert p.returncode == 130, err[-2000:]
     assert not _remote("agents.agent --config node.json") and not _remote("agents.clock")
