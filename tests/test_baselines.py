@@ -102,6 +102,7 @@ def test_registered_schemes_and_params():
     assert set(sch["ring"].params) == {"order", "ring_rule", "chunks", "active"}
     assert sch["ring"].params["ring_rule"].default == "tsp-bandwidth"
     assert sch["alltoall"].params["shard_rule"].choices == ("equal", "bandwidth")
+    assert "active" in sch["alltoall"].params
     assert {"k", "root", "chunks"} <= set(sch["bkt"].params) and sch["bkt"].params["k"].default == 2
     assert set(sch["mst"].params) == {"root", "chunks"}
 
@@ -395,9 +396,10 @@ def test_shared_edge_list_matches_embedded_copy():
     ("ps", {"active": ["h2", "h5", "h9"]}), ("ps", {"active": ["h1", "h3"], "hub": "h6", "shards": 3}),
     ("ring", {"active": ["h1", "h4", "h8", "h9"]}), ("ring", {"active": ["h2", "h7"], "chunks": 2}),
     ("ring", {"active": ["h3", "h6", "h9"], "order": ["h9", "h3", "h6"]}),
+    ("alltoall", {"active": ["h1", "h5", "h7"]}), ("alltoall", {"active": ["h2", "h9"], "shard_rule": "bandwidth"}),
 ])
 def test_partial_reduce_baselines_give_members_their_exact_sum(scheme, params):
-    """CREW §V-A compares partial reduces of a group P: PS and ring over P only."""
+    """CREW §V-A compares partial reduces of a group P: PS, ring and all-to-all over P only."""
     g = build(NETSTORM_EDGES, seed=4)
     plan = make_plan(scheme, g, 1001, params)
     assert plan.contributing() == plan.finishing() == sorted(params["active"], key=list(g.nodes).index)

@@ -456,46 +456,51 @@ def plan_ring(graph: nx.DiGraph, length: int, *, elem_bytes: int = 4, order=(),
     "alltoall", A2A_REF,
     shard_rule=Param(str, "equal", "shard sizes: equal, or proportional to each owner's total "
                                    "incident rate (bandwidth)", choices=("equal", "bandwidth")),
+    active=ACTIVE,
 )
 def plan_alltoall(graph: nx.DiGraph, length: int, *, elem_bytes: int = 4,
-                  shard_rule: str = "equal") -> Plan:
+                  shard_rule: str = "equal", active=None) -> Plan:
     """Direct all-to-all AllReduce (colocated sharded PS, TopoAdapt §VI-B baseline).
 
     The vector is split into n shards, shard j owned by node j.  Every node sends shard j
     straight to node j (reduce-scatter); once node j has every contribution it sends the
-    reduced shard back to everyone (all-gather).  Non-adjacent pairs are routed.
+    reduced shard back to everyone (all-gather).  Non-adjacent pairs are routed.  With
+    ``active`` only those workers take part (CREW §V-A's all-to-all baseline over a group P:
+    shards owned by P's members, traffic routed through the others).
     """
     nodes = check_graph(graph, "alltoall")
+    group = members(graph, active)
     tot = incident_rate(graph)
     if shard_rule == "equal":
-        weights = [1.0] * len(nodes)
+        weights = [1.0] * len(group)
     else:
-        weights = [tot[n] for n in nodes] if len(nodes) > 1 else [1.0]
+        weights = [tot[n] for n in group] if len(group) > 1 else [1.0]
     shards = split_lengths(length, weights)
     b = ProgramBuilder(nodes)
     off = 0
-    for j, owner in enumerate(nodes):
+    for j, owner in enumerate(group):
         size = shards[j]
         if size == 0:
             continue
         sent: dict[str, int] = {}
         got: list[int] = []
-        for src in nodes:
+        for src in group:
             if src != owner:
                 s, r = b.transfer(src, owner, off, size, reduce=True, flow=j, phase="reduce")
                 sent[src] = s
                 got.append(r)
-        for dst in nodes:
+        for dst in group:
             if dst != owner:
                 b.transfer(owner, dst, off, size, reduce=False, send_deps=got, recv_deps=[sent[dst]],
                            flow=j, phase="bcast")
         off += size
     meta = {
         "shard_rule": shard_rule,
-        "shards": {n: s for n, s in zip(nodes, shards)},
+        "shards": {n: s for n, s in zip(group, shards)},
         "incident_rate_mbps": tot,
     }
-    return Plan("alltoall", nodes, length, b.programs, meta=meta)
+    return Plan("alltoall", nodes, length, b.programs, participants=partial(nodes, group),
+                receivers=partial(nodes, group), meta=meta)
 
 
 # ---------------------------------------------------------------------------
