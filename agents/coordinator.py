@@ -181,6 +181,9 @@ class Coordinator:
     payload stalled mid-way, else the end of the chain of waits (:meth:`_diagnose`).
     ``clock_offsets_ns``: node -> its agent's clock minus this machine's
     (:mod:`testbed.clock`); every timestamp is reported on this machine's clock.
+    ``sync_clocks`` (default: when probing) measures the offsets again over the control
+    connection before the first GO (NetStorm §V's clock synchronisation); ``probe``,
+    ``truth`` and ``policy``: the closed loop (module docstring).
     """
 
     def __init__(self, plan: Plan, *, addresses: Mapping, data_port: int | None, secret: bytes | str,
@@ -192,7 +195,7 @@ class Coordinator:
                  handshake_s: float = wire.HANDSHAKE_TIMEOUT_S, check_startup: bool = False,
                  clock_offsets_ns: Mapping[str, int] | None = None, probe: dict | None = None,
                  truth: Callable[[str, str], dict | None] | None = None,
-                 policy: Callable[[int, NetState], Plan | None] | None = None):
+                 policy: Callable[[int, NetState], Plan | None] | None = None, sync_clocks: bool | None = None):
         plan.validate()
         np.dtype(dtype)
         self.plan, self.secret, self.data_port = plan, wire.as_secret(secret), data_port
@@ -230,6 +233,7 @@ class Coordinator:
             self.net.offsets[n] = off
         self._clock_x: dict[str, list[tuple[int, int, int, int]]] = {}
         self.policy = policy
+        self.sync_clocks = bool(probe) if sync_clocks is None else sync_clocks  # CLOCK exchanges before GO
         self._plans: list[Plan] = [plan]  # index = version
         self._installed = {0}  # versions every agent has (0: the JOB's)
         self.version = 0
@@ -629,7 +633,8 @@ class Coordinator:
                 self._send(n, {"msg": "job", "job": self.make_job(n).to_dict()})
             self._collect("ready", nodes, self.ready_limit())
             self.progress(f"all {len(nodes)} agents ready")
-            self._sync_clocks(nodes)
+            if self.sync_clocks:
+                self._sync_clocks(nodes)
             for it in range(self.iterations):
                 new = self.policy(it, self.net) if self.policy else None
                 if new is not None and self._use(new):

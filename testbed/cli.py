@@ -380,7 +380,7 @@ def build_parser() -> argparse.ArgumentParser:
     lc.set_defaults(func=cmd_linkcheck)
 
     b = sub.add_parser("bench", help="benchmarks that report ratios measured in one run")
-    b.add_argument("name", choices=("dataplane", "ring", "planner", "chaos", "fuzz"),
+    b.add_argument("name", choices=("dataplane", "ring", "planner", "adaptive", "chaos", "fuzz"),
                    help="which benchmark")
     b.add_argument("--out", help="output folder")
     b.set_defaults(func=cmd_bench)

@@ -64,7 +64,7 @@ def run_agents(hosts: Hosts, plan, out_dir: Path, *, iterations: int = 1, seed: 
                         stop_and_wait=stop_and_wait, timeout_s=timeout_s, bind=hosts.coordinator_bind,
                         progress=progress, health=hosts.health, predicted_s=predicted_s,
                         clock_offsets_ns={n: o.offset_ns for n, o in offsets.items()}, probe=probe,
-                        truth=hosts.truth(), policy=policy)
+                        truth=hosts.truth(), policy=policy, sync_clocks=bool(probe or clock_offset_ms))
     coord.start()
     try:
         for dc in plan.nodes:
