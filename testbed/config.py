@@ -31,6 +31,9 @@ Format (YAML; every key but ``name``, ``topology`` and ``scheme.name`` is option
                                  # clock_offset_ms: {dc: ms} shifts that agent's clock (tests of
                                  # the clock-offset correction; real hosts have their own)
     dynamics: []                 # live rate changes, see testbed/emulator/dynamics.py
+    dynamics_per_run: false      # true: every run (variant x repetition) replays the dynamics
+                                 # from its own start on the nominal rates, so schemes compared
+                                 # see the same rates at the same point of their run
     faults: []                   # link down/up, datacenter crash/restart
     variants:                    # optional: more schemes run on the SAME network, compared
       - {label: ps, scheme: {name: ps}}     # in one results.json (the main scheme runs first)
@@ -66,6 +69,7 @@ DEFAULTS: dict[str, Any] = {
     "emulator": {"method": "auto", "relay_procs": 0, "max_late_ms": 2.0, "tcp_cc": DEFAULT_TCP_CC},
     "agents": {"timeout_s": 120.0, "stop_and_wait": False, "clock_offset_ms": {}},
     "dynamics": [],
+    "dynamics_per_run": False,
     "faults": [],
     "variants": [],
     "output": {"dir": "results"},
@@ -74,9 +78,10 @@ DEFAULTS: dict[str, Any] = {
 TOP_KEYS = {"name", "topology", "scheme", *DEFAULTS}
 # scheme.adaptive (NetStorm §V): agents probe the links with their data; update_s > 0 also
 # re-plans that often on the estimated (mode: estimated) or the emulator's true current
-# (mode: oracle) rates; update_s: 0 only measures.  Chunk size and count: NetStorm Table II.
+# (mode: oracle) rates; update_s: 0 only measures; a new plan is taken when its predicted CCT
+# on those rates beats the current plan's by min_gain.  Chunk size and count: NetStorm Table II.
 ADAPTIVE_DEFAULTS = {"update_s": 5.0, "probe_chunk_bytes": 2_000_000, "probe_chunk_num": 4,
-                     "estimator": "busy", "mode": "estimated"}
+                     "estimator": "busy", "mode": "estimated", "min_gain": 0.1}
 
 
 @dataclass(frozen=True)
@@ -141,6 +146,7 @@ class Experiment:
     workload: Workload
     variants: tuple[Variant, ...]
     dynamics: tuple
+    dynamics_per_run: bool  # replay the dynamics from every run's start (variants see the same rates)
     faults: tuple
     emulator: EmulatorSettings
     agents: AgentSettings
@@ -299,6 +305,8 @@ def validate(data: dict, source: str = "<experiment>") -> Experiment:
     c.number(a["timeout_s"], "agents.timeout_s", positive=True)
     if not isinstance(a["stop_and_wait"], bool):
         c.fail("agents.stop_and_wait", f"expected true or false, got {a['stop_and_wait']!r}")
+    if not isinstance(exp["dynamics_per_run"], bool):
+        c.fail("dynamics_per_run", f"expected true or false, got {exp['dynamics_per_run']!r}")
     c.mapping(a["clock_offset_ms"], "agents.clock_offset_ms")
     for dc, ms in a["clock_offset_ms"].items():
         c.node(dc, "agents.clock_offset_ms", nodes)
@@ -316,7 +324,8 @@ def validate(data: dict, source: str = "<experiment>") -> Experiment:
         repetitions=exp["repetitions"], workload=Workload(**w),
         variants=(Variant(exp["scheme"]["name"], exp["scheme"]),
                   *(Variant(v["label"], v["scheme"]) for v in exp["variants"])),
-        dynamics=tuple(scaled(exp["dynamics"], exp["scale"])), faults=tuple(exp["faults"]), emulator=EmulatorSettings(**e),
+        dynamics=tuple(scaled(exp["dynamics"], exp["scale"])),
+        dynamics_per_run=exp["dynamics_per_run"], faults=tuple(exp["faults"]), emulator=EmulatorSettings(**e),
         agents=AgentSettings(**a), output_dir=exp["output"]["dir"], sweep=sweep,
         resolved=copy.deepcopy({**exp, "sweep": None}))
 
@@ -392,6 +401,8 @@ def _adaptive(c: Checker, spec, key: str) -> dict | None:
     c.number(out["probe_chunk_num"], f"{key}.probe_chunk_num", integer=True, minimum=1)
     c.choice(out["estimator"], f"{key}.estimator", ESTIMATORS)
     c.choice(out["mode"], f"{key}.mode", ("estimated", "oracle"))
+    if c.number(out["min_gain"], f"{key}.min_gain", minimum=0) >= 1:
+        c.fail(f"{key}.min_gain", f"must be below 1 (a share of the current plan's CCT), got {out['min_gain']!r}")
     return out
 
 

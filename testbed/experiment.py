@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import random
+import statistics
 import time
 from pathlib import Path
 from typing import Callable
@@ -63,10 +64,11 @@ def build_plan(exp: Experiment, scheme: dict | None = None, *, source: str = "",
 
 
 def run_variants(exp: Experiment, planned: list, hosts: Hosts, out_dir: Path,
-                 progress: Callable[[str], None], on_run: Callable[[list], None] | None = None) -> list[dict]:
+                 progress: Callable[[str], None], on_run: Callable[[list], None] | None = None,
+                 before_run: Callable[[], None] | None = None) -> list[dict]:
     """Run every planned variant ``repetitions`` times on ``hosts``, interleaved (so slow
     drifts hit all variants alike); one summarised record per run, ``on_run(runs so far)``
-    after each."""
+    after each, ``before_run()`` before each."""
     w, a = exp.workload, exp.agents
     runs = []
     for rep in range(exp.repetitions):
@@ -74,6 +76,8 @@ def run_variants(exp: Experiment, planned: list, hosts: Hosts, out_dir: Path,
             progress(f"repetition {rep + 1}/{exp.repetitions} of {v.label}: starting {len(plan.nodes)} agents")
             seed = exp.seed * 1000 + rep
             n_its = w.warmup + w.iterations
+            if before_run:
+                before_run()
             result = run_agents(hosts, plan, out_dir, iterations=n_its, seed=seed, dtype=w.dtype,
                                 compute_s=compute_times(w.compute_s, plan.nodes, n_its, seed),
                                 stop_and_wait=a.stop_and_wait, timeout_s=a.timeout_s, progress=progress,
@@ -85,7 +89,10 @@ def run_variants(exp: Experiment, planned: list, hosts: Hosts, out_dir: Path,
             runs.append(r)
             if on_run:
                 on_run(runs)
-            progress(f"repetition {rep + 1} of {v.label}: CCT {r['cct_s']:.3f}s, correct={r['correct']}")
+            progress(f"repetition {rep + 1} of {v.label}: CCT {r['cct_s']:.3f}s, correct={r['correct']}"
+                     + (f", {r['switches']} plan switches, link estimates within 10 %: "
+                        f"{r['estimation']['rate_within_10pct']:.0%} of {r['estimation']['windows']}"
+                        if r.get("estimation", {}).get("windows") else ""))
             if not r["correct"]:  # results are still written; the CLI exits 1
                 progress(f"WRONG RESULT at {', '.join(r['incorrect']) or 'some workers (digests differ)'}")
     return runs
@@ -106,9 +113,13 @@ def replanner(exp: Experiment, scheme: dict, plan, truth: Callable[[str, str], d
     decision (NetStorm §V: UPDATE_TIME), re-run the scheme's own pure planner on the topology
     with every WAN link's rate replaced by its latest estimate (mode ``estimated``; links not
     measured keep their last known rate) or by the emulator's true current rate (mode
-    ``oracle``, from ``truth``), and switch if the plan changed.  NetStorm §IV-A keeps the
+    ``oracle``, from ``truth``), and switch if the new plan's predicted CCT on those rates
+    (:func:`testbed.costmodel.predict`) beats the current plan's by ``min_gain`` (a choice,
+    not in the paper: without it noisy estimates re-route every update, and every new
+    version costs new connections in slow start; 0 = any change).  NetStorm §IV-A keeps the
     root set of its first decision; here the planner chooses again (a choice: the same
     planner, unchanged, is what "re-planning" means for every other scheme)."""
+    from testbed.costmodel import predict
     from testbed.planners import make_plan
 
     a = scheme.get("adaptive")
@@ -135,6 +146,9 @@ def replanner(exp: Experiment, scheme: dict, plan, truth: Callable[[str, str], d
         new = make_plan(scheme["name"], graph, w.length, params, elem_bytes=w.elem_bytes)
         new = next((p for p in seen if p.programs == new.programs), None) or new
         if new is state["plan"]:
+            return None
+        cct = {id(p): predict(p, graph, elem_bytes=w.elem_bytes)["cct_s"] for p in (new, state["plan"])}
+        if cct[id(new)] > (1 - a["min_gain"]) * cct[id(state["plan"])]:
             return None
         if new not in seen:
             new.validate()
@@ -217,22 +231,32 @@ def run_experiment(exp: Experiment, out_dir: Path, progress: Callable[[str], Non
 
 def _run_on_network(exp: Experiment, planned: list, results: dict, out_dir: Path, progress, caps, net,
                     checkpoint: Callable[[list], None]) -> None:
-    from testbed.emulator.dynamics import Scheduler
+    from testbed.emulator.dynamics import Scheduler, restore_rates
     from testbed.emulator.hosts import EmulatedHosts
 
     with (open_network(exp, progress, caps) if net is None else contextlib.nullcontext(net)) as net:
         results["links"] = net.link_report()
         results["events_t0_s"] = net.t0  # events[].t_s count from here (Unix time), transfers are Unix ns
         results["environment"]["host_sysctls"] = net.host_sysctls
-        sched = Scheduler(net, exp.dynamics, exp.faults, log=progress).start()
+        per_run = exp.dynamics_per_run and exp.dynamics
+        scheds = [Scheduler(net, () if per_run else exp.dynamics, exp.faults, log=progress).start()]
+
+        def replay_dynamics() -> None:  # dynamics_per_run: from this run's start, on nominal rates
+            if len(scheds) > 1:  # scheds[0] keeps the faults on the experiment's clock
+                scheds[-1].stop()
+            restore_rates(net)
+            scheds.append(Scheduler(net, exp.dynamics, (), log=progress).start())
+
         net.reset_relay_window()  # judge the emulator on the measured phase only
         cpu = CpuMeter().start()
         try:
-            run_variants(exp, planned, EmulatedHosts(net), out_dir, progress, on_run=checkpoint)
+            run_variants(exp, planned, EmulatedHosts(net), out_dir, progress, on_run=checkpoint,
+                         before_run=replay_dynamics if per_run else None)
         finally:
-            sched.stop()
+            for sched in scheds:
+                sched.stop()
             cpu_util, steal = cpu.stop()
-            results["events"] = net.events + [{"error": e} for e in sched.errors]
+            results["events"] = net.events + [{"error": e} for sched in scheds for e in sched.errors]
             try:
                 relay = net.relay_stats()
             except Exception as e:  # never mask the run's own error with a reporting one
@@ -263,7 +287,24 @@ def _summarise_run(rep: int, label: str, result: dict, warmup: int = 0) -> dict:
             "warmup_cct_s": [it["cct_s"] for it in its if it["warmup"]],  # cold: TCP start on fresh connections
             "iterations": its, "correct": all(it["correct"] for it in its) and not incorrect,
             "incorrect": incorrect, "errors": result.get("errors", []), "transfers": result.get("transfers"), "links": _per_link(result.get("transfers")),
-            **{k: result[k] for k in ("estimates", "switches", "versions") if k in result}}
+            **{k: result[k] for k in ("estimates", "switches", "versions") if k in result},
+            **({"estimation": estimation_error(result["estimates"])} if result.get("estimates") else {})}
+
+
+def estimation_error(estimates: dict) -> dict:
+    """How far the closed loop's link estimates were from the emulator's configured rate and
+    delay at the same instants: windows, share of link estimates within 10 % of the rate (and
+    of single windows), median and worst relative rate error, worst one-way-delay error."""
+    rows = [e for e in estimates.get("series", []) if e.get("truth")]
+    if not rows:
+        return {"windows": 0}
+    rel = [e["link_mbps"] / e["truth"]["rate_mbps"] - 1 for e in rows]
+    single = [e["rate_mbps"] / e["truth"]["rate_mbps"] - 1 for e in rows]
+    owd = [abs(e["owd_ms"] - e["truth"]["delay_ms"]) for e in rows]
+    return {"windows": len(rows), "rate_within_10pct": sum(abs(r) <= 0.1 for r in rel) / len(rows),
+            "window_within_10pct": sum(abs(r) <= 0.1 for r in single) / len(rows),
+            "rate_err_median": statistics.median(map(abs, rel)), "rate_err_max": max(map(abs, rel)),
+            "owd_err_ms_max": max(owd)}
 
 
 def _per_link(transfers: dict | None) -> list[dict]:

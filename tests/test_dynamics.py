@@ -94,3 +94,30 @@ def test_netstorm_redraw_is_seeded_and_in_range():
     rates = [c[3] for c in runs[0]]
     assert len(rates) == 12 and all(40 <= r <= 310 and r % 2 == 0 for r in rates)  # integers in [20,155], x2
     assert {(c[1], c[2]) for c in runs[0][:6]} == {(l.a, l.b) for l in topo.links} | {(l.b, l.a) for l in topo.links}
+
+
+@pytest.mark.net
+def test_dynamics_per_run_replays_them_for_every_variant(netenv, tmp_path):
+    """dynamics_per_run: each run starts on the nominal rates and sees the change at its own
+    0.3 s (events: the change, the restore before the second run, the change again)."""
+    import json
+    import subprocess
+    import sys
+
+    import yaml
+
+    from testbed.results import REPO
+
+    exp = {**BASE, "variants": [{"label": "ps", "scheme": {"name": "ps"}}], "dynamics_per_run": True,
+           "workload": {"size": "256KB", "iterations": 6, "compute_s": 0.15},
+           "dynamics": [{"at_s": 0.3, "link": ["h1", "h2"], "rate_mbps": 20}]}
+    f = tmp_path / "e.yaml"
+    f.write_text(yaml.safe_dump(exp))
+    res = subprocess.run([sys.executable, "-m", "testbed", "run", str(f), "--out", str(tmp_path / "o"), "--quiet",
+                          "--no-report"], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    events = json.loads((tmp_path / "o" / "results.json").read_text())["events"]
+    rates = [(e["src"], e["dst"], e["rate_mbps"]) for e in events if e.get("event") == "rate"]
+    change = sorted([("h1", "h2", 20.0), ("h2", "h1", 20.0)])
+    assert sorted(rates[:2]) == change and sorted(rates[2:4]) == [("h1", "h2", 80.0), ("h2", "h1", 80.0)]
+    assert sorted(rates[4:]) == change

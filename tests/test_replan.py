@@ -10,7 +10,7 @@ from testbed.errors import ConfigError
 from testbed.experiment import build_plan, replanner
 
 EXP = {"name": "replan", "topology": "small-3", "workload": {"size": "8MB"},
-       "scheme": {"name": "netstorm", "adaptive": {"update_s": 5}}}
+       "scheme": {"name": "netstorm", "adaptive": {"update_s": 5, "min_gain": 0}}}
 
 
 class FakeNet:
@@ -53,6 +53,22 @@ def test_replans_on_estimates_every_update_s_and_reuses_known_plans():
     net.rates = NOMINAL
     now[0] = 18
     assert policy(4, net) is plan0  # back to the first plan: the same version, not a new one
+
+
+def test_min_gain_keeps_the_plan_unless_the_new_one_is_predicted_faster_by_it():
+    exp = config.validate({**EXP, "scheme": {"name": "netstorm", "adaptive": {"update_s": 5, "min_gain": 0.99}}})
+    plan0 = build_plan(exp)[2]
+    now = [0.0]
+    policy = replanner(exp, exp.scheme, plan0, clock=lambda: now[0])
+    now[0] = 6
+    assert policy(1, FakeNet(SKEWED)) is None  # a different plan, but not 100x faster
+    exp = config.validate({**EXP, "scheme": {"name": "netstorm", "adaptive": {"update_s": 5, "min_gain": 0.3}}})
+    now[0] = 0.0
+    policy = replanner(exp, exp.scheme, plan0, clock=lambda: now[0])
+    now[0] = 6
+    assert policy(1, FakeNet(SKEWED)) is not None  # the skewed rates make the old plan > 30 % slower
+    with pytest.raises(ConfigError, match="min_gain"):
+        config.validate({**EXP, "scheme": {"name": "netstorm", "adaptive": {"min_gain": 1}}})
 
 
 def test_oracle_mode_and_static_schemes():

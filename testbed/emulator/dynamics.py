@@ -138,6 +138,14 @@ def _is_num(s: str) -> bool:
         return False
 
 
+def restore_rates(net) -> None:
+    """Every direction back to its topology rate (before a run that replays the dynamics)."""
+    for (src, dst), d in net.directions.items():
+        nominal = net.topo.links[d.link].dir(src, dst).rate_mbps
+        if d.spec.rate_mbps != nominal:
+            net.set_rate(src, dst, nominal)
+
+
 class Scheduler:
     """Applies dynamics (already :func:`scaled`) and faults to a running :class:`WanNetwork`
     from a thread."""
