@@ -14,7 +14,7 @@ Command line (real hosts)::
         --secret-file F --port P --out results.json [--iterations N --seed S ...]
 
 ``run()`` waits for every plan node to register, sends each its JOB, waits for READY,
-estimates every agent's clock offset (NTP-style CLOCK exchanges, :func:`testbed.clock.estimate`;
+with ``sync_clocks`` estimates every agent's clock offset (NTP-style CLOCK exchanges, :func:`testbed.clock.estimate`;
 every timestamp an agent reports is moved to the coordinator's clock with it, so CCTs and
 transfer records are right on hosts with unsynchronised clocks), then per iteration sends
 GO to all and collects DONE from all.  With ``probe`` the agents report windows of received
@@ -235,7 +235,6 @@ class Coordinator:
         self.policy = policy
         self.sync_clocks = bool(probe) if sync_clocks is None else sync_clocks  # CLOCK exchanges before GO
         self._plans: list[Plan] = [plan]  # index = version
-        self._installed = {0}  # versions every agent has (0: the JOB's)
         self.version = 0
         self.switches = 0
 
@@ -560,7 +559,8 @@ class Coordinator:
         """Make ``plan`` the current one (installing it on the agents if new); True if the
         version changed."""
         known = next((v for v, p in enumerate(self._plans) if p is plan), None)
-        if known is None:
+        new = known is None
+        if new:
             plan.validate()
             old = self._plans[0]
             if (list(plan.nodes), plan.length, plan.contributing(), plan.finishing()) != \
@@ -574,13 +574,12 @@ class Coordinator:
         self.plan, self.version = self._plans[known], known
         self._peer_ip = self._resolve_addresses(self._addresses)
         self._xfers = {op.xfer: (src, op.peer) for src, op in self.plan.transfers()}
-        if known not in self._installed:
+        if new:  # agents keep every version they installed
             for n in self.plan.nodes:
                 program, peers, scratch = self._part(n)
                 self._send(n, {"msg": "plan", "version": known, "program": [op.to_dict() for op in program],
                                "peers": {p: list(a) for p, a in peers.items()}, "scratch": scratch})
             self._collect("installed", list(self.plan.nodes), self.ready_limit())
-            self._installed.add(known)
         return True
 
     def _part(self, node: str) -> tuple[list, dict, dict]:

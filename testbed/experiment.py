@@ -85,7 +85,6 @@ def run_variants(exp: Experiment, planned: list, hosts: Hosts, out_dir: Path,
                                 clock_offset_ms=a.clock_offset_ms,
                                 policy=replanner(exp, v.scheme, plan, hosts.truth()))
             r = _summarise_run(rep, v.label, result, w.warmup)
-            r.update({k: result[k] for k in ("clock_offsets",) if k in result})  # real hosts: their clocks
             runs.append(r)
             if on_run:
                 on_run(runs)
@@ -287,7 +286,7 @@ def _summarise_run(rep: int, label: str, result: dict, warmup: int = 0) -> dict:
             "warmup_cct_s": [it["cct_s"] for it in its if it["warmup"]],  # cold: TCP start on fresh connections
             "iterations": its, "correct": all(it["correct"] for it in its) and not incorrect,
             "incorrect": incorrect, "errors": result.get("errors", []), "transfers": result.get("transfers"), "links": _per_link(result.get("transfers")),
-            **{k: result[k] for k in ("estimates", "switches", "versions") if k in result},
+            **{k: result[k] for k in ("clock_offsets", "estimates", "switches", "versions") if k in result},
             **({"estimation": estimation_error(result["estimates"])} if result.get("estimates") else {})}
 
 

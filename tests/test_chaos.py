@@ -35,7 +35,7 @@ def test_wire_fuzzer_detects_every_corrupted_field():
     res = chaos.fuzz_wire(10_000, seed=16)
     assert not res["hangs"] and not res["missed"], res
     assert all(res["detected"][k] == n for k, n in res["per_field"].items() if k not in chaos.UNCHECKABLE), res
-    assert res["threads"][1] == res["threads"][0]
+    assert res["threads"][1] <= res["threads"][0]  # none leaked (an earlier test's thread may end meanwhile)
     assert res["rss_kb"][1] < res["rss_kb"][0] + 20_000
 
 

@@ -398,8 +398,10 @@ def test_deploy_auth_failure_fails_clearly(ssh_wan, tmp_path):
     assert "Traceback" not in res.stderr
 
 
-def _remote(what: str) -> list[str]:
-    return subprocess.run(["pgrep", "-f", what], capture_output=True, text=True).stdout.split()
+def _remote(module: str) -> list[str]:
+    """Pids of Python processes running ``module`` (not the remote shells that are about to
+    exec them: bash may fork briefly there, and its forks carry the same command line)."""
+    return subprocess.run(["pgrep", "-f", rf"^\S*python\S* -m {module}"], capture_output=True, text=True).stdout.split()
 
 
 @pytest.mark.net
@@ -415,9 +417,9 @@ def test_deploy_sigint_stops_the_remote_agents(ssh_wan, tmp_path):
         assert len(_remote("agents.agent --config node.json")) == 3
         assert len(_remote("agents.clock")) == 3
         time.sleep(1.0)
-    finally:
-        p.send_signal(signal.SIGINT)  # also when an assertion failed: never leave the run going
-    _, err = p.communicate(timeout=60)
+    finally:  # also when an assertion failed: never leave the run going, wait for it to stop
+        p.send_signal(signal.SIGINT)
+        _, err = p.communicate(timeout=60)
     assert p.returncode == 130, err[-2000:]
     assert not _remote("agents.agent --config node.json") and not _remote("agents.clock")
     assert not (tmp_path / "out" / "results.json").exists()

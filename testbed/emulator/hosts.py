@@ -52,17 +52,14 @@ class EmulatedHosts(Hosts):
         takes from src to dst now: the least rate along it, the sum of its one-way delays."""
         from testbed.routing import data_paths
 
-        graph, events = self.net.topo.graph(), self.net.events
-        paths = data_paths(graph)
+        paths, dirs = data_paths(self.net.topo.graph()), self.net.directions
 
         def truth(src: str, dst: str) -> dict | None:
             path = paths.get((src, dst))
             if not path:
                 return None
-            now = {(ev["src"], ev["dst"]): ev["rate_mbps"] for ev in list(events) if ev.get("event") == "rate"}
-            hops = list(zip(path, path[1:]))
-            return {"rate_mbps": min(now.get(h, graph.edges[h]["rate_mbps"]) for h in hops),
-                    "delay_ms": sum(graph.edges[h].get("delay_ms", 0.0) for h in hops)}
+            specs = [dirs[h].spec for h in zip(path, path[1:])]  # kept current by set_rate
+            return {"rate_mbps": min(s.rate_mbps for s in specs), "delay_ms": sum(s.delay_ms for s in specs)}
         return truth
 
     def stop_agents(self) -> None:
