@@ -91,6 +91,7 @@ class Job:
     wait_s: float = 600.0  # longest wait for the coordinator's next message (GO, FINISH)
     limit_s: float | None = None  # longest one iteration's communication may take
     probe: dict | None = None  # {"chunk_bytes", "chunk_num"}: report received chunks (agents.probe)
+    aux: dict = field(default_factory=dict)  # auxiliary paths through this node (testbed.plan.Plan.aux)
 
     def to_dict(self) -> dict:
         d = dict(self.__dict__)
@@ -240,12 +241,13 @@ class Agent:
             log.warning("refused connection from %s: %s", who, wire.sanitize(e))
             wire.close_quietly(sock)
 
-    def _install(self, version: int, program: list[Op], scratch: dict, peers: dict) -> None:
+    def _install(self, version: int, program: list[Op], scratch: dict, peers: dict, aux: dict) -> None:
         """One executor for plan ``version``, its outgoing data connections open."""
         job = self.job
         ex = Executor(self.name, program, length=job.length, scratch=scratch, dtype=job.dtype,
                       stop_and_wait=job.stop_and_wait, timeout_s=job.timeout_s, limit_s=job.limit_s,
-                      on_chunk=self._on_chunk if self.prober else None)
+                      on_chunk=self._on_chunk if self.prober else None, nodes=job.nodes, aux=aux,
+                      connect=lambda peer, ch: self._data_connection(version, peers, peer, ch))
         if self.ex is not None:
             ex.advance(self.ex.iteration)
         with self._installed:
@@ -253,20 +255,25 @@ class Agent:
             self._installed.notify_all()
         self._connect_peers(ex, version, peers)
 
+    def _data_connection(self, version: int, peers: dict, peer: str, ch: int) -> socket.socket:
+        """An authenticated data connection of plan ``version`` to ``peer`` on channel ``ch``."""
+        if peer not in peers:
+            raise ConnectionError(f"data connection to peer {peer} (channel {ch}): no address known")
+        addr = peers[peer]
+        ident = {"role": "data", "name": self.name, "channel": ch, **({"version": version} if version else {})}
+        try:
+            sock = wire.connect(addr, self.secret, ident, timeout_s=self.handshake_s, retry_s=self.retry_s)
+        except (OSError, wire.ProtocolError) as e:
+            raise ConnectionError(f"data connection to peer {peer} (channel {ch}, expected listening at "
+                                  f"{addr[0]}:{addr[1]}): {e}") from None
+        log.info("connected to %s (channel %d, version %d) at %s:%d", peer, ch, version, *addr)
+        return sock
+
     def _connect_peers(self, ex: Executor, version: int, peers: dict) -> None:
         """Open every outgoing data connection at once: on long-RTT paths each handshake
         costs several round trips, so one after another would take seconds."""
         def connect(peer: str, ch: int) -> None:
-            addr = peers[peer]
-            ident = {"role": "data", "name": self.name, "channel": ch, **({"version": version} if version else {})}
-            try:
-                sock = wire.connect(addr, self.secret, ident, timeout_s=self.handshake_s,
-                                    retry_s=self.retry_s)
-            except (OSError, wire.ProtocolError) as e:
-                raise ConnectionError(f"data connection to peer {peer} (channel {ch}, expected listening at "
-                                      f"{addr[0]}:{addr[1]}): {e}") from None
-            ex.attach_outgoing(peer, ch, sock)
-            log.info("connected to %s (channel %d, version %d) at %s:%d", peer, ch, version, *addr)
+            ex.attach_outgoing(peer, ch, self._data_connection(version, peers, peer, ch))
 
         with ThreadPoolExecutor(max_workers=32) as pool:
             for f in [pool.submit(connect, peer, ch) for peer, ch in ex.outgoing()]:
@@ -314,7 +321,7 @@ class Agent:
         self.job = job = Job.from_dict(self.next_msg("job", float(welcome["job_within_s"]))["job"])
         if job.probe:
             self.prober = Prober(job.probe["chunk_bytes"], job.probe["chunk_num"])
-        self._install(0, job.program, job.scratch, job.peers)
+        self._install(0, job.program, job.scratch, job.peers, job.aux)
         self.ex = self.execs[0]
         self.send({"msg": "ready"})
         for it in range(job.iterations):
@@ -323,7 +330,7 @@ class Agent:
                 if not isinstance(v, int) or v in self.execs:
                     raise wire.ProtocolError(f"PLAN for version {wire.sanitize(v, 20)}: not a new version")
                 self._install(v, [Op.from_dict(o) for o in msg["program"]], msg["scratch"],
-                              {p: (str(a[0]), int(a[1])) for p, a in msg["peers"].items()})
+                              {p: (str(a[0]), int(a[1])) for p, a in msg["peers"].items()}, msg.get("aux", {}))
                 self.send({"msg": "installed", "version": v})
             go_ns = time.time_ns()
             if msg.get("iteration") != it or msg.get("version", 0) not in self.execs:

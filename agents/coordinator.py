@@ -67,7 +67,8 @@ log = logging.getLogger("agents.coordinator")
 # send_ts_ns: the sender's clock in the DATA header; recv_start_ns/recv_end_ns: first/last
 # payload byte read at the receiver; apply_ns: when the receiver added/copied it in.
 TRANSFER_COLUMNS = ["iteration", "xfer", "src", "dst", "channel", "flow", "chunk", "phase", "bytes",
-                    "send_start_ns", "send_end_ns", "send_ts_ns", "recv_start_ns", "recv_end_ns", "apply_ns"]
+                    "send_start_ns", "send_end_ns", "send_ts_ns", "recv_start_ns", "recv_end_ns", "apply_ns",
+                    "route"]  # route: "" direct, else the auxiliary path "src>relay>...>dst" (send_ts_ns: last hop's)
 WORKER_KEYS = ["go_ns", "compute_end_ns", "comm_start_ns", "comm_done_ns", "receiver", "correct", "max_abs_err",
                "digest"]
 MAX_PENDING = 64  # unauthenticated connections at once; more are refused
@@ -103,6 +104,11 @@ def check_done(msg: dict, transfers: dict[int, tuple[str, str]], node: str) -> s
                 return f"bad {key} row {wire.sanitize(row, 80)} (expected {width} integers)"
             if transfers.get(row[0], (None, None))[side] != node:
                 return f"{key} row for transfer {row[0]}, which is not one of this node's"
+    for row in msg.get("aux", []) if isinstance(msg.get("aux", []), list) else [None]:
+        if not (isinstance(row, list) and len(row) == 2 and isinstance(row[0], int) and isinstance(row[1], list)
+                and transfers.get(row[0], (None,))[0] == node and row[1][:1] == [node]
+                and row[1][-1:] == [transfers[row[0]][1]] and all(isinstance(n, str) for n in row[1])):
+            return f"bad aux row {wire.sanitize(row, 80)} (expected [one of this node's transfers, its path])"
     return None
 
 
@@ -240,12 +246,15 @@ class Coordinator:
 
     def _resolve_addresses(self, addresses: Mapping) -> dict[tuple[str, str], str]:
         out = {}
-        for src, op in self.plan.transfers():
+        pairs = {(src, op.peer) for src, op in self.plan.transfers()}
+        if self.plan.aux.get("paths"):  # relays forward to whichever node a chunk's route names
+            pairs |= {(a, b) for a in self.plan.nodes for b in self.plan.nodes if a != b}
+        for src, dst in sorted(pairs):
             view = addresses.get(src) if isinstance(addresses.get(src), Mapping) else addresses
-            ip = view.get(op.peer) if view is not None else None
+            ip = view.get(dst) if view is not None else None
             if not isinstance(ip, str) or not ip:
-                raise ConfigError(f"no address for {op.peer} as seen from {src}", key="addresses")
-            out[(src, op.peer)] = ip
+                raise ConfigError(f"no address for {dst} as seen from {src}", key="addresses")
+            out[(src, dst)] = ip
         return out
 
     # -- registration ----------------------------------------------------------------
@@ -578,7 +587,8 @@ class Coordinator:
             for n in self.plan.nodes:
                 program, peers, scratch = self._part(n)
                 self._send(n, {"msg": "plan", "version": known, "program": [op.to_dict() for op in program],
-                               "peers": {p: list(a) for p, a in peers.items()}, "scratch": scratch})
+                               "peers": {p: list(a) for p, a in peers.items()}, "scratch": scratch,
+                               "aux": self._aux_part(n)})
             self._collect("installed", list(self.plan.nodes), self.ready_limit())
         return True
 
@@ -586,11 +596,16 @@ class Coordinator:
         """The current plan's program, peers (ip, data port) and scratch buffers of ``node``."""
         program = self.plan.programs.get(node, [])
         peers = {}
-        for op in program:
-            if op.kind != RECV and op.peer not in peers:
-                port = self.data_port or int(self._idents.get(op.peer, {}).get("data_port") or 0)
-                peers[op.peer] = (self._peer_ip[(node, op.peer)], port)
+        for src, dst in self._peer_ip:
+            if src == node and dst not in peers:
+                port = self.data_port or int(self._idents.get(dst, {}).get("data_port") or 0)
+                peers[dst] = (self._peer_ip[(node, dst)], port)
         return program, peers, dict(self.plan.scratch.get(node, {}))
+
+    def _aux_part(self, node: str) -> dict:
+        """The current plan's auxiliary paths that ``node`` sends or relays on, and the bounds."""
+        aux = self.plan.aux
+        return {**aux, "paths": [p for p in aux["paths"] if node in p[:-1]]} if aux.get("paths") else {}
 
     # -- the run -----------------------------------------------------------------------
     def make_job(self, node: str) -> Job:
@@ -603,7 +618,8 @@ class Coordinator:
                    stop_and_wait=self.stop_and_wait, timeout_s=self.timeout_s,
                    wait_s=self._iteration_limit() + self.ready_limit() + self.silence_s, limit_s=self.limit_s,
                    probe=({"chunk_bytes": int(self.probe["chunk_bytes"]), "chunk_num": int(self.probe["chunk_num"]),
-                           "from_iteration": int(self.probe.get("from_iteration", 0))} if self.probe else None))
+                           "from_iteration": int(self.probe.get("from_iteration", 0))} if self.probe else None),
+                   aux=self._aux_part(node))
 
     def ready_limit(self) -> float:
         """JOB to READY: peers connect (retrying while they start) and authenticate."""
@@ -642,7 +658,8 @@ class Coordinator:
                 for n in nodes:
                     self._send(n, {"msg": "go", "iteration": it, "version": self.version})
                 done = self._collect("done", nodes, self._iteration_limit(), iteration=it)
-                done = {n: self._on_my_clock(n, d) for n, d in done.items()}
+                routes = {x: path for d in done.values() for x, path in d.get("aux", ())}
+                done = {n: self._on_my_clock(n, d, routes) for n, d in done.items()}
                 result = {**self._summarise(it, go_ns, done, self._errors), "version": self.version}
                 self._iterations.append(result)
                 self._rows.extend(self._transfer_rows(it, done))
@@ -663,9 +680,10 @@ class Coordinator:
             raise
         return self.results()
 
-    def _on_my_clock(self, node: str, done: dict) -> dict:
+    def _on_my_clock(self, node: str, done: dict, routes: dict) -> dict:
         """``node``'s DONE with its timestamps moved from the agents' clocks to this machine's
-        (a recv row's ``send_ts_ns`` is on the sender's clock, the rest on ``node``'s)."""
+        (a recv row's ``send_ts_ns`` is on the clock of the node that sent it the last hop --
+        the sender, or the last relay of its ``routes`` entry -- the rest on ``node``'s)."""
         off = self.net.offsets
         if not off:
             return done
@@ -673,7 +691,8 @@ class Coordinator:
         return {**done, **{k: done[k] - me for k in ("go_ns", "compute_end_ns", "comm_start_ns", "comm_done_ns")
                            if isinstance(done.get(k), int)},
                 "sends": [[x, s - me, e - me] for x, s, e in done.get("sends", ())],
-                "recvs": [[x, ts - off.get(self._xfers.get(x, (None,))[0], 0), first - me, last - me, applied - me]
+                "recvs": [[x, ts - off.get(routes[x][-2] if x in routes else self._xfers.get(x, (None,))[0], 0),
+                           first - me, last - me, applied - me]
                           for x, ts, first, last, applied in done.get("recvs", ())]}
 
     def _summarise(self, it: int, go_ns: int, done: dict, errors: list) -> dict:
@@ -695,10 +714,11 @@ class Coordinator:
         elem = np.dtype(self.dtype).itemsize
         sent = {x[0]: x[1:] for d in done.values() for x in d.get("sends", ())}
         recv = {x[0]: x[1:] for d in done.values() for x in d.get("recvs", ())}
+        routes = {x: ">".join(path) for d in done.values() for x, path in d.get("aux", ())}
         rows = []
         for src, op in sorted(self.plan.transfers(), key=lambda t: t[1].xfer):
             rows.append([it, op.xfer, src, op.peer, op.channel, op.flow, op.chunk, op.phase, op.length * elem,
-                         *sent.get(op.xfer, (None, None)), *recv.get(op.xfer, (None,) * 4)])
+                         *sent.get(op.xfer, (None, None)), *recv.get(op.xfer, (None,) * 4), routes.get(op.xfer, "")])
         return rows
 
     def abort(self, reason: str) -> None:

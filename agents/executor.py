@@ -21,6 +21,17 @@ links) needs a larger ``timeout_s``.  ``limit_s`` bounds a whole iteration (a pe
 dripping a byte now and then is progress, but not forever).  Outgoing data sockets get
 ``timeout_s`` as their send timeout.
 
+Auxiliary transmission (NetStorm §VI): with ``aux`` paths (``plan.aux``), a send whose
+primary connection is busy (more than ``primary_busy_bound`` sends queued on it) goes to the
+fastest auxiliary path with fewer than ``aux_queue_length`` of this node's chunks in flight,
+else to the primary.  An auxiliary chunk carries ``FLAG_AUX`` and its whole path in the
+header's ``route`` and travels over ``AUX_CHANNEL`` connections; a relay reads it whole
+(store and forward, a choice: cut-through would need frame-level multiplexing of the
+connection) and sends it on to the next node of the header's route -- never by a table of
+its own, so a relay with a stale or no path table still delivers (NetStorm Fig. 10); it
+never aggregates, and connects to a next hop it has no connection to on first use.  The
+send completes when its first hop took it, as a direct send.  Not in stop-and-wait mode.
+
 Every field of a DATA header is checked against the recv op it names (transfer,
 iteration, size, phase, flow, chunk): late, duplicate and early frames are refused.
 :meth:`Executor.status` is a snapshot for the coordinator's diagnosis of a stall: which
@@ -41,7 +52,7 @@ import numpy as np
 
 from testbed.plan import RECV, SEND, Op
 
-from .wire import (ACK, DATA, FLAG_ACK_REQ, TYPE_NAMES, Closed, Header, ProtocolError,
+from .wire import (ACK, DATA, FLAG_ACK_REQ, FLAG_AUX, TYPE_NAMES, Closed, Header, ProtocolError,
                    close_quietly, phase_code, recv_header, recv_into_exact, send_frame)
 
 log = logging.getLogger("agents.executor")
@@ -51,6 +62,7 @@ RECV_COLUMNS = ["xfer", "send_ts_ns", "recv_start_ns", "recv_end_ns", "apply_ns"
 
 
 SO_MAX_PACING_RATE = getattr(socket, "SO_MAX_PACING_RATE", 47)  # Linux value
+AUX_CHANNEL = -1  # the data connections that carry auxiliary chunks (plans use channels >= 0)
 
 
 class ExecError(Exception):
@@ -74,7 +86,11 @@ class Executor:
 
     def __init__(self, name: str, program: list[Op], *, length: int, scratch: dict[str, int] | None = None,
                  dtype="float32", stop_and_wait: bool = False, timeout_s: float = 60.0,
-                 limit_s: float | None = None, on_chunk=None):
+                 limit_s: float | None = None, on_chunk=None, nodes: list[str] | None = None,
+                 aux: dict | None = None, connect=None):
+        """``nodes``: the plan's nodes (route entries index them); ``aux``: {"paths": [[src,
+        relays..., dst]] through this node, "primary_busy_bound", "aux_queue_length"};
+        ``connect(peer, channel)``: an authenticated data socket (a relay's next hop on first use)."""
         self.name = name
         # probing hooks, called in the receiver thread: on_chunk(peer, None) when a chunk's header
         # arrived, on_chunk(peer, (bytes, send_ts_ns, first_ns, last_ns, channel, mid_ns, mid_bytes))
@@ -116,7 +132,23 @@ class Executor:
         self._tx_bytes = [0] * len(self.prog)  # bytes sent, per send op
         self._queued: set[int] = set()
         self.iteration = 0  # the iteration whose data receivers accept
+        self._init_aux(nodes or [], aux or {}, connect)
 
+    def _init_aux(self, nodes: list[str], aux: dict, connect) -> None:
+        self.nodes, self._index = list(nodes), {n: k for k, n in enumerate(nodes)}
+        self._aux_routes: dict[str, list[tuple[int, ...]]] = defaultdict(list)  # dst -> routes, fastest first
+        for path in aux.get("paths", []):
+            k = path.index(self.name)
+            if k == 0 and not self.stop_and_wait:
+                self._aux_routes[path[-1]].append(tuple(self._index[n] for n in path))
+            if k < len(path) - 1:
+                self._out_keys.add((path[k + 1], AUX_CHANNEL))
+        self._busy_bound = int(aux.get("primary_busy_bound", 2))
+        self._aux_queue = int(aux.get("aux_queue_length", 5))
+        self._connect = connect
+        self._connect_lock = threading.Lock()
+        self._by_src = {(op.peer, op.xfer): i for i, op in enumerate(self.prog) if op.kind == RECV}
+        self._frame_max = len(self.bufs["x"]) * self.dtype.itemsize
     # -- connections -----------------------------------------------------------
     def outgoing(self) -> list[tuple[str, int]]:
         """(peer, channel) pairs this node must open connections to."""
@@ -147,7 +179,7 @@ class Executor:
         with self._lock:
             if self._closing:
                 raise ProtocolError("shutting down")
-            if key not in self._expect:
+            if key not in self._expect and not (channel == AUX_CHANNEL and peer in self._index):
                 raise ProtocolError(f"no data expected from {peer} on channel {channel}")
             if key in self._receivers:
                 raise ProtocolError(f"duplicate data connection from {peer} channel {channel}")
@@ -175,12 +207,16 @@ class Executor:
         flags = FLAG_ACK_REQ if self.stop_and_wait else 0
         try:
             while (item := q.get()) is not None:
-                i, it = item
-                op, view = self.prog[i], self._views[i]
+                i, it, route = item
                 start = time.time_ns()
+                if i is None:  # a relayed chunk: ``it`` is its header, ``route`` its payload
+                    send_frame(sock, it._replace(send_ts_ns=start), route, self._tick)  # stamped per hop
+                    continue
+                op, view = self.prog[i], self._views[i]
                 self._tx_bytes[i] = 0
-                send_frame(sock, Header(DATA, phase_code(op.phase), flags, it, op.xfer, op.flow, op.chunk,
-                                        view.nbytes, start), view, self._count(self._tx_bytes, i))
+                send_frame(sock, Header(DATA, phase_code(op.phase), flags | (FLAG_AUX if route else 0), it, op.xfer,
+                                        op.flow, op.chunk, view.nbytes, start, route), view,
+                           self._count(self._tx_bytes, i))
                 if self.stop_and_wait:
                     a = recv_header(sock, hbuf, 0)
                     if a.type != ACK or a.xfer != op.xfer or a.op_id != it:
@@ -204,8 +240,9 @@ class Executor:
 
     def _recv_loop(self, key: tuple[str, int], sock: socket.socket) -> None:
         peer, ch = key
-        expect = self._expect[key]
-        limit = max(self._rbuf[i].nbytes for i in expect.values())
+        aux = ch == AUX_CHANNEL
+        expect = self._expect.get(key, {})
+        limit = self._frame_max if aux else max(self._rbuf[i].nbytes for i in expect.values())
         hbuf = bytearray(64)
         try:
             while True:
@@ -213,27 +250,28 @@ class Executor:
                 first = time.time_ns()
                 if h.type != DATA:
                     raise ProtocolError(f"unexpected {TYPE_NAMES[h.type]} frame")
-                i = expect.get(h.xfer)
+                if aux:
+                    src, nxt = self._hop(h, peer)
+                    if nxt is not None:
+                        payload = bytearray(h.payload_len)
+                        self._read(sock, h, memoryview(payload), self._tick, peer, ch, first)
+                        self._forward(nxt, h, payload)
+                        continue
+                    i = self._by_src.get((src, h.xfer))
+                elif h.route:
+                    raise ProtocolError(f"transfer {h.xfer}: an auxiliary chunk on a direct connection")
+                else:
+                    i = expect.get(h.xfer)
                 if i is None:
                     raise ProtocolError(f"unknown transfer {h.xfer}")
                 self._check(h, i)
-                buf = self._rbuf[i]
                 self._rx_iter[i], self._rx_bytes[i] = h.op_id, 0
-                count, mid = self._count(self._rx_bytes, i), [0, 0]
-                if self.on_chunk:
-                    self.on_chunk(peer, None)
-                    def count(n, count=count, mid=mid, half=buf.nbytes // 2):
-                        count(n)
-                        if not mid[1] and n >= half:
-                            mid[:] = time.time_ns(), n
-                recv_into_exact(sock, memoryview(buf).cast("B"), f"transfer {h.xfer}", count)
-                last = time.time_ns()
+                last = self._read(sock, h, memoryview(self._rbuf[i]).cast("B"), self._count(self._rx_bytes, i),
+                                  peer, ch, first)
                 self._got[i] = h.op_id
                 if h.flags & FLAG_ACK_REQ:
                     send_frame(sock, Header(ACK, op_id=h.op_id, xfer=h.xfer, send_ts_ns=last))
                 self._events.put(("recv", i, h.send_ts_ns, first, last))
-                if self.on_chunk:
-                    self.on_chunk(peer, (h.payload_len, h.send_ts_ns, first, last, ch, *mid))
         except Closed:
             if not self._closing:
                 log.info("data connection from %s (channel %d) closed", peer, ch)
@@ -252,6 +290,46 @@ class Executor:
         finally:
             close_quietly(sock)
 
+    def _read(self, sock: socket.socket, h: Header, mv: memoryview, count, peer: str, ch: int, first: int) -> int:
+        """Receive ``h``'s payload into ``mv`` (``count(bytes so far)``), feeding the probing
+        hook; the time the last byte arrived."""
+        mid = [0, 0]
+        if self.on_chunk:
+            self.on_chunk(peer, None)
+            def count(n, count=count, half=mv.nbytes // 2):
+                count(n)
+                if not mid[1] and n >= half:
+                    mid[:] = time.time_ns(), n
+        recv_into_exact(sock, mv, f"transfer {h.xfer}", count)
+        last = time.time_ns()
+        if self.on_chunk:
+            self.on_chunk(peer, (h.payload_len, h.send_ts_ns, first, last, ch, *mid))
+        return last
+
+    def _hop(self, h: Header, peer: str) -> tuple[str, str | None]:
+        """(sender, next hop or None here) of an auxiliary chunk that came from ``peer``; its
+        route must lead through this node, from ``peer``, without repeating a node."""
+        route, me = h.route, self._index.get(self.name)
+        names = [self.nodes[k] if k < len(self.nodes) else f"#{k}" for k in route]
+        if not route or h.flags & FLAG_ACK_REQ or len(set(route)) < len(route) or len(names) > len(self.nodes) \
+                or me not in route[1:] or names[route.index(me) - 1] != peer or any(n[0] == "#" for n in names):
+            raise ProtocolError(f"auxiliary transfer {h.xfer} from {peer}: route {'>'.join(names) or 'none'} "
+                                f"does not lead from {peer} through {self.name}")
+        k = route.index(me)
+        return names[0], (names[k + 1] if k + 1 < len(names) else None)
+
+    def _forward(self, nxt: str, h: Header, payload: bytearray) -> None:
+        """Queue a relayed chunk to ``nxt`` (connecting on first use)."""
+        key = (nxt, AUX_CHANNEL)
+        with self._connect_lock:
+            if key not in self._senders:
+                if self._connect is None:
+                    raise ProtocolError(f"auxiliary transfer {h.xfer}: no connection to {nxt}")
+                with self._lock:
+                    self._out_keys.add(key)
+                self.attach_outgoing(nxt, AUX_CHANNEL, self._connect(nxt, AUX_CHANNEL))
+        self._senders[key][1].put((None, h, payload))
+
     def _check(self, h: Header, i: int) -> None:
         """Every header field against recv op ``i`` (the transfer it names)."""
         op, want = self.prog[i], self._rbuf[i].nbytes
@@ -266,7 +344,7 @@ class Executor:
         if self._got[i] == h.op_id:
             raise ProtocolError(f"duplicate frame: transfer {h.xfer} of iteration {h.op_id} arrived twice")
         fields = {"phase": (h.phase, phase_code(op.phase)), "flow": (h.flow, op.flow),
-                  "chunk": (h.chunk, op.chunk), "route": (h.route, ()),
+                  "chunk": (h.chunk, op.chunk),
                   "flags": (h.flags & FLAG_ACK_REQ, FLAG_ACK_REQ if self.stop_and_wait else 0)}
         for key, (got, exp) in fields.items():
             if got != exp:
@@ -307,7 +385,10 @@ class Executor:
         arrived: dict[int, tuple[int, int, int]] = {}
         blocked: set[int] = set()  # ready recv ops whose data has not arrived
         queued = self._queued = set()  # sends handed to a sender, not yet completed
-        sends, recvs = [], []
+        load: dict[str, int] = defaultdict(int)  # sends queued on the direct connections to a peer (all channels)
+        on_route: dict[int, tuple[int, ...]] = {}  # auxiliary sends in flight -> their route
+        in_flight: dict[tuple[int, ...], int] = defaultdict(int)
+        sends, recvs, aux = [], [], []
         done = 0
         comm_start = time.time_ns()
         self._tick()
@@ -336,7 +417,15 @@ class Executor:
                 op = prog[i]
                 if op.kind == SEND:
                     queued.add(i)
-                    self._senders[(op.peer, op.channel)][1].put((i, iteration))
+                    route = self._route(op, load, in_flight)
+                    if route:
+                        on_route[i] = route
+                        in_flight[route] += 1
+                        aux.append([op.xfer, [self.nodes[k] for k in route]])
+                        self._senders[(self.nodes[route[1]], AUX_CHANNEL)][1].put((i, iteration, route))
+                    else:
+                        load[op.peer] += 1
+                        self._senders[(op.peer, op.channel)][1].put((i, iteration, ()))
                 elif i in arrived:
                     apply(i, *arrived.pop(i))
                 else:
@@ -356,6 +445,10 @@ class Executor:
             if ev[0] == "sent":
                 _, i, start, end = ev
                 queued.discard(i)
+                if i in on_route:
+                    in_flight[on_route.pop(i)] -= 1
+                else:
+                    load[prog[i].peer] -= 1
                 sends.append([prog[i].xfer, start, end])
                 complete(i)
             elif ev[0] == "recv":
@@ -368,8 +461,18 @@ class Executor:
             else:
                 raise ev[1]
         self.iteration = iteration + 1
-        return {"comm_start_ns": comm_start, "comm_done_ns": time.time_ns(), "sends": sends, "recvs": recvs}
+        return {"comm_start_ns": comm_start, "comm_done_ns": time.time_ns(), "sends": sends, "recvs": recvs,
+                **({"aux": aux} if aux else {})}
 
+    def _route(self, op: Op, load: dict, in_flight: dict) -> tuple[int, ...]:
+        """NetStorm §VI dispatch: () (the primary path: the direct connections to the peer,
+        every channel) unless more than ``primary_busy_bound`` sends to the peer are queued on
+        it; then the fastest auxiliary route to the peer with fewer than ``aux_queue_length``
+        chunks in flight, if any."""
+        routes = self._aux_routes.get(op.peer)
+        if not routes or load[op.peer] <= self._busy_bound:
+            return ()
+        return next((r for r in routes if in_flight[r] < self._aux_queue), ())
     def status(self) -> dict:
         """What this node still waits for: ``awaiting`` {peer: [[xfer, bytes arrived, bytes]]}
         (data of the current iteration not yet received) and ``sending`` {peer: [[xfer,

@@ -10,15 +10,17 @@ off   size    field          meaning
 4     1       version        ``VERSION`` (1)
 5     1       type           HELLO, AUTH, CTRL (JSON payload), DATA, ACK, ERROR (JSON)
 6     1       phase          plan phase label as a small code (``PHASES``), 0 if none
-7     1       flags          ``FLAG_ACK_REQ``: the receiver must answer with an ACK
+7     1       flags          ``FLAG_ACK_REQ``: the receiver must answer with an ACK;
+                             ``FLAG_AUX``: an auxiliary chunk, source-routed by ``route``
 8     4       op_id          iteration number
 12    4       xfer           transfer id from the plan
 16    4       flow           flow label from the plan
 20    4       chunk          chunk label from the plan
 24    8       payload_len    bytes following the header
 32    8       send_ts_ns     sender's ``time.time_ns()`` when the send started
-40    1       route_len      used entries of ``route`` (0: direct)
-41    16      route          8 x u16 node indices of a source route, zero-filled
+40    1       route_len      used entries of ``route`` (0: direct; else >= 3, with FLAG_AUX)
+41    16      route          8 x u16 node indices of a source route (sender, relays, receiver;
+                             NetStorm §VI: relays forward by it, not by a table), zero-filled
 57    7       (reserved)     zero
 ====  ======  =============  ====================================================
 
@@ -69,7 +71,8 @@ ROUTE_MAX = 8
 HELLO, AUTH, CTRL, DATA, ACK, ERROR = 1, 2, 3, 4, 5, 6
 TYPE_NAMES = {HELLO: "HELLO", AUTH: "AUTH", CTRL: "CTRL", DATA: "DATA", ACK: "ACK", ERROR: "ERROR"}
 FLAG_ACK_REQ = 0x01
-FLAGS_KNOWN = FLAG_ACK_REQ
+FLAG_AUX = 0x02
+FLAGS_KNOWN = FLAG_ACK_REQ | FLAG_AUX
 RESERVED = bytes(7)
 
 PHASES = ("", "reduce", "bcast", "reduce-scatter", "all-gather", "scatter", "gather", "relay")
@@ -148,6 +151,9 @@ def decode_header(buf, max_payload: int) -> Header:
         raise ProtocolError(f"unused route entries are not zero (route length {rlen})")
     if flags & ~FLAGS_KNOWN:
         raise ProtocolError(f"unknown flags 0x{flags:02x}")
+    if bool(flags & FLAG_AUX) != (rlen > 0) or rlen in (1, 2):
+        raise ProtocolError(f"route of {rlen} nodes with flags 0x{flags:02x} (an auxiliary chunk has "
+                            "FLAG_AUX and a route of sender, relays and receiver; a direct one neither)")
     if phase >= len(PHASES) and phase != PHASE_OTHER:
         raise ProtocolError(f"unknown phase code {phase}")
     if reserved != RESERVED:

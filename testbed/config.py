@@ -82,6 +82,15 @@ TOP_KEYS = {"name", "topology", "scheme", *DEFAULTS}
 # on those rates beats the current plan's by min_gain.  Chunk size and count: NetStorm Table II.
 ADAPTIVE_DEFAULTS = {"update_s": 5.0, "probe_chunk_bytes": 2_000_000, "probe_chunk_num": 4,
                      "estimator": "busy", "mode": "estimated", "min_gain": 0.1}
+# scheme.aux (NetStorm §VI, multipath auxiliary transmission; NetStorm-pro = netstorm with aux):
+# Algorithm 3's paths per (sender, next aggregator) pair (testbed.planners.auxpaths.attach),
+# re-computed at every re-plan.  primary_busy_bound: Table II.  aux_queue_length: Fig. 17's best
+# (Table II says 1).  disjoint/idle_only: the authors' code (node-disjoint relays, any link but
+# the pair's own) by default, because the paper's reading (edge-disjoint rounds over idle links)
+# finds no auxiliary path for a tree scheme on any shipped topology but B4 (measured: see
+# tests/test_auxpaths.py); it stays a choice.
+AUX_DEFAULTS = {"primary_busy_bound": 2, "aux_queue_length": 5, "max_paths": 2, "disjoint": "node",
+                "idle_only": False}
 
 
 @dataclass(frozen=True)
@@ -384,8 +393,29 @@ def _scheme(c: Checker, scheme, key: str, nodes: list[str]) -> dict:
     c.mapping(scheme, key)
     # netstorm is adaptive unless told otherwise (NetStorm-std: probing and re-planning, §V)
     adaptive = _adaptive(c, scheme.get("adaptive", scheme.get("name") == "netstorm"), f"{key}.adaptive")
-    out = resolve_scheme({k: v for k, v in scheme.items() if k != "adaptive"}, nodes, source=c.source, key=key)
-    return {**out, "adaptive": adaptive} if adaptive else out
+    aux = _aux(c, scheme.get("aux"), f"{key}.aux")
+    out = resolve_scheme({k: v for k, v in scheme.items() if k not in RUN_TIME_KEYS}, nodes, source=c.source,
+                         key=key)
+    return {**out, **({"adaptive": adaptive} if adaptive else {}), **({"aux": aux} if aux else {})}
+
+
+RUN_TIME_KEYS = ("adaptive", "aux")  # scheme keys of every scheme, not planner parameters
+
+
+def _aux(c: Checker, spec, key: str) -> dict | None:
+    """``aux: true | false | {...}`` resolved to None or every key of AUX_DEFAULTS."""
+    from testbed.planners.auxpaths import DISJOINT
+
+    if spec is None or spec is False:
+        return None
+    out = {**AUX_DEFAULTS, **({} if spec is True else c.mapping(spec, key, set(AUX_DEFAULTS)))}
+    c.number(out["primary_busy_bound"], f"{key}.primary_busy_bound", integer=True, minimum=0)
+    c.number(out["aux_queue_length"], f"{key}.aux_queue_length", integer=True, minimum=1)
+    if out["max_paths"] is not None:
+        c.number(out["max_paths"], f"{key}.max_paths", integer=True, minimum=1)
+    c.choice(out["disjoint"], f"{key}.disjoint", DISJOINT)
+    c.choice(out["idle_only"], f"{key}.idle_only", (True, False))
+    return out
 
 
 def _adaptive(c: Checker, spec, key: str) -> dict | None:

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from testbed.config import Experiment
+from testbed.config import RUN_TIME_KEYS, Experiment
 from testbed.errors import ConfigError, TestbedError
 from testbed.hosts import Hosts, run_agents
 from testbed.results import STEAL_MAX, CpuMeter, environment, stats
@@ -51,9 +51,9 @@ def build_plan(exp: Experiment, scheme: dict | None = None, *, source: str = "",
     scheme, topo, w = scheme or exp.scheme, exp.topology, exp.workload
     validate_connected(topo, source=source or exp.name, key="topology")
     graph = topo.graph()
-    params = {k: v for k, v in scheme.items() if k not in ("name", "adaptive")}
+    params = {k: v for k, v in scheme.items() if k not in ("name", *RUN_TIME_KEYS)}
     plan = make_plan(scheme["name"], graph, w.length, params, elem_bytes=w.elem_bytes, source=source or exp.name,
-                     key=key)
+                     key=key, aux=scheme.get("aux"))
     plan.validate()
     prediction = costmodel.predict(plan, graph, elem_bytes=w.elem_bytes, stop_and_wait=exp.agents.stop_and_wait)
     # The optimum is a packing of reduce/broadcast trees over every node, a bound for an AllReduce
@@ -128,7 +128,7 @@ def replanner(exp: Experiment, scheme: dict, plan, truth: Callable[[str, str], d
         raise ConfigError("mode oracle re-plans from the emulator's true rates: not available here",
                           key="scheme.adaptive.mode")
     graph, w = exp.topology.graph(), exp.workload
-    params = {k: v for k, v in scheme.items() if k not in ("name", "adaptive")}
+    params = {k: v for k, v in scheme.items() if k not in ("name", *RUN_TIME_KEYS)}
     seen = [plan]
     state = {"t": clock(), "plan": plan}
 
@@ -142,8 +142,8 @@ def replanner(exp: Experiment, scheme: dict, plan, truth: Callable[[str, str], d
                 attrs["rate_mbps"] = truth(u, v)["rate_mbps"]
             elif (u, v) in latest and latest[(u, v)]["rate_mbps"] > 0:
                 attrs["rate_mbps"] = latest[(u, v)]["rate_mbps"]
-        new = make_plan(scheme["name"], graph, w.length, params, elem_bytes=w.elem_bytes)
-        new = next((p for p in seen if p.programs == new.programs), None) or new
+        new = make_plan(scheme["name"], graph, w.length, params, elem_bytes=w.elem_bytes, aux=scheme.get("aux"))
+        new = next((p for p in seen if (p.programs, p.aux) == (new.programs, new.aux)), None) or new
         if new is state["plan"]:
             return None
         cct = {id(p): predict(p, graph, elem_bytes=w.elem_bytes)["cct_s"] for p in (new, state["plan"])}
@@ -286,6 +286,7 @@ def _summarise_run(rep: int, label: str, result: dict, warmup: int = 0) -> dict:
             "warmup_cct_s": [it["cct_s"] for it in its if it["warmup"]],  # cold: TCP start on fresh connections
             "iterations": its, "correct": all(it["correct"] for it in its) and not incorrect,
             "incorrect": incorrect, "errors": result.get("errors", []), "transfers": result.get("transfers"), "links": _per_link(result.get("transfers")),
+            **({"aux": aux} if (aux := _aux_use(result.get("transfers"))) else {}),
             **{k: result[k] for k in ("clock_offsets", "estimates", "switches", "versions") if k in result},
             **({"estimation": estimation_error(result["estimates"])} if result.get("estimates") else {})}
 
@@ -315,12 +316,34 @@ def _per_link(transfers: dict | None) -> list[dict]:
     for row in transfers["rows"]:
         key = (row[col["src"]], row[col["dst"]])
         start, end = row[col["send_start_ns"]], row[col["recv_end_ns"]]
-        a = agg.setdefault(key, [0, start, end, 0])
+        a = agg.setdefault(key, [0, start, end, 0, 0])
         a[0] += row[col["bytes"]]
         a[1], a[2], a[3] = min(a[1], start), max(a[2], end), a[3] + 1
-    return [{"src": s, "dst": d, "bytes": b, "transfers": n, "span_s": (e - t) / 1e9,
+        a[4] += row[col["bytes"]] if row[col["route"]] else 0
+    return [{"src": s, "dst": d, "bytes": b, "aux_bytes": x, "transfers": n, "span_s": (e - t) / 1e9,
              "goodput_mbps": b * 8 / max(e - t, 1) * 1e3}
-            for (s, d), (b, t, e, n) in sorted(agg.items())]
+            for (s, d), (b, t, e, n, x) in sorted(agg.items())]
+
+
+def _aux_use(transfers: dict | None) -> dict | None:
+    """Auxiliary transmission (NetStorm §VI) in a run: chunks and bytes sent over auxiliary
+    paths, bytes each hop carried for them and bytes each relay forwarded; None if none."""
+    if not transfers or not transfers.get("rows"):
+        return None
+    col = {c: i for i, c in enumerate(transfers["columns"])}
+    hops: dict[tuple, int] = {}
+    relayed: dict[str, int] = {}
+    chunks = total = 0
+    for row in transfers["rows"]:
+        path, size = row[col["route"]].split(">") if row[col["route"]] else [], row[col["bytes"]]
+        if path:
+            chunks, total = chunks + 1, total + size
+            for a, b in zip(path, path[1:]):
+                hops[(a, b)] = hops.get((a, b), 0) + size
+            for r in path[1:-1]:
+                relayed[r] = relayed.get(r, 0) + size
+    return {"chunks": chunks, "bytes": total, "forwarded": relayed,
+            "hops": [{"src": a, "dst": b, "bytes": n} for (a, b), n in sorted(hops.items())]} if chunks else None
 
 
 def _emulation_health(method: str, relays: int, relay: list[dict], cpu_util: float, steal: float,

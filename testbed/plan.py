@@ -29,6 +29,12 @@ Semantics (the agent executor and :func:`interpret` implement exactly this):
   executor sets the socket's pacing rate to the largest rate of its sends).  Planners
   that allocate rates to trees (MTREE, BLINK, forest packing) use it so trees sharing a
   link get their planned rates instead of TCP's equal shares.
+* ``aux`` (NetStorm §VI, multipath auxiliary transmission): ``{"paths": [[src, relay, ...,
+  dst], ...], "primary_busy_bound": b, "aux_queue_length": q}``; every path joins the two
+  ends of some transfer through at least one relay, fastest first per pair.  The executor may
+  send any transfer from src to dst over one of them instead of the direct connection
+  (:mod:`agents.executor` says when); relays forward without aggregating, so the semantics
+  above are unchanged.  Empty: none.
 * After the program, every node in ``plan.receivers`` must hold the sum of the inputs of
   ``plan.participants``.
 """
@@ -43,6 +49,7 @@ from typing import Iterable, Mapping
 import numpy as np
 
 SEND, RECV = "send", "recv"
+AUX_MAX_NODES = 8  # nodes on an auxiliary path: what the wire header's route holds (agents.wire.ROUTE_MAX)
 
 
 class PlanError(ValueError):
@@ -88,6 +95,7 @@ class Plan:
     receivers: list[str] | None = None  # None: every node
     scratch: dict[str, dict[str, int]] = field(default_factory=dict)
     meta: dict = field(default_factory=dict)
+    aux: dict = field(default_factory=dict)  # auxiliary paths and dispatch bounds (NetStorm §VI)
 
     # -- accessors -------------------------------------------------------
     def contributing(self) -> list[str]:
@@ -116,6 +124,7 @@ class Plan:
             "receivers": self.receivers,
             "scratch": self.scratch,
             "meta": self.meta,
+            **({"aux": self.aux} if self.aux else {}),
             "programs": {n: [op.to_dict() for op in p] for n, p in self.programs.items()},
         }
 
@@ -129,6 +138,7 @@ class Plan:
             receivers=d.get("receivers"),
             scratch={n: dict(s) for n, s in d.get("scratch", {}).items()},
             meta=dict(d.get("meta", {})),
+            aux=dict(d.get("aux", {})),
             programs={n: [Op.from_dict(o) for o in p] for n, p in d["programs"].items()},
         )
 
@@ -161,6 +171,8 @@ class Plan:
                     raise PlanError(f"{node} op {op.id}: unknown kind {op.kind!r}")
                 if op.peer not in known or op.peer == node:
                     raise PlanError(f"{node} op {op.id}: bad peer {op.peer!r}")
+                if op.channel < 0:
+                    raise PlanError(f"{node} op {op.id}: channel {op.channel} (negative channels are reserved)")
                 size = self.length if op.buf == "x" else self.scratch.get(node, {}).get(op.buf)
                 if size is None:
                     raise PlanError(f"{node} op {op.id}: unknown buffer {op.buf!r}")
@@ -182,6 +194,15 @@ class Plan:
             dst, r = recvs[x]
             if s.peer != dst or r.peer != src or s.length != r.length or s.channel != r.channel:
                 raise PlanError(f"transfer {x}: send {src}->{s.peer} does not match recv at {dst} from {r.peer}")
+        pairs = {(src, s.peer) for src, s in sends.values()}
+        for path in self.aux.get("paths", []):
+            if not 3 <= len(path) <= AUX_MAX_NODES or len(set(path)) < len(path) or not set(path) <= known \
+                    or (path[0], path[-1]) not in pairs:
+                raise PlanError(f"auxiliary path {path}: not 3 to {AUX_MAX_NODES} distinct nodes joining the two "
+                                "ends of a transfer")
+        for key in ("primary_busy_bound", "aux_queue_length"):
+            if key in self.aux and not (isinstance(self.aux[key], int) and self.aux[key] >= (key == "aux_queue_length")):
+                raise PlanError(f"aux.{key} must be an integer >= {int(key == 'aux_queue_length')}")
 
 
 def _check_acyclic(node: str, prog: list[Op]) -> None:

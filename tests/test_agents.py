@@ -120,10 +120,13 @@ def test_inputs_exact_and_deterministic():
 
 
 def test_header_round_trip_and_validation():
-    h = wire.Header(wire.DATA, wire.phase_code("bcast"), wire.FLAG_ACK_REQ, 3, 42, 1, 9, 4000, 123456789, (1, 5, 2))
+    h = wire.Header(wire.DATA, wire.phase_code("bcast"), wire.FLAG_AUX, 3, 42, 1, 9, 4000, 123456789, (1, 5, 2))
     raw = wire.encode_header(h)
     assert len(raw) == 64 and raw[:4] == b"TBW1"
     assert wire.decode_header(raw, 4000) == h
+    for flags, route in ((0, (1, 5, 2)), (wire.FLAG_AUX, ()), (wire.FLAG_AUX, (1, 2))):  # route and flag disagree
+        with pytest.raises(wire.ProtocolError, match="route of"):
+            wire.decode_header(wire.encode_header(h._replace(flags=flags, route=route)), 4000)
     with pytest.raises(wire.ProtocolError, match="magic"):
         wire.decode_header(b"XXXX" + raw[4:], 4000)
     with pytest.raises(wire.ProtocolError, match="version"):

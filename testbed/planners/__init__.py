@@ -147,9 +147,10 @@ def resolve_scheme(scheme: dict, nodes: Sequence[str], *, source: str = "", key:
 
 
 def make_plan(name: str, graph: nx.DiGraph, length: int, params: dict | None = None,
-              *, elem_bytes: int = 4, source: str = "", key: str = "scheme") -> Plan:
+              *, elem_bytes: int = 4, source: str = "", key: str = "scheme", aux: dict | None = None) -> Plan:
     """Check the parameters (:func:`resolve_scheme`), call the planner, and stamp
-    ``params``, ``planner_s`` (its wall time) and ``reference`` into ``plan.meta``.
+    ``params``, ``planner_s`` (its wall time) and ``reference`` into ``plan.meta``; with
+    ``aux`` (:func:`.auxpaths.attach`'s options) add the plan's auxiliary paths.
     Bad parameters raise ConfigError at ``key.<param>`` (``source`` names the file)."""
     full = resolve_scheme({**(params or {}), "name": name}, list(graph.nodes), source=source, key=key)
     del full["name"]
@@ -159,5 +160,8 @@ def make_plan(name: str, graph: nx.DiGraph, length: int, params: dict | None = N
         plan = spec.func(graph, length, elem_bytes=elem_bytes, **full)
     except ParamError as e:
         raise ConfigError(e.message, source=source, key=f"{key}.{e.param}") from None
+    if aux:
+        from .auxpaths import attach
+        plan.aux = attach(plan, graph, **aux)
     plan.meta.update(params=full, planner_s=time.perf_counter() - t0, reference=spec.reference)
     return plan

@@ -1,0 +1,131 @@
+"""Issue 13: multipath auxiliary transmission (NetStorm §VI) in the agents: chunks sent over
+auxiliary paths (source-routed, forward-only relays) arrive exactly, for every tree scheme."""
+
+from __future__ import annotations
+
+import pytest
+
+from agents.coordinator import TRANSFER_COLUMNS
+from agents.local import run_local
+from testbed.planners import make_plan
+from testbed.topology import load_topology
+
+TREES = ("netstorm", "mst", "bkt", "mtree", "forest")
+EAGER = {"primary_busy_bound": 0, "aux_queue_length": 2, "max_paths": 2, "disjoint": "node", "idle_only": False}
+
+
+def _routes(res: dict) -> list[str]:
+    col = TRANSFER_COLUMNS.index("route")
+    return [row[col] for row in res["transfers"]["rows"]]
+
+
+@pytest.mark.parametrize("scheme", TREES)
+def test_every_tree_scheme_is_exact_with_auxiliary_paths(scheme):
+    graph = load_topology("quick-5").graph()
+    params = {"chunks": 8} if scheme in ("mtree", "mst", "bkt") else {}
+    plan = make_plan(scheme, graph, 1 << 16, params, aux=EAGER)  # busy bound 0: any queued send overflows
+    assert plan.aux["paths"], "quick-5 has auxiliary paths for every tree scheme"
+    plan.validate()
+    res = run_local(plan, iterations=3, timeout_s=20)
+    assert all(it["correct"] for it in res["iterations"]), res["errors"]
+    routes = [r for r in _routes(res) if r]
+    assert routes, "no chunk took an auxiliary path"
+    paths = {">".join(p) for p in plan.aux["paths"]}
+    assert set(routes) <= paths
+
+
+def test_relays_with_stale_path_tables_still_deliver(monkeypatch):
+    """NetStorm Fig. 10: forwarding follows the route in the header.  Here every relay gets
+    no path table at all (only senders know their paths), so it has no connection to the next
+    hop either: it must connect on first use and forward by the header."""
+    from agents.coordinator import Coordinator
+
+    plan = make_plan("mst", load_topology("quick-5").graph(), 1 << 16, {"chunks": 8}, aux=EAGER)
+    own = lambda self, node: {**self.plan.aux, "paths": [p for p in self.plan.aux["paths"] if p[0] == node]}
+    monkeypatch.setattr(Coordinator, "_aux_part", own)
+    res = run_local(plan, iterations=3, timeout_s=20)
+    assert all(it["correct"] for it in res["iterations"]), res["errors"]
+    assert any(r for r in _routes(res)), "no chunk took an auxiliary path"
+
+
+def test_relays_never_aggregate():
+    """A relay that is not a participant (its input is not in the sum) forwards chunks of the
+    others: every receiver's result is still exactly the participants' sum, the relay's too."""
+    graph = load_topology("quick-5").graph()
+    plan = make_plan("forest", graph, 1 << 16, {"active": ["h1", "h2", "h3"]}, aux=EAGER)
+    res = run_local(plan, iterations=3, timeout_s=20)
+    assert all(it["correct"] for it in res["iterations"]), res["errors"]
+    relays = {n for r in _routes(res) if r for n in r.split(">")[1:-1]}
+    assert relays - set(plan.contributing()), f"no non-participant relayed (relays: {relays})"
+
+
+def test_a_misrouted_auxiliary_chunk_is_refused():
+    """An auxiliary chunk whose route does not lead through the receiver from its sender is a
+    protocol error naming the sender and the route, not data."""
+    import socket
+
+    from agents import wire
+    from agents.executor import AUX_CHANNEL, Executor
+    from testbed.plan import Op
+
+    ex = Executor("b", [Op(0, "recv", "a", 1, 0, 4)], length=4, nodes=["a", "b", "c"], timeout_s=5)
+    mine, theirs = socket.socketpair()
+    ex.attach_incoming("c", AUX_CHANNEL, mine)
+    wire.send_frame(theirs, wire.Header(wire.DATA, flags=wire.FLAG_AUX, xfer=1, payload_len=16, route=(0, 2, 1)),
+                    bytes(16))  # route a>c>b from c: fine;  now one that claims to come from a
+    wire.send_frame(theirs, wire.Header(wire.DATA, flags=wire.FLAG_AUX, xfer=1, payload_len=16, route=(2, 0, 1)),
+                    bytes(16))
+    with pytest.raises(wire.ProtocolError, match=r"from c: route c>a>b does not lead from c through b"):
+        ex.run(0)
+        ex.run(1)
+    ex.close()
+    theirs.close()
+
+
+AUX_EXP = """
+name: aux-emulated
+topology: quick-5
+seed: 1
+scheme: {name: netstorm, roots: 1, chunk_elems: 32768, adaptive: {update_s: 0, probe_chunk_bytes: 100000, probe_chunk_num: 2},
+         aux: %(aux)s}  # one tree leaves links idle
+variants:
+%(variants)s
+workload: {size: 2MB, iterations: 3}
+emulator: {tcp_cc: bbr}
+agents: {timeout_s: 60}
+"""
+
+
+@pytest.mark.net
+def test_auxiliary_paths_on_an_emulated_wan_for_every_tree_scheme(netenv, tmp_path):
+    """Every tree scheme with auxiliary paths on quick-5's emulated links: every iteration
+    exact, chunks relayed, results.json accounts for them per hop and relay; and the links
+    only auxiliary paths use are measured by the passive probes (NetStorm §VI: every link
+    carries traffic, so every link gets measured)."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    aux = "{primary_busy_bound: 0, aux_queue_length: 2}"
+    chunks = {"mst": ", chunks: 8", "bkt": ", chunks: 8", "mtree": ", chunks: 8"}
+    variants = "\n".join(f"  - {{label: {s}, scheme: {{name: {s}{chunks.get(s, '')}, aux: {aux}}}}}"
+                         for s in TREES if s != "netstorm")
+    exp = tmp_path / "exp.yaml"
+    exp.write_text(AUX_EXP % {"aux": aux, "variants": variants})
+    res = subprocess.run([sys.executable, "-m", "testbed", "run", str(exp), "--out", str(tmp_path), "--quiet",
+                          "--no-report"], cwd=Path(__file__).resolve().parent.parent, capture_output=True,
+                         text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert [r["variant"] for r in results["runs"]] == list(TREES)
+    for run in results["runs"]:
+        assert run["correct"] and all(it["correct"] for it in run["iterations"]), run["variant"]
+        assert run["aux"]["chunks"] > 0 and run["aux"]["forwarded"], run["variant"]
+        assert sum(l["aux_bytes"] for l in run["links"]) == run["aux"]["bytes"]
+    ns = results["runs"][0]
+    tree_links = {(c, p) for t in results["variants"][0]["plan"]["meta"]["trees"] for c, p in t["parent"].items() if p}
+    tree_links |= {(p, c) for c, p in tree_links}
+    measured = {(e["src"], e["dst"]) for e in ns["estimates"]["series"]}
+    aux_only = {(h["src"], h["dst"]) for h in ns["aux"]["hops"]} - tree_links
+    assert aux_only and aux_only & measured, (aux_only, measured)
