@@ -166,6 +166,14 @@ class Agent:
                 if kind == "status":
                     self.send({"msg": "status", **(self.ex.status() if self.ex else {})})
                     continue
+                if kind == "resend":  # a receiver misses chunks this agent sent over auxiliary paths
+                    ex, xfers = self.execs.get(msg.get("version")), msg.get("xfers")
+                    if ex is None or not isinstance(msg.get("iteration"), int) or not isinstance(xfers, list) \
+                            or not all(isinstance(x, int) for x in xfers):
+                        raise wire.ProtocolError(f"malformed RESEND: {wire.sanitize(msg, 120)}")
+                    log.info("re-sending %d chunks of iteration %d", ex.resend(msg["iteration"], xfers),
+                             msg["iteration"])
+                    continue
                 if kind == "welcome":
                     self.silence_s = float(msg["silence_s"])
                     self.ctrl.settimeout(self.silence_s)
@@ -247,7 +255,9 @@ class Agent:
         ex = Executor(self.name, program, length=job.length, scratch=scratch, dtype=job.dtype,
                       stop_and_wait=job.stop_and_wait, timeout_s=job.timeout_s, limit_s=job.limit_s,
                       on_chunk=self._on_chunk if self.prober else None, nodes=job.nodes, aux=aux,
-                      connect=lambda peer, ch: self._data_connection(version, peers, peer, ch))
+                      connect=lambda peer, ch: self._data_connection(version, peers, peer, ch),
+                      on_missing=lambda it, xfers: self.send({"msg": "missing", "version": version,
+                                                             "iteration": it, "xfers": xfers}))
         if self.ex is not None:
             ex.advance(self.ex.iteration)
         with self._installed:

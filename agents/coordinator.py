@@ -243,6 +243,7 @@ class Coordinator:
         self._plans: list[Plan] = [plan]  # index = version
         self.version = 0
         self.switches = 0
+        self.resend_requests = 0  # receivers that asked for chunks again (auxiliary recovery)
 
     def _resolve_addresses(self, addresses: Mapping) -> dict[tuple[str, str], str]:
         out = {}
@@ -322,6 +323,8 @@ class Coordinator:
                         self.net.add({**msg, "dst": name})
                     except ValueError as e:
                         raise wire.ProtocolError(f"malformed PROBE report: {wire.sanitize(e)}") from None
+                elif kind == "missing":
+                    self._ask_resend(name, msg)
                 elif kind != "alive":
                     self._events.put(("msg", name, msg))
         except socket.timeout:
@@ -336,6 +339,23 @@ class Coordinator:
             self._events.put(("lost", name, f"reader failed: {type(e).__name__}: {wire.sanitize(e)}"))
         finally:
             wire.close_quietly(conn.sock)
+
+    def _ask_resend(self, node: str, msg: dict) -> None:
+        """``node`` misses transfers of an iteration (auxiliary recovery, :mod:`agents.executor`):
+        ask each of their senders to send its kept copies again."""
+        xfers, by_src = msg.get("xfers"), {}
+        if not isinstance(xfers, list) or not isinstance(msg.get("iteration"), int):
+            raise wire.ProtocolError(f"malformed MISSING report: {wire.sanitize(msg, 120)}")
+        for row in xfers:
+            if not (isinstance(row, list) and len(row) == 2 and self._xfers.get(row[1]) == (row[0], node)):
+                raise wire.ProtocolError(f"MISSING names {wire.sanitize(row, 60)}, not a transfer to {node}")
+            by_src.setdefault(row[0], []).append(row[1])
+        self.resend_requests += 1
+        for src, xs in by_src.items():
+            with self._lock:
+                conn = self._conns.get(src)
+            if conn:
+                conn.put({"msg": "resend", "version": msg.get("version"), "iteration": msg["iteration"], "xfers": xs})
 
     def _ticker(self) -> None:
         """Heartbeats to every agent; notices when this process itself was stopped (also
@@ -604,7 +624,7 @@ class Coordinator:
 
     def _aux_part(self, node: str) -> dict:
         """The current plan's auxiliary paths that ``node`` sends or relays on, and the bounds."""
-        aux = self.plan.aux
+        aux = self.plan.aux  # every node gets the bounds: a receiver asks for what it misses
         return {**aux, "paths": [p for p in aux["paths"] if node in p[:-1]]} if aux.get("paths") else {}
 
     # -- the run -----------------------------------------------------------------------
@@ -634,7 +654,7 @@ class Coordinator:
         return {"scheme": self.plan.scheme, "nodes": list(self.plan.nodes), "length": self.plan.length,
                 "dtype": self.dtype, "seed": self.seed, "stop_and_wait": self.stop_and_wait,
                 "iterations": self._iterations, "transfers": {"columns": TRANSFER_COLUMNS, "rows": self._rows},
-                "estimates": self.net.report(), "switches": self.switches,
+                "estimates": self.net.report(), "switches": self.switches, "resend_requests": self.resend_requests,
                 "versions": [{"version": v, "scheme": p.scheme, "meta": p.meta} for v, p in enumerate(self._plans)],
                 "errors": self._errors}
 

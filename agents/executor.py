@@ -31,6 +31,15 @@ connection) and sends it on to the next node of the header's route -- never by a
 its own, so a relay with a stale or no path table still delivers (NetStorm Fig. 10); it
 never aggregates, and connects to a next hop it has no connection to on first use.  The
 send completes when its first hop took it, as a direct send.  Not in stop-and-wait mode.
+Recovery (not in the paper, which does not say what happens to a chunk on a path that
+breaks): the sender keeps a copy of every chunk it sent over an auxiliary path in the
+current iteration; a receiver that got no byte for ``resend_after_s`` while it waits asks
+(``on_missing``, through the coordinator) for the transfers it misses, and their senders send
+the kept copies again on the primary connection (:meth:`Executor.resend`).  A broken
+auxiliary connection is not an error: a send on it that moves no byte for
+``resend_after_s`` gives the next hop up for the run, the sender's own chunks queued for it
+go to their primary connections, relayed ones are dropped (their receivers ask for them);
+whichever copy of an asked-for chunk arrives second is dropped.
 
 Every field of a DATA header is checked against the recv op it names (transfer,
 iteration, size, phase, flow, chunk): late, duplicate and early frames are refused.
@@ -52,7 +61,7 @@ import numpy as np
 
 from testbed.plan import RECV, SEND, Op
 
-from .wire import (ACK, DATA, FLAG_ACK_REQ, FLAG_AUX, TYPE_NAMES, Closed, Header, ProtocolError,
+from .wire import (ACK, DATA, FLAG_ACK_REQ, FLAG_AUX, TYPE_NAMES, Closed, Header, ProtocolError, Truncated,
                    close_quietly, phase_code, recv_header, recv_into_exact, send_frame)
 
 log = logging.getLogger("agents.executor")
@@ -87,10 +96,11 @@ class Executor:
     def __init__(self, name: str, program: list[Op], *, length: int, scratch: dict[str, int] | None = None,
                  dtype="float32", stop_and_wait: bool = False, timeout_s: float = 60.0,
                  limit_s: float | None = None, on_chunk=None, nodes: list[str] | None = None,
-                 aux: dict | None = None, connect=None):
+                 aux: dict | None = None, connect=None, on_missing=None):
         """``nodes``: the plan's nodes (route entries index them); ``aux``: {"paths": [[src,
-        relays..., dst]] through this node, "primary_busy_bound", "aux_queue_length"};
-        ``connect(peer, channel)``: an authenticated data socket (a relay's next hop on first use)."""
+        relays..., dst]] through this node, "primary_busy_bound", "aux_queue_length",
+        "resend_after_s"}; ``connect(peer, channel)``: an authenticated data socket (a relay's
+        next hop on first use); ``on_missing(iteration, [[src, xfer], ...])``: ask for re-sends."""
         self.name = name
         # probing hooks, called in the receiver thread: on_chunk(peer, None) when a chunk's header
         # arrived, on_chunk(peer, (bytes, send_ts_ns, first_ns, last_ns, channel, mid_ns, mid_bytes))
@@ -132,9 +142,9 @@ class Executor:
         self._tx_bytes = [0] * len(self.prog)  # bytes sent, per send op
         self._queued: set[int] = set()
         self.iteration = 0  # the iteration whose data receivers accept
-        self._init_aux(nodes or [], aux or {}, connect)
+        self._init_aux(nodes or [], aux or {}, connect, on_missing)
 
-    def _init_aux(self, nodes: list[str], aux: dict, connect) -> None:
+    def _init_aux(self, nodes: list[str], aux: dict, connect, on_missing) -> None:
         self.nodes, self._index = list(nodes), {n: k for k, n in enumerate(nodes)}
         self._aux_routes: dict[str, list[tuple[int, ...]]] = defaultdict(list)  # dst -> routes, fastest first
         for path in aux.get("paths", []):
@@ -149,6 +159,12 @@ class Executor:
         self._connect_lock = threading.Lock()
         self._by_src = {(op.peer, op.xfer): i for i, op in enumerate(self.prog) if op.kind == RECV}
         self._frame_max = len(self.bufs["x"]) * self.dtype.itemsize
+        self._resend_after = float(aux.get("resend_after_s", 0)) if on_missing else 0.0
+        self._on_missing = on_missing
+        self._kept: dict[int, tuple[int, int, np.ndarray]] = {}  # xfer -> (iteration, op, copy sent on a path)
+        self._asked: set[tuple[int, int]] = set()  # (recv op, iteration) re-sends were asked for
+        self._rx_at = time.monotonic()  # last time a data byte arrived
+        self._dead: set[str] = set()  # next hops whose auxiliary connection broke
     # -- connections -----------------------------------------------------------
     def outgoing(self) -> list[tuple[str, int]]:
         """(peer, channel) pairs this node must open connections to."""
@@ -164,7 +180,8 @@ class Executor:
                    default=0.0)
         if rate > 0:  # TCP paces internally (no fq needed) once a maximum rate is set
             sock.setsockopt(socket.SOL_SOCKET, SO_MAX_PACING_RATE, int(rate * 1e6 / 8))
-        sock.settimeout(self.timeout_s)  # a send that moves no byte for timeout_s fails
+        # a send that moves no byte for timeout_s fails; on an auxiliary path it is given up sooner
+        sock.settimeout((self._resend_after or self.timeout_s) if channel == AUX_CHANNEL else self.timeout_s)
         with self._lock:
             if key not in self._out_keys or key in self._senders:
                 raise ProtocolError(f"no (further) data connection to {peer} channel {channel} expected")
@@ -205,14 +222,16 @@ class Executor:
         peer, ch = key
         hbuf = bytearray(64)
         flags = FLAG_ACK_REQ if self.stop_and_wait else 0
+        broken = (OSError, Truncated) if ch == AUX_CHANNEL else ()  # an auxiliary path is given up, not fatal
+        item = None
         try:
             while (item := q.get()) is not None:
-                i, it, route = item
+                i, it, route, payload = item
                 start = time.time_ns()
-                if i is None:  # a relayed chunk: ``it`` is its header, ``route`` its payload
-                    send_frame(sock, it._replace(send_ts_ns=start), route, self._tick)  # stamped per hop
+                if i is None:  # a relayed or re-sent chunk: ``it`` is its header
+                    send_frame(sock, it._replace(send_ts_ns=start), payload, self._tick)  # stamped per hop
                     continue
-                op, view = self.prog[i], self._views[i]
+                op, view = self.prog[i], self._views[i] if payload is None else payload
                 self._tx_bytes[i] = 0
                 send_frame(sock, Header(DATA, phase_code(op.phase), flags | (FLAG_AUX if route else 0), it, op.xfer,
                                         op.flow, op.chunk, view.nbytes, start, route), view,
@@ -223,6 +242,8 @@ class Executor:
                         raise ProtocolError(f"expected ACK of transfer {op.xfer}, got {TYPE_NAMES[a.type]} "
                                             f"of transfer {a.xfer}")
                 self._events.put(("sent", i, start, time.time_ns()))
+        except broken as e:
+            self._give_up(peer, sock, q, item, e)
         except Closed:
             self._fail(ExecError(f"data connection to {peer} (channel {ch}) closed by peer"))
         except ProtocolError as e:
@@ -243,6 +264,7 @@ class Executor:
         aux = ch == AUX_CHANNEL
         expect = self._expect.get(key, {})
         limit = self._frame_max if aux else max(self._rbuf[i].nbytes for i in expect.values())
+        lost = (Closed, Truncated, OSError) if aux else ()  # an auxiliary connection's chunks are asked for again
         hbuf = bytearray(64)
         try:
             while True:
@@ -250,6 +272,7 @@ class Executor:
                 first = time.time_ns()
                 if h.type != DATA:
                     raise ProtocolError(f"unexpected {TYPE_NAMES[h.type]} frame")
+                self._rx_at = time.monotonic()
                 if aux:
                     src, nxt = self._hop(h, peer)
                     if nxt is not None:
@@ -264,6 +287,9 @@ class Executor:
                     i = expect.get(h.xfer)
                 if i is None:
                     raise ProtocolError(f"unknown transfer {h.xfer}")
+                if aux or (i, h.op_id) in self._asked:  # a copy may also come the other way: commit once
+                    self._receive_copy(sock, h, i, peer, ch, first)
+                    continue
                 self._check(h, i)
                 self._rx_iter[i], self._rx_bytes[i] = h.op_id, 0
                 last = self._read(sock, h, memoryview(self._rbuf[i]).cast("B"), self._count(self._rx_bytes, i),
@@ -272,6 +298,9 @@ class Executor:
                 if h.flags & FLAG_ACK_REQ:
                     send_frame(sock, Header(ACK, op_id=h.op_id, xfer=h.xfer, send_ts_ns=last))
                 self._events.put(("recv", i, h.send_ts_ns, first, last))
+        except lost:
+            if not self._closing:
+                log.warning("auxiliary connection from %s closed or failed", peer)
         except Closed:
             if not self._closing:
                 log.info("data connection from %s (channel %d) closed", peer, ch)
@@ -293,18 +322,72 @@ class Executor:
     def _read(self, sock: socket.socket, h: Header, mv: memoryview, count, peer: str, ch: int, first: int) -> int:
         """Receive ``h``'s payload into ``mv`` (``count(bytes so far)``), feeding the probing
         hook; the time the last byte arrived."""
-        mid = [0, 0]
+        mid, half, inner = [0, 0], mv.nbytes // 2, count
+
+        def count(n: int) -> None:
+            self._rx_at = time.monotonic()
+            inner(n)
+            if self.on_chunk and not mid[1] and n >= half:
+                mid[:] = time.time_ns(), n
         if self.on_chunk:
             self.on_chunk(peer, None)
-            def count(n, count=count, half=mv.nbytes // 2):
-                count(n)
-                if not mid[1] and n >= half:
-                    mid[:] = time.time_ns(), n
         recv_into_exact(sock, mv, f"transfer {h.xfer}", count)
         last = time.time_ns()
         if self.on_chunk:
             self.on_chunk(peer, (h.payload_len, h.send_ts_ns, first, last, ch, *mid))
         return last
+
+    def _give_up(self, peer: str, sock: socket.socket, q: queue.SimpleQueue, item, why: Exception) -> None:
+        """The auxiliary connection to ``peer`` broke (``item`` was being sent): no more chunks
+        over it; this node's own chunks queued for it go to their primary connections."""
+        if self._closing:
+            return
+        log.warning("auxiliary connection to %s broke (%s): not used again", peer, why or type(why).__name__)
+        with self._lock:
+            self._dead.add(peer)
+            self._senders.pop((peer, AUX_CHANNEL), None)
+            self._out_keys.discard((peer, AUX_CHANNEL))
+        close_quietly(sock)
+        while item is not None:
+            i, it, route, copy = item
+            if i is not None:  # the main loop counts it as a primary send from now on
+                op = self.prog[i]
+                self._events.put(("rerouted", i))
+                self._senders[(op.peer, op.channel)][1].put((i, it, (), copy))
+            try:
+                item = q.get_nowait()
+            except queue.Empty:
+                item = None
+
+    def _receive_copy(self, sock: socket.socket, h: Header, i: int, peer: str, ch: int, first: int) -> None:
+        """Receive a chunk that may arrive twice (over an auxiliary path, or re-sent on the
+        primary after it was asked for) into a buffer of its own, and take the first copy
+        whole: a second one, also after the iteration ended, is dropped."""
+        payload = bytearray(h.payload_len)
+        if h.payload_len != self._rbuf[i].nbytes:
+            self._check(h, i)  # raises: the size is wrong
+        last = self._read(sock, h, memoryview(payload), self._tick, peer, ch, first)
+        with self._lock:
+            if (i, h.op_id) in self._asked and (self._got[i] == h.op_id or h.op_id < self.iteration):
+                log.info("dropped a second copy of transfer %d of iteration %d", h.xfer, h.op_id)
+                return
+            self._check(h, i)
+            memoryview(self._rbuf[i]).cast("B")[:] = payload
+            self._got[i] = h.op_id
+        self._events.put(("recv", i, h.send_ts_ns, first, last))
+
+    def resend(self, iteration: int, xfers: list[int]) -> int:
+        """Send the kept copies of ``xfers`` of ``iteration`` (sent over auxiliary paths) again
+        on their primary connections; how many there were (any thread)."""
+        n = 0
+        for x in xfers:
+            it, i, copy = self._kept.get(x, (None, None, None))
+            if it == iteration:
+                op = self.prog[i]
+                self._senders[(op.peer, op.channel)][1].put((None, Header(
+                    DATA, phase_code(op.phase), 0, it, op.xfer, op.flow, op.chunk, copy.nbytes), None, copy))
+                n += 1
+        return n
 
     def _hop(self, h: Header, peer: str) -> tuple[str, str | None]:
         """(sender, next hop or None here) of an auxiliary chunk that came from ``peer``; its
@@ -322,13 +405,17 @@ class Executor:
         """Queue a relayed chunk to ``nxt`` (connecting on first use)."""
         key = (nxt, AUX_CHANNEL)
         with self._connect_lock:
-            if key not in self._senders:
+            if key not in self._senders and nxt not in self._dead:
                 if self._connect is None:
                     raise ProtocolError(f"auxiliary transfer {h.xfer}: no connection to {nxt}")
                 with self._lock:
                     self._out_keys.add(key)
                 self.attach_outgoing(nxt, AUX_CHANNEL, self._connect(nxt, AUX_CHANNEL))
-        self._senders[key][1].put((None, h, payload))
+        with self._lock:  # as _give_up: nothing is queued for a connection once it is given up
+            if nxt in self._dead:
+                log.info("dropped auxiliary transfer %d: the connection to %s broke", h.xfer, nxt)
+                return
+            self._senders[key][1].put((None, h, None, payload))
 
     def _check(self, h: Header, i: int) -> None:
         """Every header field against recv op ``i`` (the transfer it names)."""
@@ -417,15 +504,19 @@ class Executor:
                 op = prog[i]
                 if op.kind == SEND:
                     queued.add(i)
-                    route = self._route(op, load, in_flight)
+                    with self._lock:  # as _give_up: nothing is queued for a connection once it is given up
+                        route = self._route(op, load, in_flight)
+                        if route:
+                            copy = views[i].copy()  # kept for a re-send (sends read the buffer while they run)
+                            self._senders[(self.nodes[route[1]], AUX_CHANNEL)][1].put((i, iteration, route, copy))
                     if route:
                         on_route[i] = route
                         in_flight[route] += 1
                         aux.append([op.xfer, [self.nodes[k] for k in route]])
-                        self._senders[(self.nodes[route[1]], AUX_CHANNEL)][1].put((i, iteration, route))
+                        self._kept[op.xfer] = (iteration, i, copy)
                     else:
                         load[op.peer] += 1
-                        self._senders[(op.peer, op.channel)][1].put((i, iteration, ()))
+                        self._senders[(op.peer, op.channel)][1].put((i, iteration, (), None))
                 elif i in arrived:
                     apply(i, *arrived.pop(i))
                 else:
@@ -435,6 +526,8 @@ class Executor:
             try:
                 ev = self._events.get(timeout=poll)
             except queue.Empty:
+                if self._resend_after and time.monotonic() - self._rx_at > self._resend_after:
+                    self._ask_missing(iteration)
                 if time.monotonic() - self._progress > self.timeout_s:
                     raise Stalled(self._stall_message(queued, done)) from None
                 if self.limit_s and time.monotonic() - started > self.limit_s:
@@ -451,6 +544,11 @@ class Executor:
                     load[prog[i].peer] -= 1
                 sends.append([prog[i].xfer, start, end])
                 complete(i)
+            elif ev[0] == "rerouted":  # its auxiliary path broke: on the primary connection now
+                i = ev[1]
+                in_flight[on_route.pop(i)] -= 1
+                load[prog[i].peer] += 1
+                aux[:] = [a for a in aux if a[0] != prog[i].xfer]
             elif ev[0] == "recv":
                 _, i, *times = ev
                 if i in blocked:
@@ -464,6 +562,18 @@ class Executor:
         return {"comm_start_ns": comm_start, "comm_done_ns": time.time_ns(), "sends": sends, "recvs": recvs,
                 **({"aux": aux} if aux else {})}
 
+    def _ask_missing(self, iteration: int) -> None:
+        """Ask once per iteration for the re-send of every transfer not arrived (its senders
+        re-send those they sent over auxiliary paths; the others are still coming directly)."""
+        with self._lock:
+            missing = [i for i, op in enumerate(self.prog) if op.kind == RECV and self._got[i] != iteration
+                       and (i, iteration) not in self._asked]
+            self._asked.update((i, iteration) for i in missing)
+        if missing:
+            log.warning("iteration %d: no data for %.1f s; asking for %d transfers again", iteration,
+                        time.monotonic() - self._rx_at, len(missing))
+            self._on_missing(iteration, [[self.prog[i].peer, self.prog[i].xfer] for i in missing])
+
     def _route(self, op: Op, load: dict, in_flight: dict) -> tuple[int, ...]:
         """NetStorm §VI dispatch: () (the primary path: the direct connections to the peer,
         every channel) unless more than ``primary_busy_bound`` sends to the peer are queued on
@@ -472,7 +582,7 @@ class Executor:
         routes = self._aux_routes.get(op.peer)
         if not routes or load[op.peer] <= self._busy_bound:
             return ()
-        return next((r for r in routes if in_flight[r] < self._aux_queue), ())
+        return next((r for r in routes if in_flight[r] < self._aux_queue and self.nodes[r[1]] not in self._dead), ())
     def status(self) -> dict:
         """What this node still waits for: ``awaiting`` {peer: [[xfer, bytes arrived, bytes]]}
         (data of the current iteration not yet received) and ``sending`` {peer: [[xfer,

@@ -96,6 +96,10 @@ class Closed(ConnectionError):
     """The peer closed the connection cleanly at a frame boundary."""
 
 
+class Truncated(ProtocolError):
+    """The connection closed in the middle of a frame."""
+
+
 def sanitize(text, limit: int = 300) -> str:
     """Untrusted text made safe to log on one line: control and non-ASCII characters escaped
     (no forged log lines, no terminal escapes), at most ``limit`` characters kept."""
@@ -181,7 +185,7 @@ def recv_into_exact(sock: socket.socket, mv: memoryview, what: str = "payload",
         arm(sock, deadline)
         got = sock.recv_into(mv[pos:], n - pos)
         if not got:
-            raise ProtocolError(f"connection closed in the middle of a {what} ({pos} of {n} bytes)")
+            raise Truncated(f"connection closed in the middle of a {what} ({pos} of {n} bytes)")
         pos += got
         if progress:
             progress(pos)

@@ -90,7 +90,7 @@ ADAPTIVE_DEFAULTS = {"update_s": 5.0, "probe_chunk_bytes": 2_000_000, "probe_chu
 # finds no auxiliary path for a tree scheme on any shipped topology but B4 (measured: see
 # tests/test_auxpaths.py); it stays a choice.
 AUX_DEFAULTS = {"primary_busy_bound": 2, "aux_queue_length": 5, "max_paths": 2, "disjoint": "node",
-                "idle_only": False}
+                "idle_only": False, "resend_after_s": 5.0}
 
 
 @dataclass(frozen=True)
@@ -415,6 +415,7 @@ def _aux(c: Checker, spec, key: str) -> dict | None:
         c.number(out["max_paths"], f"{key}.max_paths", integer=True, minimum=1)
     c.choice(out["disjoint"], f"{key}.disjoint", DISJOINT)
     c.choice(out["idle_only"], f"{key}.idle_only", (True, False))
+    c.number(out["resend_after_s"], f"{key}.resend_after_s", minimum=0)
     return out
 
 

@@ -200,6 +200,8 @@ class Plan:
                     or (path[0], path[-1]) not in pairs:
                 raise PlanError(f"auxiliary path {path}: not 3 to {AUX_MAX_NODES} distinct nodes joining the two "
                                 "ends of a transfer")
+        if not isinstance(self.aux.get("resend_after_s", 0), (int, float)) or self.aux.get("resend_after_s", 0) < 0:
+            raise PlanError("aux.resend_after_s must be a number >= 0")
         for key in ("primary_busy_bound", "aux_queue_length"):
             if key in self.aux and not (isinstance(self.aux[key], int) and self.aux[key] >= (key == "aux_queue_length")):
                 raise PlanError(f"aux.{key} must be an integer >= {int(key == 'aux_queue_length')}")

@@ -129,3 +129,72 @@ def test_auxiliary_paths_on_an_emulated_wan_for_every_tree_scheme(netenv, tmp_pa
     measured = {(e["src"], e["dst"]) for e in ns["estimates"]["series"]}
     aux_only = {(h["src"], h["dst"]) for h in ns["aux"]["hops"]} - tree_links
     assert aux_only and aux_only & measured, (aux_only, measured)
+
+
+def _chain(tmp_dead: str):
+    """Three executors in this process over real sockets: ``a`` sends 6 chunks to ``b``,
+    auxiliary path a>r>b (eager dispatch).  ``tmp_dead``: which auxiliary hop is broken
+    ("a>r": a's own first hop, "r>b": the relay's next hop; the broken socket's far end is
+    closed, so sends on it fail)."""
+    import socket
+
+    import numpy as np
+
+    from agents.executor import AUX_CHANNEL, Executor
+    from testbed.plan import Op
+
+    nodes, n, k = ["a", "r", "b"], 6, 1000
+    aux = {"paths": [["a", "r", "b"]], "primary_busy_bound": 0, "aux_queue_length": 2, "resend_after_s": 0.5}
+    a = Executor("a", [Op(j, "send", "b", j, j * k, k) for j in range(n)], length=n * k, nodes=nodes, aux=aux,
+                 timeout_s=10)
+    b = Executor("b", [Op(j, "recv", "a", j, j * k, k, reduce=True) for j in range(n)], length=n * k, nodes=nodes,
+                 aux=aux, timeout_s=10, on_missing=lambda it, xfers: a.resend(it, [x for _, x in xfers]))
+
+    def broken() -> socket.socket:
+        mine, far = socket.socketpair()
+        far.close()
+        return mine
+
+    def pair() -> tuple[socket.socket, socket.socket]:
+        return socket.socketpair()
+
+    r = Executor("r", [], length=n * k, nodes=nodes, aux=aux, timeout_s=10,
+                 connect=lambda peer, ch: broken() if tmp_dead == "r>b" else pair()[0])
+    s, t = pair()
+    a.attach_outgoing("b", 0, s)
+    b.attach_incoming("a", 0, t)
+    if tmp_dead == "a>r":
+        a.attach_outgoing("r", AUX_CHANNEL, broken())
+    else:
+        s, t = pair()
+        a.attach_outgoing("r", AUX_CHANNEL, s)
+        r.attach_incoming("a", AUX_CHANNEL, t)
+    a.prepare(np.arange(n * k, dtype=np.float32))
+    b.prepare(np.ones(n * k, dtype=np.float32))
+    return a, r, b
+
+
+@pytest.mark.parametrize("dead", ["a>r", "r>b"])
+def test_a_broken_auxiliary_path_loses_no_chunk(dead):
+    """An auxiliary hop that fails (the sender's own first hop, or a relay's next hop): the
+    sender's chunks go to the primary connection, or the receiver asks for the ones the relay
+    dropped and the sender re-sends its copies; the result is exact, and nothing fails."""
+    import threading
+
+    import numpy as np
+
+    a, r, b = _chain(dead)
+    out = {}
+    t = threading.Thread(target=lambda: out.update(a=a.run(0)))
+    t.start()
+    got = b.run(0)
+    t.join(10)
+    assert np.array_equal(b.bufs["x"], np.arange(6000, dtype=np.float32) + 1)
+    assert len(got["recvs"]) == 6 and "a" in out
+    if dead == "r>b":
+        assert out["a"].get("aux"), "no chunk took the auxiliary path"
+        assert b._asked, "the receiver did not ask for the dropped chunks"
+    else:
+        assert not out["a"].get("aux"), "chunks given back to the primary are not auxiliary sends"
+    for ex in (a, r, b):
+        ex.close()

@@ -108,12 +108,14 @@ def plan_pairs(plan) -> list[tuple[str, str]]:
 
 
 def attach(plan, graph: nx.DiGraph, *, primary_busy_bound: int = 2, aux_queue_length: int = 5,
-           max_paths: int | None = 2, disjoint: str = "edge", idle_only: bool = True) -> dict:
+           max_paths: int | None = 2, disjoint: str = "edge", idle_only: bool = True,
+           resend_after_s: float = 5.0) -> dict:
     """``plan.aux`` for ``plan`` on ``graph`` (configured rates, or the closed loop's
     estimates at a re-plan): Algorithm 3's auxiliary paths of every (sender, next aggregator)
     pair -- with ``idle_only`` over links no transfer of the plan uses (its routed paths: §VI-A,
     "auxiliary paths are created from idle links"), else over any link but the pair's own
-    primary -- those the wire's route can carry, and the dispatch bounds."""
+    primary -- those the wire's route can carry, the dispatch bounds and the re-send delay
+    (:mod:`agents.executor`)."""
     from testbed.plan import AUX_MAX_NODES
     from testbed.routing import data_paths
 
@@ -121,4 +123,5 @@ def attach(plan, graph: nx.DiGraph, *, primary_busy_bound: int = 2, aux_queue_le
     busy = {link for pair in pairs for link in zip(routed[pair], routed[pair][1:])} if idle_only else ()
     found = aux_paths(graph, pairs, disjoint=disjoint, busy=busy, max_paths=max_paths)
     paths = [p for pair in pairs for p in found[pair]["aux"] if 3 <= len(p) <= AUX_MAX_NODES]  # 2: the direct connection
-    return {"paths": paths, "primary_busy_bound": primary_busy_bound, "aux_queue_length": aux_queue_length}
+    return {"paths": paths, "primary_busy_bound": primary_busy_bound, "aux_queue_length": aux_queue_length,
+            "resend_after_s": resend_after_s}
