@@ -91,6 +91,7 @@ class Job:
     wait_s: float = 600.0  # longest wait for the coordinator's next message (GO, FINISH)
     limit_s: float | None = None  # longest one iteration's communication may take
     probe: dict | None = None  # {"chunk_bytes", "chunk_num"}: report received chunks (agents.probe)
+    mode: str = "iterations"  # or "tasks": CREW's groups from the controller's ready queue (agents.crew)
 
     def to_dict(self) -> dict:
         d = dict(self.__dict__)
@@ -317,6 +318,9 @@ class Agent:
         self._install(0, job.program, job.scratch, job.peers)
         self.ex = self.execs[0]
         self.send({"msg": "ready"})
+        if job.mode == "tasks":
+            from .crew import worker_loop
+            return worker_loop(self)
         for it in range(job.iterations):
             while (msg := self.next_msg(("go", "plan"), job.wait_s))["msg"] == "plan":
                 v = msg.get("version")

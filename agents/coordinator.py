@@ -195,7 +195,8 @@ class Coordinator:
                  handshake_s: float = wire.HANDSHAKE_TIMEOUT_S, check_startup: bool = False,
                  clock_offsets_ns: Mapping[str, int] | None = None, probe: dict | None = None,
                  truth: Callable[[str, str], dict | None] | None = None,
-                 policy: Callable[[int, NetState], Plan | None] | None = None, sync_clocks: bool | None = None):
+                 policy: Callable[[int, NetState], Plan | None] | None = None, sync_clocks: bool | None = None,
+                 tasks: dict | None = None):
         plan.validate()
         np.dtype(dtype)
         self.plan, self.secret, self.data_port = plan, wire.as_secret(secret), data_port
@@ -237,10 +238,11 @@ class Coordinator:
         self._plans: list[Plan] = [plan]  # index = version
         self.version = 0
         self.switches = 0
+        self.tasks = tasks  # CREW's run-time groups (agents.crew.TaskRun): {p, window_s, plan_for}
 
-    def _resolve_addresses(self, addresses: Mapping) -> dict[tuple[str, str], str]:
+    def _resolve_addresses(self, addresses: Mapping, plan: Plan | None = None) -> dict[tuple[str, str], str]:
         out = {}
-        for src, op in self.plan.transfers():
+        for src, op in (plan or self.plan).transfers():
             view = addresses.get(src) if isinstance(addresses.get(src), Mapping) else addresses
             ip = view.get(op.peer) if view is not None else None
             if not isinstance(ip, str) or not ip:
@@ -582,15 +584,18 @@ class Coordinator:
             self._collect("installed", list(self.plan.nodes), self.ready_limit())
         return True
 
-    def _part(self, node: str) -> tuple[list, dict, dict]:
-        """The current plan's program, peers (ip, data port) and scratch buffers of ``node``."""
-        program = self.plan.programs.get(node, [])
+    def _part(self, node: str, plan: Plan | None = None) -> tuple[list, dict, dict]:
+        """The program, peers (ip, data port) and scratch buffers of ``node`` in ``plan``
+        (default: the current plan)."""
+        plan = plan or self.plan
+        ips = self._peer_ip if plan is self.plan else self._resolve_addresses(self._addresses, plan)
+        program = plan.programs.get(node, [])
         peers = {}
         for op in program:
             if op.kind != RECV and op.peer not in peers:
                 port = self.data_port or int(self._idents.get(op.peer, {}).get("data_port") or 0)
-                peers[op.peer] = (self._peer_ip[(node, op.peer)], port)
-        return program, peers, dict(self.plan.scratch.get(node, {}))
+                peers[op.peer] = (ips[(node, op.peer)], port)
+        return program, peers, dict(plan.scratch.get(node, {}))
 
     # -- the run -----------------------------------------------------------------------
     def make_job(self, node: str) -> Job:
@@ -601,6 +606,7 @@ class Coordinator:
                    scratch=scratch, dtype=self.dtype, seed=self.seed,
                    iterations=self.iterations, compute_s=self.compute_s.get(node, []),
                    stop_and_wait=self.stop_and_wait, timeout_s=self.timeout_s,
+                   mode="tasks" if self.tasks else "iterations",
                    wait_s=self._iteration_limit() + self.ready_limit() + self.silence_s, limit_s=self.limit_s,
                    probe=({"chunk_bytes": int(self.probe["chunk_bytes"]), "chunk_num": int(self.probe["chunk_num"]),
                            "from_iteration": int(self.probe.get("from_iteration", 0))} if self.probe else None))
@@ -634,6 +640,10 @@ class Coordinator:
             self.progress(f"all {len(nodes)} agents ready")
             if self.sync_clocks:
                 self._sync_clocks(nodes)
+            if self.tasks:  # groups from a ready queue instead of iterations (agents.crew)
+                from .crew import TaskRun
+                self._task_run = TaskRun(self, self.tasks)
+                return self._task_run.run()
             for it in range(self.iterations):
                 new = self.policy(it, self.net) if self.policy else None
                 if new is not None and self._use(new):
@@ -654,7 +664,7 @@ class Coordinator:
                 for e in bye.get("errors") or []:  # e.g. a late or duplicate frame after the last iteration
                     self._errors.append(f"{n}: after the last iteration: {wire.sanitize(e)}")
         except Failure as e:
-            e.results = self.results()
+            e.results = self._task_run.results() if getattr(self, "_task_run", None) else self.results()
             self._errors.append(str(e))
             self.abort(str(e))
             raise
