@@ -320,7 +320,7 @@ class Agent:
         self.send({"msg": "ready"})
         if job.mode == "tasks":
             from .crew import worker_loop
-            return worker_loop(self)
+            return worker_loop(self, Aborted)
         for it in range(job.iterations):
             while (msg := self.next_msg(("go", "plan"), job.wait_s))["msg"] == "plan":
                 v = msg.get("version")

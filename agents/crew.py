@@ -357,12 +357,12 @@ class TaskRun:
 
 
 # -- agent side ------------------------------------------------------------------------------
-def worker_loop(agent) -> int:
+def worker_loop(agent, Aborted: type[Exception]) -> int:
     """The agent in ``tasks`` mode, after READY: wait for BEGIN; then compute round r (sleep
     its compute time), ENQUEUE, and serve the controller's messages: PLAN (install a version,
     in a thread: other tasks run meanwhile), TASK (arm), START (run the task in a thread;
-    a member verifies its result and computes its next round), FINISH."""
-    from .agent import Aborted
+    a member verifies its result and computes its next round), FINISH.  ``Aborted``: the
+    agent's exception for an abort (passed in: agents.agent imports this module)."""
     from testbed.plan import Op
 
     job, me = agent.job, agent.name
