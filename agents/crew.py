@@ -72,6 +72,7 @@ class Task:
     times: dict = field(default_factory=dict)  # phase -> ns (coordinator clock)
     done: dict = field(default_factory=dict)  # node -> its task_done report
     deadline: float = 0.0  # monotonic
+    failed: tuple = ()  # (monotonic, node, message) of the first TASK_FAILED
 
 
 class Controller:
@@ -115,7 +116,7 @@ class Controller:
             del self.member_of[worker]
 
     def running(self) -> list[Task]:
-        return [t for t in self.tasks.values() if t.state not in ("done", "abandoned")]
+        return [t for t in self.tasks.values() if t.state not in ("done", "abandoned", "repaired")]
 
     def lose(self, worker: str) -> list[Task]:
         """§IV-B, worker loss: out of the queue and of every future P; returns the tasks in
@@ -182,6 +183,10 @@ class TaskRun:
         self.records: list[dict] = []
         self.enqueued: list[list] = []  # [node, round, t_ns]
         self.t0_ns = 0
+        self.rate = opts.get("rate")  # b_{i,j}(i, j) for Eq. (3); None: no repair, only ABANDON
+        self.lost: list[str] = []
+        self.faults: list[dict] = []
+        self.reassign: dict[int, dict] = {}  # pid -> {j: k} of a repair task
 
     def run(self) -> dict:
         c = self.c
@@ -196,11 +201,14 @@ class TaskRun:
             if now >= end and not self.ctl.running():
                 break
             for t in self.ctl.running():
+                if t.failed and now - t.failed[0] > c.silence_s + 1:  # no worker loss explains it
+                    c._diagnose(("msg", t.failed[1], {"msg": "error", "message": f"task {t.pid}: {t.failed[2]} "
+                                                      "(a failure other than a lost worker: not repaired)"}))
                 if now > t.deadline:
                     c._diagnose(("deadline", sorted(t.waiting)[0] if t.waiting else None,
                                  f"task {t.pid} over {'+'.join(t.members)} not done within {task_limit:g} s "
                                  f"(state {t.state}, waiting for {', '.join(sorted(t.waiting))})"))
-            ev = c._next(now + 0.2)
+            ev = self._next(now + 0.2)
             if ev is not None:
                 self._on(ev)
             if time.monotonic() < end:
@@ -214,15 +222,17 @@ class TaskRun:
     def _finish(self) -> None:
         """FINISH to every agent, BYE from each (an ENQUEUE sent meanwhile is no error)."""
         c, got = self.c, set()
-        for n in self.nodes:
+        alive = [n for n in self.nodes if n not in self.lost]
+        for n in alive:
             c._send(n, {"msg": "finish"})
         deadline = time.monotonic() + c.silence_s + 2
-        while len(got) < len(self.nodes):
+        while not set(alive) <= got:
             if time.monotonic() > deadline:
-                missing = [n for n in self.nodes if n not in got]
+                missing = [n for n in alive if n not in got]
                 c._diagnose(("deadline", missing[0], f"no BYE from {', '.join(missing)}"))
-            ev = c._next(deadline)
-            if ev is None or ev[0] == "registered" or (ev[0] in ("lost", "silent") and ev[1] in got):
+            ev = self._next(deadline)
+            if ev is None or ev[0] == "registered" or ev[1] in self.lost or (ev[0] in ("lost", "silent")
+                                                                              and ev[1] in got):
                 continue
             if ev[0] != "msg" or ev[2].get("msg") not in ("bye", "enqueue", "status"):
                 c._diagnose(ev)
@@ -232,9 +242,28 @@ class TaskRun:
                     c._errors.append(f"{ev[1]}: after the last task: {e}")
 
     # events
+    def _next(self, deadline: float):
+        """The coordinator's next event; an agent process that exited is a lost worker."""
+        c = self.c
+        try:
+            ev = c._events.get(timeout=max(0.0, min(0.2, deadline - time.monotonic())))
+        except queue.Empty:
+            ev = None
+        problem = c.health() if c.health else None
+        if problem:
+            node = problem.split(":", 1)[0]
+            if node not in self.nodes:
+                c._diagnose(("lost", None, problem))
+            if node not in self.lost:
+                self._lose(node, problem)
+        return ev
+
     def _on(self, ev) -> None:
         what, node, data = ev
-        if what == "registered":
+        if what == "registered" or node in self.lost:
+            return
+        if what in ("lost", "silent") and node in self.nodes:
+            self._lose(node, data)
             return
         if what != "msg":
             self.c._diagnose(ev)
@@ -249,6 +278,8 @@ class TaskRun:
         elif kind == "installed":
             v = data.get("version")
             left = self.installing.get(v)
+            if left is None and isinstance(v, int) and 0 < v < len(self.plans):
+                return  # a version given up on (a worker of it was lost)
             if left is None or node not in left:
                 self.c._diagnose(("protocol", node, f"unexpected INSTALLED for version {v}"))
             left.discard(node)
@@ -260,12 +291,14 @@ class TaskRun:
                         self._arm(t)
         elif kind in ("armed", "task_done", "task_failed"):
             t = self.ctl.tasks.get(data.get("pid"))
+            if t is not None and t.state in ("abandoned", "repaired"):
+                return  # its executors were told to stop
             want = {"armed": "arming", "task_done": "running", "task_failed": "running"}[kind]
             if t is None or t.state != want or node not in t.waiting:
                 self.c._diagnose(("protocol", node, f"unexpected {kind.upper()} for task {data.get('pid')}"))
-            if kind == "task_failed":
-                self.c._diagnose(("msg", node, {"msg": "error", "message": f"task {t.pid}: {data.get('message')}",
-                                                "stall": bool(data.get("stall"))}))
+            if kind == "task_failed":  # a lost worker (noticed within silence_s) explains it, or it fails the run
+                t.failed = t.failed or (time.monotonic(), node, data.get("message"))
+                return
             t.waiting.discard(node)
             if kind == "armed":
                 if not t.waiting:
@@ -276,10 +309,14 @@ class TaskRun:
             self.c._diagnose(("protocol", node, f"unexpected {kind!r} message in a task run"))
 
     def _place(self, t: Task) -> None:
-        """Find (or install) the version of t's group; hold it while that version runs."""
-        key = frozenset(t.members)
+        """Find (or install) the version of t's group (without the lost workers as
+        aggregators; with a repair's Eq. (3) replacement); hold it while that version runs."""
+        swap = self.reassign.get(t.pid, {})
+        exclude = [n for n in self.lost if n not in swap]
+        key = (frozenset(t.members), tuple(exclude), tuple(sorted(swap.items())))
         if key not in self.by_group:
-            plan = self.plan_for(sorted(t.members, key=self.nodes.index))
+            extra = {**({"exclude": exclude} if exclude else {}), **({"reassign": swap} if swap else {})}
+            plan = self.plan_for(sorted(t.members, key=self.nodes.index), **extra)
             if list(plan.nodes) != self.nodes or plan.length != self.plans[0].length:
                 raise ValueError(f"plan for group {t.members} differs in nodes or length")
             plan.validate()
@@ -344,7 +381,7 @@ class TaskRun:
         start = min(d["comm_start_ns"] for d in t.done.values())
         end = max(t.done[m]["comm_done_ns"] for m in t.members)
         return {"pid": t.pid, "members": t.members, "version": t.version, "aggregators": len(t.involved),
-                **t.times, "cct_s": (end - start) / 1e9, "correct": not wrong, "members_done": members}
+                "outcome": "repair" if "repair_of" in t.times else "done", **t.times, "cct_s": (end - start) / 1e9, "correct": not wrong, "members_done": members}
 
     def results(self) -> dict:
         rounds = rounds_in_window(self.records, self.t0_ns, self.window_s)
@@ -353,7 +390,65 @@ class TaskRun:
                                "rounds": {n: rounds.get(n, 0) for n in self.nodes},
                                "tasks": self.records, "enqueued": self.enqueued,
                                "groups": [{"version": v, "members": sorted(g, key=self.nodes.index),
-                                           "meta": self.plans[v].meta} for g, v in self.by_group.items()]}}
+                                           "meta": self.plans[v].meta} for (g, _, _), v in self.by_group.items()],
+                               "faults": self.faults, "lost": self.lost,
+                               "repaired": sum(r.get("outcome") == "repaired" for r in self.records),
+                               "abandoned": sum(r.get("outcome") == "abandoned" for r in self.records)}}
+
+    # failover (§IV-B)
+    def _lose(self, w: str, why: str) -> None:
+        """Worker ``w`` is gone: out of the queue and of every future group (its aggregator
+        share goes to the others: LP (2) over the rest); every task in flight that involves
+        it is stopped on its other nodes and, if ``w`` only aggregated for it and Eq. (3)
+        finds a replacement, run again with ``w``'s block at the replacement (a *repair*: a
+        new pid, the same members and rounds; all blocks are sent again — the executor
+        keeps no partial state, a choice); else ABANDONed: members that hold their result
+        keep the round, the others are queued again with the same round."""
+        self.lost.append(w)
+        fault = {"t_ns": time.time_ns(), "node": w, "why": str(why), "tasks": []}
+        self.faults.append(fault)
+        self.c.progress(f"worker {w} lost ({why}): failover")
+        for t in self.ctl.lose(w):
+            for n in t.involved:
+                if n not in self.lost:
+                    self.c._send(n, {"msg": "abandon", "pid": t.pid, "version": t.version})
+            if self.busy.get(t.version) == t.pid:
+                del self.busy[t.version]
+            self.installing.pop(t.version, None)
+            pending = [m for m in t.members if m not in t.done and m != w]
+            weights = (self.plans[t.version].meta.get("weights") or {}) if t.version is not None else {}
+            k = None
+            if w not in t.members and len(pending) == len(t.members) and self.rate and w in weights:
+                load = {}
+                for r in self.ctl.running():
+                    if r is not t and r.version is not None:
+                        for a, x in (self.plans[r.version].meta.get("weights") or {}).items():
+                            load[a] = load.get(a, 0.0) + x
+                cands = [a for a in weights if a not in self.lost and a not in t.members
+                         and a not in self.reassign.get(t.pid, {})]
+                k = replacement(cands, t.members, load, weights[w], self.rate)
+            t.state = "repaired" if k else "abandoned"
+            rec = {"pid": t.pid, "members": t.members, "version": t.version, "outcome": t.state, "lost": w,
+                   **t.times, "correct": True,
+                   "members_done": {m: {"round": t.rounds[m], "done_ns": t.done[m]["comm_done_ns"],
+                                        "correct": bool(t.done[m].get("correct"))} for m in t.members if m in t.done}}
+            fault["tasks"].append({"pid": t.pid, "outcome": t.state, **({"replacement": k} if k else {})})
+            if k:
+                nt = Task(self.ctl.next_pid, list(t.members), dict(t.rounds))
+                self.ctl.next_pid += 1
+                self.ctl.tasks[nt.pid] = nt
+                for m in nt.members:
+                    self.ctl.member_of[m] = nt.pid
+                self.reassign[nt.pid] = {**self.reassign.get(t.pid, {}), w: k}
+                rec["repair"] = nt.pid
+                nt.times = {"formed_ns": time.time_ns(), "repair_of": t.pid}
+                nt.deadline = time.monotonic() + self.c.ready_limit() + self.c.limit_s
+                self._place(nt)
+            else:
+                for m in pending:
+                    self.ctl.member_done(t.pid, m)
+                    self.ctl.ready(m, t.rounds[m])
+            self.records.append(rec)
 
 
 # -- agent side ------------------------------------------------------------------------------
@@ -369,6 +464,8 @@ def worker_loop(agent, Aborted: type[Exception]) -> int:
     agent.next_msg("begin", job.wait_s)
     rnd, computing_until = 0, time.monotonic() + job.compute_for(0)
     armed: dict[int, tuple] = {}
+    running: dict[int, object] = {}  # pid -> executor
+    abandoned: set[int] = set()
     threads: list[threading.Thread] = []
 
     def spawn(fn, *args) -> None:
@@ -384,9 +481,16 @@ def worker_loop(agent, Aborted: type[Exception]) -> int:
         except Exception as e:
             agent.abort_soon(f"installing plan version {v}: {type(e).__name__}: {e}")
 
+    def retire(ex) -> None:  # a version given up on: its threads and connections go
+        for v, e in list(agent.execs.items()):
+            if e is ex and v != 0:
+                del agent.execs[v]
+        ex.close()
+
     def run_task(pid: int, ex, rounds: dict) -> None:
         try:
             timing = ex.run(pid)
+            running.pop(pid, None)
             check = {"receiver": me in rounds, "correct": True, "max_abs_err": 0.0, "digest": None}
             if me in rounds:
                 x = ex.bufs["x"]
@@ -400,7 +504,10 @@ def worker_loop(agent, Aborted: type[Exception]) -> int:
             if me in rounds:
                 agent.inbox.put({"msg": "_round_done"})
         except Exception as e:
+            running.pop(pid, None)
             log.error("task %d failed: %s", pid, e)
+            if pid in abandoned:
+                retire(ex)
             agent.send({"msg": "task_failed", "pid": pid, "message": f"{type(e).__name__}: {e}"})
 
     while True:
@@ -431,7 +538,16 @@ def worker_loop(agent, Aborted: type[Exception]) -> int:
             agent.send({"msg": "armed", "pid": pid})
         elif kind == "start":
             ex, rounds = armed.pop(int(msg["pid"]))
+            running[int(msg["pid"])] = ex
             spawn(run_task, int(msg["pid"]), ex, rounds)
+        elif kind == "abandon":  # §IV-B: stop this task; its version is not used again
+            pid = int(msg["pid"])
+            abandoned.add(pid)
+            if pid in running:
+                running[pid].abort(f"task {pid} abandoned by the controller")
+            elif isinstance(msg.get("version"), int) and msg["version"] in agent.execs:
+                armed.pop(pid, None)
+                retire(agent.execs[msg["version"]])
         elif kind == "_round_done":
             rnd += 1
             computing_until = time.monotonic() + job.compute_for(rnd)

@@ -81,13 +81,21 @@ def run_variants(exp: Experiment, planned: list, hosts: Hosts, out_dir: Path,
             tasks = group_runtime(exp, v.scheme)
             if before_run:
                 before_run()
-            result = run_agents(hosts, plan, out_dir, iterations=n_its, seed=seed, dtype=w.dtype, tasks=tasks,
-                                compute_s=compute_times(w.compute_s, plan.nodes, MAX_ROUNDS if tasks else n_its,
-                                                        seed),
-                                stop_and_wait=a.stop_and_wait, timeout_s=a.timeout_s, progress=progress,
-                                predicted_s=prediction["cct_s"], probe=probe_options(v.scheme, w.warmup),
-                                clock_offset_ms=a.clock_offset_ms,
-                                policy=replanner(exp, v.scheme, plan, hosts.truth()))
+            try:
+                result = run_agents(hosts, plan, out_dir, iterations=n_its, seed=seed, dtype=w.dtype, tasks=tasks,
+                                    compute_s=compute_times(w.compute_s, plan.nodes, MAX_ROUNDS if tasks else n_its,
+                                                            seed),
+                                    stop_and_wait=a.stop_and_wait, timeout_s=a.timeout_s, progress=progress,
+                                    predicted_s=prediction["cct_s"], probe=probe_options(v.scheme, w.warmup),
+                                    clock_offset_ms=a.clock_offset_ms,
+                                    policy=replanner(exp, v.scheme, plan, hosts.truth()))
+            except TestbedError as e:  # the failed run, recorded (results.json's "failure")
+                done = getattr(e, "results", None) or {}
+                e.failed_run = {"variant": v.label, "repetition": rep, "message": str(e),
+                                "culprit": getattr(e, "culprit", None), "link": getattr(e, "link", None),
+                                "iterations_completed": len(done.get("iterations") or []),
+                                **({"groups": done["tasks_mode"]} if "tasks_mode" in done else {})}
+                raise
             r = _summarise_run(rep, v.label, result, w.warmup)
             runs.append(r)
             if on_run:
@@ -117,10 +125,15 @@ def group_runtime(exp: Experiment, scheme: dict) -> dict | None:
     graph, w = exp.topology.graph(), exp.workload
     params = {k: v for k, v in scheme.items() if k not in ("name", "adaptive", "groups")}
 
-    def plan_for(members: list[str]):
-        return make_plan(scheme["name"], graph, w.length, {**params, "active": list(members)},
+    def plan_for(members: list[str], **failover):  # failover: crew's exclude / reassign
+        return make_plan(scheme["name"], graph, w.length, {**params, "active": list(members), **failover},
                          elem_bytes=w.elem_bytes)
-    return {"p": g["p"], "window_s": g["window_s"], "plan_for": plan_for}
+    rate = None
+    if scheme["name"] == "crew":  # Eq. (3)'s b_{i,j}: the configured rates of the paths
+        from testbed.planners.crew import pair_rates
+        b = pair_rates(graph)
+        rate = lambda i, j: b[(i, j)]  # noqa: E731
+    return {"p": g["p"], "window_s": g["window_s"], "plan_for": plan_for, "rate": rate}
 
 
 def probe_options(scheme: dict, warmup: int = 0) -> dict | None:
@@ -248,6 +261,8 @@ def run_experiment(exp: Experiment, out_dir: Path, progress: Callable[[str], Non
         _run_on_network(exp, planned, results, out_dir, progress, caps, net, checkpoint)
     except TestbedError as e:
         results["error"] = str(e)
+        if getattr(e, "failed_run", None):
+            results["failure"] = e.failed_run
         if save:
             save(add_summaries(results, planned, exp))
         raise

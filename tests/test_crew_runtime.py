@@ -162,3 +162,58 @@ def test_emulated_groups_from_the_ready_queue(netenv, tmp_path):
         assert run["correct"], run["errors"]
         check_groups_run({"tasks_mode": run["groups"], "errors": run["errors"]}, nodes, nodes[:2], nodes[2:], 2)
         assert run["rounds_total"] == sum(run["rounds"].values()) > 0
+
+
+def test_failover_plans_are_exact_and_skip_the_lost_and_the_replaced():
+    """exclude (a lost worker aggregates nothing) and reassign (Eq. 3: j's block to k)."""
+    from testbed.plan import check_allreduce
+
+    g = topogen.crew_mesh(5, 2).graph()
+    inputs = {n: make_input(1, i, 0, 997) for i, n in enumerate(sorted(g.nodes))}
+    base = make_plan("crew", g, 997, {"active": ["n0", "n2"]})
+    plan = make_plan("crew", g, 997, {"active": ["n0", "n2"], "exclude": ["n4"], "reassign": {"n1": "n3"}})
+    check_allreduce(plan, inputs)
+    assert plan.meta["aggregators"] == ["n0", "n2", "n3"] and not plan.programs["n4"] and not plan.programs["n1"]
+    w0 = make_plan("crew", g, 997, {"active": ["n0", "n2"], "exclude": ["n4"]}).meta["weights"]
+    assert plan.meta["weights"]["n3"] == pytest.approx(w0["n3"] + w0["n1"])
+    assert set(base.meta["aggregators"]) == set(g.nodes)
+    with pytest.raises(ConfigError):
+        make_plan("crew", g, 997, {"active": ["n0", "n2"], "exclude": ["n4"], "reassign": {"n1": "n4"}})
+
+
+CRASH_EXP = EMU_EXP.replace("name: crew-runtime", "name: crew-crash").replace(
+    "variants: [{label: opr, scheme: {name: crew, aggregators: members, groups: {p: 2, window_s: 8}}}]\n",
+    "faults: [{at_s: 4, crash: n3}]\n")
+
+
+@pytest.mark.net
+def test_emulated_crash_mid_run_repairs_or_abandons_and_the_run_goes_on(netenv, tmp_path):
+    """n3 crashes (the emulator kills its processes and cuts its links) while groups run:
+    tasks in flight with n3 only aggregating are repaired (Eq. 3), those with n3 as a member
+    abandoned; the survivors keep forming groups to the end of T, every round exact."""
+    exp = tmp_path / "exp.yaml"
+    exp.write_text(CRASH_EXP)
+    res = subprocess.run([sys.executable, "-m", "testbed", "run", str(exp), "--out", str(tmp_path), "--no-report"],
+                         cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert any(e.get("event") == "host_crash" and e.get("dc") == "n3" for e in results["events"]), results["events"]
+    run, = results["runs"]
+    g = run["groups"]
+    assert run["correct"], run["errors"]
+    assert g["lost"] == ["n3"] and g["faults"][0]["node"] == "n3"
+    crash_ns = g["faults"][0]["t_ns"]
+    for t in g["faults"][0]["tasks"]:
+        rec = next(r for r in g["tasks"] if r["pid"] == t["pid"] and r.get("outcome") != "done")
+        assert t["outcome"] == ("abandoned" if "n3" in rec["members"] else "repaired"), (t, rec)
+        if t["outcome"] == "repaired":
+            fix = next(r for r in g["tasks"] if r.get("repair_of") == t["pid"])
+            assert fix["correct"] and fix["members"] == rec["members"], fix
+    done = [t for t in g["tasks"] if t.get("outcome") in ("done", "repair")]
+    assert all(t["correct"] for t in done)
+    after = [t for t in done if t["start_ns"] > crash_ns]
+    assert after and all("n3" not in t["members"] for t in after)
+    for n in ("n0", "n1", "n2"):  # rounds consecutive per survivor, each once
+        mine = sorted(t["members_done"][n]["round"] for t in done if n in t["members"])
+        assert mine == list(range(len(mine))), (n, mine)
+    print("faults:", g["faults"], "rounds:", g["rounds"], "repaired", g["repaired"], "abandoned", g["abandoned"])
