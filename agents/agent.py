@@ -92,6 +92,7 @@ class Job:
     limit_s: float | None = None  # longest one iteration's communication may take
     probe: dict | None = None  # {"chunk_bytes", "chunk_num"}: report received chunks (agents.probe)
     aux: dict = field(default_factory=dict)  # auxiliary paths through this node (testbed.plan.Plan.aux)
+    mode: str = "iterations"  # or "tasks": CREW's groups from the controller's ready queue (agents.crew)
 
     def to_dict(self) -> dict:
         d = dict(self.__dict__)
@@ -334,6 +335,9 @@ class Agent:
         self._install(0, job.program, job.scratch, job.peers, job.aux)
         self.ex = self.execs[0]
         self.send({"msg": "ready"})
+        if job.mode == "tasks":
+            from .crew import worker_loop
+            return worker_loop(self, Aborted)
         for it in range(job.iterations):
             while (msg := self.next_msg(("go", "plan"), job.wait_s))["msg"] == "plan":
                 v = msg.get("version")

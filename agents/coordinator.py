@@ -50,6 +50,7 @@ import socket
 import sys
 import threading
 import time
+from types import MappingProxyType
 from typing import Callable, Mapping
 
 import numpy as np
@@ -201,7 +202,8 @@ class Coordinator:
                  handshake_s: float = wire.HANDSHAKE_TIMEOUT_S, check_startup: bool = False,
                  clock_offsets_ns: Mapping[str, int] | None = None, probe: dict | None = None,
                  truth: Callable[[str, str], dict | None] | None = None,
-                 policy: Callable[[int, NetState], Plan | None] | None = None, sync_clocks: bool | None = None):
+                 policy: Callable[[int, NetState], Plan | None] | None = None, sync_clocks: bool | None = None,
+                 tasks: dict | None = None):
         plan.validate()
         np.dtype(dtype)
         self.plan, self.secret, self.data_port = plan, wire.as_secret(secret), data_port
@@ -244,12 +246,14 @@ class Coordinator:
         self.version = 0
         self.switches = 0
         self.resend_requests = 0  # receivers that asked for chunks again (auxiliary recovery)
+        self.tasks = tasks  # CREW's run-time groups (agents.crew.TaskRun): {p, window_s, plan_for}
 
-    def _resolve_addresses(self, addresses: Mapping) -> dict[tuple[str, str], str]:
+    def _resolve_addresses(self, addresses: Mapping, plan: Plan | None = None) -> dict[tuple[str, str], str]:
         out = {}
-        pairs = {(src, op.peer) for src, op in self.plan.transfers()}
-        if self.plan.aux.get("paths"):  # relays forward to whichever node a chunk's route names
-            pairs |= {(a, b) for a in self.plan.nodes for b in self.plan.nodes if a != b}
+        plan = plan or self.plan
+        pairs = {(src, op.peer) for src, op in plan.transfers()}
+        if plan.aux.get("paths"):  # relays forward to whichever node a chunk's route names
+            pairs |= {(a, b) for a in plan.nodes for b in plan.nodes if a != b}
         for src, dst in sorted(pairs):
             view = addresses.get(src) if isinstance(addresses.get(src), Mapping) else addresses
             ip = view.get(dst) if view is not None else None
@@ -612,15 +616,18 @@ class Coordinator:
             self._collect("installed", list(self.plan.nodes), self.ready_limit())
         return True
 
-    def _part(self, node: str) -> tuple[list, dict, dict]:
-        """The current plan's program, peers (ip, data port) and scratch buffers of ``node``."""
-        program = self.plan.programs.get(node, [])
+    def _part(self, node: str, plan: Plan | None = None) -> tuple[list, dict, dict]:
+        """The program, peers (ip, data port) and scratch buffers of ``node`` in ``plan``
+        (default: the current plan)."""
+        plan = plan or self.plan
+        ips = self._peer_ip if plan is self.plan else self._resolve_addresses(self._addresses, plan)
+        program = plan.programs.get(node, [])
         peers = {}
-        for src, dst in self._peer_ip:
+        for src, dst in ips:
             if src == node and dst not in peers:
                 port = self.data_port or int(self._idents.get(dst, {}).get("data_port") or 0)
-                peers[dst] = (self._peer_ip[(node, dst)], port)
-        return program, peers, dict(self.plan.scratch.get(node, {}))
+                peers[dst] = (ips[(node, dst)], port)
+        return program, peers, dict(plan.scratch.get(node, {}))
 
     def _aux_part(self, node: str) -> dict:
         """The current plan's auxiliary paths that ``node`` sends or relays on, and the bounds."""
@@ -636,6 +643,7 @@ class Coordinator:
                    scratch=scratch, dtype=self.dtype, seed=self.seed,
                    iterations=self.iterations, compute_s=self.compute_s.get(node, []),
                    stop_and_wait=self.stop_and_wait, timeout_s=self.timeout_s,
+                   mode="tasks" if self.tasks else "iterations",
                    wait_s=self._iteration_limit() + self.ready_limit() + self.silence_s, limit_s=self.limit_s,
                    probe=({"chunk_bytes": int(self.probe["chunk_bytes"]), "chunk_num": int(self.probe["chunk_num"]),
                            "from_iteration": int(self.probe.get("from_iteration", 0))} if self.probe else None),
@@ -670,6 +678,10 @@ class Coordinator:
             self.progress(f"all {len(nodes)} agents ready")
             if self.sync_clocks:
                 self._sync_clocks(nodes)
+            if self.tasks:  # groups from a ready queue instead of iterations (agents.crew)
+                from .crew import TaskRun
+                self._task_run = TaskRun(self, self.tasks)
+                return self._task_run.run()
             for it in range(self.iterations):
                 new = self.policy(it, self.net) if self.policy else None
                 if new is not None and self._use(new):
@@ -691,7 +703,7 @@ class Coordinator:
                 for e in bye.get("errors") or []:  # e.g. a late or duplicate frame after the last iteration
                     self._errors.append(f"{n}: after the last iteration: {wire.sanitize(e)}")
         except Failure as e:
-            e.results = self.results()
+            e.results = self._task_run.results() if getattr(self, "_task_run", None) else self.results()
             self._errors.append(str(e))
             self.abort(str(e))
             raise
@@ -700,7 +712,7 @@ class Coordinator:
             raise
         return self.results()
 
-    def _on_my_clock(self, node: str, done: dict, routes: dict) -> dict:
+    def _on_my_clock(self, node: str, done: dict, routes: Mapping = MappingProxyType({})) -> dict:
         """``node``'s DONE with its timestamps moved from the agents' clocks to this machine's
         (a recv row's ``send_ts_ns`` is on the clock of the node that sent it the last hop --
         the sender, or the last relay of its ``routes`` entry -- the rest on ``node``'s)."""

@@ -145,8 +145,24 @@ def _print_summary(results: dict) -> None:
         print(f"{v['label'][:24]:24} {c['mean']:9.3f} {c['min']:8.3f} {c['max']:8.3f} {s['predicted_cct_s']:9.3f} "
               f"{_num(s['bound_cct_s'], 8, 3)} {_num(s['efficiency'], 6, 2)}  {cmp['cct_ratio_to_first']:7.2f}x  "
               f"{s['correct']}")
+    _print_rounds(results)
     for w in results.get("emulation", {}).get("warnings", []):
         print(f"WARNING: emulation did not keep up: {w}", file=sys.stderr)
+
+
+def _print_rounds(results: dict) -> None:
+    """Groups runs (CREW at run time): rounds each worker completed in the window T."""
+    runs = [r for r in results.get("runs", []) if "rounds" in r]
+    if not runs:
+        return
+    nodes = list(runs[0]["rounds"])
+    print("rounds each worker completed in the window T (groups of p from the ready queue):")
+    print(f"{'variant':16} {'rep':>3} {'T s':>5} {'p':>2} {'tasks':>5} {'total':>5}  "
+          + " ".join(f"{n:>5}" for n in nodes))
+    for r in runs:
+        g = r["groups"]
+        print(f"{r['variant'][:16]:16} {r['repetition']:3} {g['window_s']:5g} {g['p']:2} "
+              f"{len(g['tasks']):5} {r['rounds_total']:5}  " + " ".join(f"{r['rounds'].get(n, 0):5}" for n in nodes))
 
 
 def _num(value, width: int, digits: int) -> str:

@@ -14,6 +14,8 @@ Format (YAML; every key but ``name``, ``topology`` and ``scheme.name`` is option
                                  # + adaptive: {update_s, probe_chunk_bytes, probe_chunk_num,
                                  #   estimator, mode} | true | false (any scheme; see
                                  #   ADAPTIVE_DEFAULTS; netstorm: true unless false)
+                                 # + groups: {p, window_s} (any scheme with ``active``): CREW's
+                                 #   run-time groups from a FIFO ready queue (agents/crew.py)
     workload:
       size: 4MB                  # or  model: resnet50   (size = the model's parameters)
       dtype: float32             # float32 | float64
@@ -80,6 +82,10 @@ TOP_KEYS = {"name", "topology", "scheme", *DEFAULTS}
 # re-plans that often on the estimated (mode: estimated) or the emulator's true current
 # (mode: oracle) rates; update_s: 0 only measures; a new plan is taken when its predicted CCT
 # on those rates beats the current plan's by min_gain.  Chunk size and count: NetStorm Table II.
+# scheme.groups (CREW §III, §V): no iterations; the controller forms groups P of the first p
+# ready workers, each runs the scheme over P (its ``active``) while the others compute; each
+# worker's completed rounds in a window of window_s seconds are counted.
+GROUPS_DEFAULTS = {"p": 2, "window_s": 30.0}
 ADAPTIVE_DEFAULTS = {"update_s": 5.0, "probe_chunk_bytes": 2_000_000, "probe_chunk_num": 4,
                      "estimator": "busy", "mode": "estimated", "min_gain": 0.1}
 # scheme.aux (NetStorm §VI, multipath auxiliary transmission; NetStorm-pro = netstorm with aux):
@@ -396,10 +402,16 @@ def _scheme(c: Checker, scheme, key: str, nodes: list[str]) -> dict:
     aux = _aux(c, scheme.get("aux"), f"{key}.aux")
     out = resolve_scheme({k: v for k, v in scheme.items() if k not in RUN_TIME_KEYS}, nodes, source=c.source,
                          key=key)
+    if scheme.get("groups") is not None:
+        out["groups"] = _groups(c, scheme["groups"], f"{key}.groups", nodes, out)
+        if adaptive:
+            c.fail(f"{key}.adaptive", "not with groups (re-planning runs between iterations; groups have none)")
+        if aux:
+            c.fail(f"{key}.aux", "not with groups (the groups' plans carry no auxiliary paths)")
     return {**out, **({"adaptive": adaptive} if adaptive else {}), **({"aux": aux} if aux else {})}
 
 
-RUN_TIME_KEYS = ("adaptive", "aux")  # scheme keys of every scheme, not planner parameters
+RUN_TIME_KEYS = ("adaptive", "aux", "groups")  # scheme keys of every scheme, not planner parameters
 
 
 def _aux(c: Checker, spec, key: str) -> dict | None:
@@ -416,6 +428,19 @@ def _aux(c: Checker, spec, key: str) -> dict | None:
     c.choice(out["disjoint"], f"{key}.disjoint", DISJOINT)
     c.choice(out["idle_only"], f"{key}.idle_only", (True, False))
     c.number(out["resend_after_s"], f"{key}.resend_after_s", minimum=0)
+    return out
+
+
+def _groups(c: Checker, spec, key: str, nodes: list[str], scheme: dict) -> dict:
+    """``groups: {p, window_s}`` resolved; the scheme must take a group (``active``)."""
+    if "active" not in scheme:
+        c.fail(key, f"scheme {scheme['name']!r} has no group parameter 'active'")
+    out = {**GROUPS_DEFAULTS, **c.mapping(spec, key, set(GROUPS_DEFAULTS))}
+    c.number(out["p"], f"{key}.p", integer=True, minimum=1)
+    if out["p"] > len(nodes):
+        c.fail(f"{key}.p", f"must be at most the number of datacenters ({len(nodes)}), got {out['p']!r}")
+    if c.number(out["window_s"], f"{key}.window_s") <= 0:
+        c.fail(f"{key}.window_s", f"must be positive, got {out['window_s']!r}")
     return out
 
 

@@ -52,6 +52,8 @@ def build_plan(exp: Experiment, scheme: dict | None = None, *, source: str = "",
     validate_connected(topo, source=source or exp.name, key="topology")
     graph = topo.graph()
     params = {k: v for k, v in scheme.items() if k not in ("name", *RUN_TIME_KEYS)}
+    if scheme.get("groups"):  # groups form at run time; the JOB's plan is the scheme over every node
+        params["active"] = None
     plan = make_plan(scheme["name"], graph, w.length, params, elem_bytes=w.elem_bytes, source=source or exp.name,
                      key=key, aux=scheme.get("aux"))
     plan.validate()
@@ -76,25 +78,62 @@ def run_variants(exp: Experiment, planned: list, hosts: Hosts, out_dir: Path,
             progress(f"repetition {rep + 1}/{exp.repetitions} of {v.label}: starting {len(plan.nodes)} agents")
             seed = exp.seed * 1000 + rep
             n_its = w.warmup + w.iterations
+            tasks = group_runtime(exp, v.scheme)
             if before_run:
                 before_run()
-            result = run_agents(hosts, plan, out_dir, iterations=n_its, seed=seed, dtype=w.dtype,
-                                compute_s=compute_times(w.compute_s, plan.nodes, n_its, seed),
-                                stop_and_wait=a.stop_and_wait, timeout_s=a.timeout_s, progress=progress,
-                                predicted_s=prediction["cct_s"], probe=probe_options(v.scheme, w.warmup),
-                                clock_offset_ms=a.clock_offset_ms,
-                                policy=replanner(exp, v.scheme, plan, hosts.truth()))
+            try:
+                result = run_agents(hosts, plan, out_dir, iterations=n_its, seed=seed, dtype=w.dtype, tasks=tasks,
+                                    compute_s=compute_times(w.compute_s, plan.nodes, MAX_ROUNDS if tasks else n_its,
+                                                            seed),
+                                    stop_and_wait=a.stop_and_wait, timeout_s=a.timeout_s, progress=progress,
+                                    predicted_s=prediction["cct_s"], probe=probe_options(v.scheme, w.warmup),
+                                    clock_offset_ms=a.clock_offset_ms,
+                                    policy=replanner(exp, v.scheme, plan, hosts.truth()))
+            except TestbedError as e:  # the failed run, recorded (results.json's "failure")
+                done = getattr(e, "results", None) or {}
+                e.failed_run = {"variant": v.label, "repetition": rep, "message": str(e),
+                                "culprit": getattr(e, "culprit", None), "link": getattr(e, "link", None),
+                                "iterations_completed": len(done.get("iterations") or []),
+                                **({"groups": done["tasks_mode"]} if "tasks_mode" in done else {})}
+                raise
             r = _summarise_run(rep, v.label, result, w.warmup)
             runs.append(r)
             if on_run:
                 on_run(runs)
-            progress(f"repetition {rep + 1} of {v.label}: CCT {r['cct_s']:.3f}s, correct={r['correct']}"
+            progress(f"repetition {rep + 1} of {v.label}: CCT {r['cct_s'] or 0:.3f}s, correct={r['correct']}"
+                     + (f", rounds in {tasks['window_s']:g} s: {r['rounds']}" if tasks else "")
                      + (f", {r['switches']} plan switches, link estimates within 10 %: "
                         f"{r['estimation']['rate_within_10pct']:.0%} of {r['estimation']['windows']}"
                         if r.get("estimation", {}).get("windows") else ""))
             if not r["correct"]:  # results are still written; the CLI exits 1
                 progress(f"WRONG RESULT at {', '.join(r['incorrect']) or 'some workers (digests differ)'}")
     return runs
+
+
+MAX_ROUNDS = 5000  # compute times drawn per worker for a groups run (the last one repeats)
+
+
+def group_runtime(exp: Experiment, scheme: dict) -> dict | None:
+    """The coordinator's ``tasks`` option for a scheme with ``groups`` (CREW §III: groups of
+    p from the ready queue, agents/crew.py), None otherwise: ``plan_for(P)`` is the scheme's
+    own pure planner with ``active: P``."""
+    from testbed.planners import make_plan
+
+    g = scheme.get("groups")
+    if not g:
+        return None
+    graph, w = exp.topology.graph(), exp.workload
+    params = {k: v for k, v in scheme.items() if k not in ("name", *RUN_TIME_KEYS)}
+
+    def plan_for(members: list[str], **failover):  # failover: crew's exclude / reassign
+        return make_plan(scheme["name"], graph, w.length, {**params, "active": list(members), **failover},
+                         elem_bytes=w.elem_bytes)
+    rate = None
+    if scheme["name"] == "crew":  # Eq. (3)'s b_{i,j}: the configured rates of the paths
+        from testbed.planners.crew import pair_rates
+        b = pair_rates(graph)
+        rate = lambda i, j: b[(i, j)]  # noqa: E731
+    return {"p": g["p"], "window_s": g["window_s"], "plan_for": plan_for, "rate": rate}
 
 
 def probe_options(scheme: dict, warmup: int = 0) -> dict | None:
@@ -222,6 +261,8 @@ def run_experiment(exp: Experiment, out_dir: Path, progress: Callable[[str], Non
         _run_on_network(exp, planned, results, out_dir, progress, caps, net, checkpoint)
     except TestbedError as e:
         results["error"] = str(e)
+        if getattr(e, "failed_run", None):
+            results["failure"] = e.failed_run
         if save:
             save(add_summaries(results, planned, exp))
         raise
@@ -276,7 +317,17 @@ def _comparison(variants: list[dict]) -> list[dict]:
 
 def _summarise_run(rep: int, label: str, result: dict, warmup: int = 0) -> dict:
     """One repetition: CCT = mean over the measured iterations (warm-up ones are kept in
-    the record, marked, but left out); correctness over all of them."""
+    the record, marked, but left out); correctness over all of them.  A groups run (CREW
+    at run time): CCT = mean over its tasks, ``rounds`` per worker in the window."""
+    if "tasks_mode" in result:
+        tm = result["tasks_mode"]
+        tasks = tm["tasks"]
+        incorrect = sorted({m for t in tasks for m, d in t["members_done"].items() if not d["correct"]})
+        return {"variant": label, "repetition": rep, "cct_s": stats([t["cct_s"] for t in tasks])["mean"],
+                "warmup_cct_s": [], "iterations": [], "rounds": tm["rounds"],
+                "rounds_total": sum(tm["rounds"].values()), "groups": tm,
+                "correct": bool(tasks) and all(t["correct"] for t in tasks) and not result.get("errors"),
+                "incorrect": incorrect, "errors": result.get("errors", []), "transfers": None, "links": []}
     its = result["iterations"]
     for it in its:
         it["warmup"] = it["iteration"] < warmup
@@ -367,7 +418,8 @@ def _emulation_health(method: str, relays: int, relay: list[dict], cpu_util: flo
 
 def _summary(runs: list[dict], prediction: dict, bound: dict) -> dict:
     cct = stats([r["cct_s"] for r in runs])
-    return {"cct_s": cct, "correct": all(r["correct"] for r in runs) and bool(runs),
+    rounds = [r["rounds_total"] for r in runs if "rounds_total" in r]
+    return {**({"rounds_total": stats(rounds)} if rounds else {}),"cct_s": cct, "correct": all(r["correct"] for r in runs) and bool(runs),
             "predicted_cct_s": prediction["cct_s"], "bound_cct_s": bound["cct_s"] if bound else None,
             "efficiency": bound["cct_s"] / cct["mean"] if bound and cct["mean"] else None,
             "prediction_ratio": cct["mean"] / prediction["cct_s"] if cct["mean"] and prediction["cct_s"] else None}

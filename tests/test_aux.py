@@ -198,3 +198,42 @@ def test_a_broken_auxiliary_path_loses_no_chunk(dead):
         assert not out["a"].get("aux"), "chunks given back to the primary are not auxiliary sends"
     for ex in (a, r, b):
         ex.close()
+
+
+@pytest.mark.net
+def test_an_auxiliary_link_going_down_mid_run_loses_nothing(netenv, tmp_path):
+    """quick-5, one NetStorm tree, chunks over auxiliary paths; a link that only auxiliary
+    paths use goes down mid-run: its chunks come again on the primary paths, every iteration
+    is exact, the run goes on."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from testbed.routing import data_paths
+
+    scheme = {"name": "netstorm", "roots": 1, "chunk_elems": 32768, "adaptive": False,
+              "aux": {"primary_busy_bound": 0, "aux_queue_length": 2, "resend_after_s": 1.0}}
+    graph = load_topology("quick-5").graph()
+    plan = make_plan("netstorm", graph, 1 << 19, {k: scheme[k] for k in ("roots", "chunk_elems")},
+                     aux={**EAGER, **scheme["aux"]})
+    routed = data_paths(graph)
+    primary = {frozenset(l) for src, op in plan.transfers() for l in zip(routed[(src, op.peer)], routed[(src, op.peer)][1:])}
+    hops = {frozenset(l) for p in plan.aux["paths"] for l in zip(p, p[1:])} - primary
+    assert hops, "quick-5's single tree leaves a link that only auxiliary paths use"
+    a, b = sorted(sorted(hops, key=sorted)[0])
+    exp = tmp_path / "exp.yaml"
+    exp.write_text(json.dumps({"name": "aux-fault", "topology": "quick-5", "seed": 1, "scheme": scheme,
+                               "workload": {"size": "2MB", "iterations": 12}, "emulator": {"tcp_cc": "bbr"},
+                               "agents": {"timeout_s": 60}, "faults": [{"at_s": 4, "link_down": [a, b]}]}))
+    res = subprocess.run([sys.executable, "-m", "testbed", "run", str(exp), "--out", str(tmp_path), "--quiet",
+                          "--no-report"], cwd=Path(__file__).resolve().parent.parent, capture_output=True,
+                         text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    run = json.loads((tmp_path / "results.json").read_text())["runs"][0]
+    assert run["correct"] and len(run["iterations"]) == 12
+    col = TRANSFER_COLUMNS.index("route")
+    t_down = [e for e in json.loads((tmp_path / "results.json").read_text())["events"] if e.get("event") == "link_down"]
+    assert t_down, "the fault was not applied"
+    used = {r[col] for r in run["transfers"]["rows"] if r[col]}
+    assert any(f"{a}>{b}" in u or f"{b}>{a}" in u for u in used), (a, b, used)

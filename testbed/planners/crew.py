@@ -9,9 +9,10 @@ workers; OPR (the paper's "original partial reduce") is the same with the p memb
 the only aggregators (``aggregators: members``).  The reduce is the sum (the paper says
 "aggregate"; averaging is a local scaling by 1/p that moves no bytes).
 
-What this module does not do (yet): the controller's FIFO ready queue that forms P at
-run time, non-blocking scatter with Alg. 2, and failover (Eq. 3) -- here P is fixed by
-the experiment.
+The controller's FIFO ready queue that forms P at run time and its failover are in
+agents/crew.py (``scheme.groups``); it calls this planner per group, with ``exclude``
+(lost workers) and ``reassign`` (Eq. (3)'s replacement).  Non-blocking scatter (Alg. 2)
+is not built.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from scipy.optimize import linprog
 from testbed.plan import Plan, ProgramBuilder
 from testbed.routing import data_paths
 
-from testbed.planners import Param, planner
+from testbed.planners import Param, ParamError, planner
 from testbed.planners.common import ACTIVE, check_graph, partial, path_rate, members as workers_of
 
 CREW_REF = "CREW (Luo et al.) §III-IV: weighted scatter, controlled reduce, way-back multicast; LP (2), Alg. 1"
@@ -113,24 +114,39 @@ def split_model(weights: list[float], k: int, rounding: str = "floor") -> list[r
                                 "all of it is reduced (false: completion about T, the bound's upper end)"),
     rounding=Param(str, "floor", "Alg. 1 block bounds: floor = as printed (l < j <= u); nearest = round u "
                                  "(each block within half a chunk of its weight)", choices=("floor", "nearest")),
+    exclude=Param(list, [], "workers that aggregate nothing (lost ones, §IV-B: G rebuilt without them; LP (2) "
+                            "over the rest)", kind="nodes"),
+    reassign=Param(dict, {}, "failover, Eq. (3): {j: k} aggregator j's block (its LP (2) weight) goes to k",),
     scheduling=Param(str, "fcfs", "fcfs = one ordered connection per pair, flows served in the order they became "
                                   "ready (FL-FCFS, §IV-C); fs = scatter and multicast on separate connections "
                                   "sharing the link (FS)", choices=("fcfs", "fs")),
 )
 def plan_crew(graph: nx.DiGraph, length: int, *, elem_bytes: int = 4, active=None, aggregators: str = "all",
               split: str = "network-aware", chunks: int = 0, pipelined: bool = True,
-              scheduling: str = "fcfs", rounding: str = "floor") -> Plan:
-    """CREW (or OPR) partial reduce of group ``active`` (§III, LP (2), Alg. 1, FL-FCFS)."""
+              scheduling: str = "fcfs", rounding: str = "floor", exclude=(), reassign=None) -> Plan:
+    """CREW (or OPR) partial reduce of group ``active`` (§III, LP (2), Alg. 1, FL-FCFS);
+    ``exclude`` and ``reassign``: the run-time failover (agents/crew.py)."""
     nodes = check_graph(graph, "crew")
     members = workers_of(graph, active)
-    aggs = nodes if aggregators == "all" else members
-    k = min(chunks or 8 * len(aggs), length)
+    aggs = [j for j in (nodes if aggregators == "all" else members) if j not in set(exclude or ())]
+    reassign = dict(reassign or {})
+    for j, r in reassign.items():
+        if j not in aggs or r not in aggs or r in reassign:
+            raise ParamError("reassign", f"{j} -> {r}: both must aggregate, and {r} keeps its block")
+    if not aggs:
+        raise ParamError("exclude", "no aggregator left")
     b = pair_rates(graph)
     if split == "network-aware":
         x, t_s, t_m = scatter_weights(b, members, aggs)
     else:
         x = {j: 1.0 / len(aggs) for j in aggs}
         t_s, t_m = phase_times(b, x, members)
+    if reassign:  # Eq. (3): the replacement takes over j's block on top of its own
+        for j, r in reassign.items():
+            x[r] += x.pop(j)
+        aggs = [j for j in aggs if j not in reassign]
+        t_s, t_m = phase_times(b, x, members)
+    k = min(chunks or 8 * len(aggs), length)
     blocks = dict(zip(aggs, split_model([x[j] for j in aggs], k, rounding)))
     edges = [c * length // k for c in range(k + 1)]  # chunk c = elements [edges[c], edges[c + 1])
 
@@ -162,6 +178,8 @@ def plan_crew(graph: nx.DiGraph, length: int, *, elem_bytes: int = 4, active=Non
         "members": members,
         "aggregators": aggs,
         "aggregators_rule": aggregators,
+        "exclude": list(exclude or ()),
+        "reassign": reassign,
         "split": split,
         "weights": x,
         "chunks": k,

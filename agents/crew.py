@@ -1,0 +1,563 @@
+"""CREW at run time (Luo et al., "Efficient Cross-Cloud Partial Reduce With CREW", §III-IV):
+the controller's FIFO ready queue forms partial-reduce groups P of the first p ready workers,
+each group's reduce runs as a *task* (increasing ``pid``) while the other workers keep
+computing, and every worker counts the rounds it completes in a window T (§V, Fig. 5).
+
+Three parts, one home:
+
+* :class:`Controller` — pure (no sockets, unit-tested): the ready queue, group formation in
+  ready order, task ids, which worker is in which task; :func:`replacement` is Eq. (3).
+* :class:`TaskRun` — the coordinator side at run time (driven by
+  :meth:`agents.coordinator.Coordinator.run` when it is given ``tasks``).
+* :func:`worker_loop` — the agent side (:meth:`agents.agent.Agent.run` in ``tasks`` mode).
+
+Protocol (control messages; data moves over the plan versions' own connections).  A task
+over P is a *plan version*: the scheme's planner run for ``active: P`` (for CREW, every
+worker aggregates, so the plan involves all n; for OPR, PS over P... only the nodes with a
+program) — installed once per distinct group with PLAN/INSTALLED exactly as a policy switch
+installs one (:mod:`agents.coordinator`), then reused whenever the same group forms again::
+
+    coordinator -> agents: begin                          (the window T starts; agents compute)
+    agent -> coordinator:  enqueue {round}                (the paper's READY: compute of round done)
+    coordinator -> involved: plan {version, ...}          (first time this group forms)
+    involved -> coordinator: installed {version}
+    coordinator -> involved: task {pid, version, rounds}  (rounds: member -> its round)
+    involved -> coordinator: armed {pid}                  (executor moved to iteration pid, inputs set)
+    coordinator -> involved: start {pid}
+    involved -> coordinator: task_done {pid, timing, check} | task_failed {pid, message}
+    coordinator -> agents: finish (after T, once the tasks in flight ended)
+
+ARMED before START is the one message more than the iteration barrier: a member may send
+chunks of task ``pid`` to an aggregator only once that aggregator's executor accepts
+iteration ``pid`` (the executor refuses early frames).  A version runs one task at a time
+(the coordinator holds a group whose version is still finishing somewhere).  Members of a
+task are checked exactly: the result equals the sum over P of every member's input of the
+round it entered with (:func:`group_sum`).
+
+Concurrent tasks run in their own executors (one per version, each with its own
+connections): on a shared link two tasks' flows share the rate like TCP flows do, i.e. the
+paper's FS across tasks; the ``scheduling`` parameter orders the flows *within* a task.
+FL-FCFS across tasks (one ordered queue per link shared by every task) is not built.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .inputs import make_input
+
+log = logging.getLogger("agents.crew")
+
+
+# -- pure controller logic ---------------------------------------------------------------
+@dataclass
+class Task:
+    """One partial reduce: ``members`` (P, in ready order) and the round each entered with."""
+
+    pid: int
+    members: list[str]
+    rounds: dict[str, int]
+    state: str = "formed"  # formed | installing | held | arming | running | done | abandoned
+    version: int | None = None
+    involved: list[str] = field(default_factory=list)
+    waiting: set = field(default_factory=set)
+    times: dict = field(default_factory=dict)  # phase -> ns (coordinator clock)
+    done: dict = field(default_factory=dict)  # node -> its task_done report
+    deadline: float = 0.0  # monotonic
+    failed: tuple = ()  # (monotonic, node, message) of the first TASK_FAILED
+
+
+class Controller:
+    """§III: a FIFO queue of ready workers; once ``p`` are queued they are popped as a group
+    P and get the next task id.  A worker is an initiator of at most one task at a time
+    (§IV-C); it is queued again only after its task ended (it then computes its next round).
+    ``alive`` shrinks when a worker is lost (§IV-B: it joins no future P)."""
+
+    def __init__(self, workers: list[str], p: int):
+        if not 1 <= p <= len(workers):
+            raise ValueError(f"group size p = {p} with {len(workers)} workers")
+        self.p, self.alive = p, list(workers)
+        self.queue: deque[tuple[str, int]] = deque()  # (worker, round) in ready order
+        self.tasks: dict[int, Task] = {}
+        self.member_of: dict[str, int] = {}  # worker -> pid of the task it initiates
+        self.next_pid = 0
+
+    def ready(self, worker: str, rnd: int) -> None:
+        if worker not in self.alive:
+            return
+        if worker in self.member_of or any(w == worker for w, _ in self.queue):
+            raise ValueError(f"{worker} is ready while queued or in task {self.member_of.get(worker)}")
+        self.queue.append((worker, rnd))
+
+    def form(self) -> list[Task]:
+        """Every group the queue holds now, first ready first."""
+        out = []
+        while len(self.queue) >= self.p:
+            got = [self.queue.popleft() for _ in range(self.p)]
+            t = Task(self.next_pid, [w for w, _ in got], dict(got))
+            self.next_pid += 1
+            self.tasks[t.pid] = t
+            for w in t.members:
+                self.member_of[w] = t.pid
+            out.append(t)
+        return out
+
+    def member_done(self, pid: int, worker: str) -> None:
+        """``worker`` has its result of task ``pid``: it may be queued again."""
+        if self.member_of.get(worker) == pid:
+            del self.member_of[worker]
+
+    def running(self) -> list[Task]:
+        return [t for t in self.tasks.values() if t.state not in ("done", "abandoned", "repaired")]
+
+    def lose(self, worker: str) -> list[Task]:
+        """§IV-B, worker loss: out of the queue and of every future P; returns the tasks in
+        flight that involve it (as member or aggregator)."""
+        if worker in self.alive:
+            self.alive.remove(worker)
+        self.queue = deque((w, r) for w, r in self.queue if w != worker)
+        self.member_of.pop(worker, None)
+        return [t for t in self.running() if worker in t.members or worker in t.involved]
+
+
+def replacement(candidates: list[str], members: list[str], load: dict[str, float], block: float,
+                rate) -> str | None:
+    """Eq. (3): the candidate k (live connections to every member of P) minimising
+    max_{i in P} (l_k + x_j) / min(b_{i,k}, b_{k,i}) — l_k, the candidate's scheduled
+    aggregation volume, where the paper prints l_i (a probable typo, the note's §3.6); x_j
+    the orphaned block's size; ``rate(a, b)`` = b_{a,b}.  None when S is empty (ABANDON)."""
+    best, arg = None, None
+    for k in candidates:
+        if k in members:
+            continue
+        cost = max((load.get(k, 0.0) + block) / min(rate(i, k), rate(k, i)) for i in members)
+        if best is None or cost < best:
+            best, arg = cost, k
+    return arg
+
+
+def group_sum(seed: int, nodes: list[str], rounds: dict[str, int], length: int, dtype) -> np.ndarray:
+    """What every member of a task must end with: the sum over P of each member's input of
+    the round it entered the task with (inputs from seed, worker, round: :mod:`agents.inputs`)."""
+    acc = np.zeros(int(length), dtype)
+    for m, r in rounds.items():
+        np.add(acc, make_input(seed, nodes.index(m), r, length, dtype), out=acc)
+    return acc
+
+
+def rounds_in_window(tasks: list[dict], t0_ns: int, window_s: float) -> dict[str, int]:
+    """Rounds every worker completed within [t0, t0 + T] (a round: a task it initiated and
+    whose result it holds, correct)."""
+    end = t0_ns + int(window_s * 1e9)
+    out: dict[str, int] = {}
+    for t in tasks:
+        for m, d in (t.get("members_done") or {}).items():
+            if d.get("correct") and d["done_ns"] <= end:
+                out[m] = out.get(m, 0) + 1
+    return out
+
+
+# -- coordinator side ----------------------------------------------------------------------
+class TaskRun:
+    """The controller at run time, on a :class:`agents.coordinator.Coordinator` whose agents
+    are READY.  ``opts``: ``p``, ``window_s`` (T), ``plan_for(members) -> Plan`` (the scheme's
+    pure planner over group P, same nodes and length as the JOB's plan)."""
+
+    def __init__(self, coord, opts: dict):
+        self.c, self.p, self.window_s = coord, int(opts["p"]), float(opts["window_s"])
+        self.plan_for = opts["plan_for"]
+        self.nodes = list(coord.plan.nodes)
+        self.ctl = Controller(self.nodes, self.p)
+        self.plans = [coord.plan]  # version -> plan (0: the JOB's)
+        self.by_group: dict[frozenset, int] = {}
+        self.busy: dict[int, int] = {}  # version -> pid running on it
+        self.installing: dict[int, set] = {}  # version -> nodes yet to answer INSTALLED
+        self.records: list[dict] = []
+        self.enqueued: list[list] = []  # [node, round, t_ns]
+        self.t0_ns = 0
+        self.rate = opts.get("rate")  # b_{i,j}(i, j) for Eq. (3); None: no repair, only ABANDON
+        self.lost: list[str] = []
+        self.faults: list[dict] = []
+        self.reassign: dict[int, dict] = {}  # pid -> {j: k} of a repair task
+
+    def run(self) -> dict:
+        c = self.c
+        task_limit = c.ready_limit() + c.limit_s
+        for n in self.nodes:
+            c._send(n, {"msg": "begin"})
+        self.t0_ns = time.time_ns()
+        end = time.monotonic() + self.window_s
+        c.progress(f"window of {self.window_s:g} s started: groups of {self.p} from the ready queue")
+        while True:
+            now = time.monotonic()
+            if now >= end and not self.ctl.running():
+                break
+            for t in self.ctl.running():
+                if t.failed and now - t.failed[0] > c.silence_s + 1:  # no worker loss explains it
+                    c._diagnose(("msg", t.failed[1], {"msg": "error", "message": f"task {t.pid}: {t.failed[2]} "
+                                                      "(a failure other than a lost worker: not repaired)"}))
+                if now > t.deadline:
+                    c._diagnose(("deadline", sorted(t.waiting)[0] if t.waiting else None,
+                                 f"task {t.pid} over {'+'.join(t.members)} not done within {task_limit:g} s "
+                                 f"(state {t.state}, waiting for {', '.join(sorted(t.waiting))})"))
+            ev = self._next(now + 0.2)
+            if ev is not None:
+                self._on(ev)
+            if len(self.nodes) - len(self.lost) < self.p:
+                c._diagnose(("lost", self.lost[-1], f"{len(self.nodes) - len(self.lost)} workers left (lost: "
+                             f"{', '.join(self.lost)}), fewer than a group of {self.p}: no group can form"))
+            if time.monotonic() < end:
+                for t in self.ctl.form():
+                    t.deadline = time.monotonic() + task_limit
+                    t.times["formed_ns"] = time.time_ns()
+                    self._place(t)
+        self._finish()
+        return self.results()
+
+    def _finish(self) -> None:
+        """FINISH to every agent, BYE from each (an ENQUEUE sent meanwhile is no error)."""
+        c, got = self.c, set()
+        alive = [n for n in self.nodes if n not in self.lost]
+        for n in alive:
+            c._send(n, {"msg": "finish"})
+        deadline = time.monotonic() + c.silence_s + 2
+        while not set(alive) <= got:
+            if time.monotonic() > deadline:
+                missing = [n for n in alive if n not in got]
+                c._diagnose(("deadline", missing[0], f"no BYE from {', '.join(missing)}"))
+            ev = self._next(deadline)
+            if ev is None or ev[0] == "registered" or ev[1] in self.lost or (ev[0] in ("lost", "silent")
+                                                                              and ev[1] in got):
+                continue
+            if ev[0] != "msg" or ev[2].get("msg") not in ("bye", "enqueue", "status"):
+                c._diagnose(ev)
+            if ev[2].get("msg") == "bye":
+                got.add(ev[1])
+                for e in ev[2].get("errors") or []:
+                    c._errors.append(f"{ev[1]}: after the last task: {e}")
+
+    # events
+    def _next(self, deadline: float):
+        """The coordinator's next event; an agent process that exited is a lost worker."""
+        c = self.c
+        try:
+            ev = c._events.get(timeout=max(0.0, min(0.2, deadline - time.monotonic())))
+        except queue.Empty:
+            ev = None
+        problem = c.health() if c.health else None
+        if problem:
+            node = problem.split(":", 1)[0]
+            if node not in self.nodes:
+                c._diagnose(("lost", None, problem))
+            if node not in self.lost:
+                self._lose(node, problem)
+        return ev
+
+    def _on(self, ev) -> None:
+        what, node, data = ev
+        if what == "registered" or node in self.lost:
+            return
+        if what in ("lost", "silent") and node in self.nodes:
+            self._lose(node, data)
+            return
+        if what != "msg":
+            self.c._diagnose(ev)
+        kind = data.get("msg")
+        if kind == "status":
+            return
+        if kind == "error":
+            self.c._diagnose(ev)
+        if kind == "enqueue":
+            self.enqueued.append([node, data.get("round"), time.time_ns()])
+            self.ctl.ready(node, int(data["round"]))
+        elif kind == "installed":
+            v = data.get("version")
+            left = self.installing.get(v)
+            if left is None and isinstance(v, int) and 0 < v < len(self.plans):
+                return  # a version given up on (a worker of it was lost)
+            if left is None or node not in left:
+                self.c._diagnose(("protocol", node, f"unexpected INSTALLED for version {v}"))
+            left.discard(node)
+            if not left:
+                del self.installing[v]
+                for t in self.ctl.running():
+                    if t.version == v and t.state == "installing":
+                        t.times["installed_ns"] = time.time_ns()
+                        self._arm(t)
+        elif kind in ("armed", "task_done", "task_failed"):
+            t = self.ctl.tasks.get(data.get("pid"))
+            if t is not None and t.state in ("abandoned", "repaired"):
+                return  # its executors were told to stop
+            want = {"armed": "arming", "task_done": "running", "task_failed": "running"}[kind]
+            if t is None or t.state != want or node not in t.waiting:
+                self.c._diagnose(("protocol", node, f"unexpected {kind.upper()} for task {data.get('pid')}"))
+            if kind == "task_failed":  # a lost worker (noticed within silence_s) explains it, or it fails the run
+                t.failed = t.failed or (time.monotonic(), node, data.get("message"))
+                return
+            t.waiting.discard(node)
+            if kind == "armed":
+                if not t.waiting:
+                    self._start(t)
+            else:
+                self._task_done(t, node, data)
+        else:
+            self.c._diagnose(("protocol", node, f"unexpected {kind!r} message in a task run"))
+
+    def _place(self, t: Task) -> None:
+        """Find (or install) the version of t's group (without the lost workers as
+        aggregators; with a repair's Eq. (3) replacement); hold it while that version runs."""
+        swap = self.reassign.get(t.pid, {})
+        exclude = [n for n in self.lost if n not in swap]
+        key = (frozenset(t.members), tuple(exclude), tuple(sorted(swap.items())))
+        if key not in self.by_group:
+            extra = {**({"exclude": exclude} if exclude else {}), **({"reassign": swap} if swap else {})}
+            plan = self.plan_for(sorted(t.members, key=self.nodes.index), **extra)
+            if list(plan.nodes) != self.nodes or plan.length != self.plans[0].length:
+                raise ValueError(f"plan for group {t.members} differs in nodes or length")
+            plan.validate()
+            v = len(self.plans)
+            self.plans.append(plan)
+            self.by_group[key] = v
+            involved = [n for n in self.nodes if plan.programs.get(n)]
+            self.installing[v] = set(involved)
+            for n in involved:
+                program, peers, scratch = self.c._part(n, plan)
+                self.c._send(n, {"msg": "plan", "version": v, "program": [op.to_dict() for op in program],
+                                 "peers": {p: list(a) for p, a in peers.items()}, "scratch": scratch})
+        t.version = self.by_group[key]
+        t.involved = [n for n in self.nodes if self.plans[t.version].programs.get(n)]
+        if t.version in self.installing:
+            t.state = "installing"
+            t.waiting = set(self.installing[t.version])
+        elif t.version in self.busy:
+            t.state = "held"
+        else:
+            self._arm(t)
+
+    def _arm(self, t: Task) -> None:
+        if t.version in self.busy:
+            t.state = "held"
+            return
+        self.busy[t.version] = t.pid
+        t.state, t.waiting = "arming", set(t.involved)
+        t.times["arm_ns"] = time.time_ns()
+        for n in t.involved:
+            self.c._send(n, {"msg": "task", "pid": t.pid, "version": t.version, "rounds": t.rounds})
+
+    def _start(self, t: Task) -> None:
+        t.state, t.waiting = "running", set(t.involved)
+        t.times["start_ns"] = time.time_ns()
+        for n in t.involved:
+            self.c._send(n, {"msg": "start", "pid": t.pid})
+
+    def _task_done(self, t: Task, node: str, data: dict) -> None:
+        t.done[node] = self.c._on_my_clock(node, {k: data.get(k) for k in
+                                                   ("comm_start_ns", "comm_done_ns", "correct", "digest",
+                                                    "max_abs_err", "receiver")})
+        if node in t.members:
+            self.ctl.member_done(t.pid, node)
+        if t.waiting:
+            return
+        t.state = "done"
+        del self.busy[t.version]
+        self.records.append(self._record(t))
+        for h in self.ctl.running():  # a group held for this version
+            if h.state == "held" and h.version == t.version:
+                self._arm(h)
+                break
+
+    def _record(self, t: Task) -> dict:
+        digests = {t.done[m].get("digest") for m in t.members}
+        members = {m: {"round": t.rounds[m], "done_ns": t.done[m]["comm_done_ns"],
+                       "correct": bool(t.done[m].get("correct")) and len(digests) == 1} for m in t.members}
+        wrong = [m for m, d in members.items() if not d["correct"]]
+        if wrong:
+            self.c._errors.append(f"task {t.pid}: wrong result at {', '.join(wrong)}")
+        start = min(d["comm_start_ns"] for d in t.done.values())
+        end = max(t.done[m]["comm_done_ns"] for m in t.members)
+        return {"pid": t.pid, "members": t.members, "version": t.version, "aggregators": len(t.involved),
+                "outcome": "repair" if "repair_of" in t.times else "done", **t.times, "cct_s": (end - start) / 1e9, "correct": not wrong, "members_done": members}
+
+    def results(self) -> dict:
+        rounds = rounds_in_window(self.records, self.t0_ns, self.window_s)
+        return {**self.c.results(),
+                "tasks_mode": {"p": self.p, "window_s": self.window_s, "t0_ns": self.t0_ns,
+                               "rounds": {n: rounds.get(n, 0) for n in self.nodes},
+                               "tasks": self.records, "enqueued": self.enqueued,
+                               "groups": [{"version": v, "members": sorted(g, key=self.nodes.index),
+                                           "meta": self.plans[v].meta} for (g, _, _), v in self.by_group.items()],
+                               "faults": self.faults, "lost": self.lost,
+                               "repaired": sum(r.get("outcome") == "repaired" for r in self.records),
+                               "abandoned": sum(r.get("outcome") == "abandoned" for r in self.records)}}
+
+    # failover (§IV-B)
+    def _lose(self, w: str, why: str) -> None:
+        """Worker ``w`` is gone: out of the queue and of every future group (its aggregator
+        share goes to the others: LP (2) over the rest); every task in flight that involves
+        it is stopped on its other nodes and, if ``w`` only aggregated for it and Eq. (3)
+        finds a replacement, run again with ``w``'s block at the replacement (a *repair*: a
+        new pid, the same members and rounds; all blocks are sent again — the executor
+        keeps no partial state, a choice); else ABANDONed: members that hold their result
+        keep the round, the others are queued again with the same round."""
+        self.lost.append(w)
+        fault = {"t_ns": time.time_ns(), "node": w, "why": str(why), "tasks": []}
+        self.faults.append(fault)
+        self.c.progress(f"worker {w} lost ({why}): failover")
+        for t in self.ctl.lose(w):
+            for n in t.involved:
+                if n not in self.lost:
+                    self.c._send(n, {"msg": "abandon", "pid": t.pid, "version": t.version})
+            if self.busy.get(t.version) == t.pid:
+                del self.busy[t.version]
+            self.installing.pop(t.version, None)
+            pending = [m for m in t.members if m not in t.done and m != w]
+            weights = (self.plans[t.version].meta.get("weights") or {}) if t.version is not None else {}
+            k = None
+            if w not in t.members and len(pending) == len(t.members) and self.rate and w in weights:
+                load = {}
+                for r in self.ctl.running():
+                    if r is not t and r.version is not None:
+                        for a, x in (self.plans[r.version].meta.get("weights") or {}).items():
+                            load[a] = load.get(a, 0.0) + x
+                cands = [a for a in weights if a not in self.lost and a not in t.members
+                         and a not in self.reassign.get(t.pid, {})]
+                k = replacement(cands, t.members, load, weights[w], self.rate)
+            t.state = "repaired" if k else "abandoned"
+            rec = {"pid": t.pid, "members": t.members, "version": t.version, "outcome": t.state, "lost": w,
+                   **t.times, "correct": True,
+                   "members_done": {m: {"round": t.rounds[m], "done_ns": t.done[m]["comm_done_ns"],
+                                        "correct": bool(t.done[m].get("correct"))} for m in t.members if m in t.done}}
+            fault["tasks"].append({"pid": t.pid, "outcome": t.state, **({"replacement": k} if k else {})})
+            if k:
+                nt = Task(self.ctl.next_pid, list(t.members), dict(t.rounds))
+                self.ctl.next_pid += 1
+                self.ctl.tasks[nt.pid] = nt
+                for m in nt.members:
+                    self.ctl.member_of[m] = nt.pid
+                self.reassign[nt.pid] = {**self.reassign.get(t.pid, {}), w: k}
+                rec["repair"] = nt.pid
+                nt.times = {"formed_ns": time.time_ns(), "repair_of": t.pid}
+                nt.deadline = time.monotonic() + self.c.ready_limit() + self.c.limit_s
+                self._place(nt)
+            else:
+                for m in pending:
+                    self.ctl.member_done(t.pid, m)
+                    self.ctl.ready(m, t.rounds[m])
+            self.records.append(rec)
+
+
+# -- agent side ------------------------------------------------------------------------------
+def worker_loop(agent, Aborted: type[Exception]) -> int:
+    """The agent in ``tasks`` mode, after READY: wait for BEGIN; then compute round r (sleep
+    its compute time), ENQUEUE, and serve the controller's messages: PLAN (install a version,
+    in a thread: other tasks run meanwhile), TASK (arm), START (run the task in a thread;
+    a member verifies its result and computes its next round), FINISH.  ``Aborted``: the
+    agent's exception for an abort (passed in: agents.agent imports this module)."""
+    from testbed.plan import Op
+
+    job, me = agent.job, agent.name
+    agent.next_msg("begin", job.wait_s)
+    rnd, computing_until = 0, time.monotonic() + job.compute_for(0)
+    armed: dict[int, tuple] = {}
+    running: dict[int, object] = {}  # pid -> executor
+    abandoned: set[int] = set()
+    threads: list[threading.Thread] = []
+
+    def spawn(fn, *args) -> None:
+        th = threading.Thread(target=fn, args=args, daemon=True, name=f"crew-{fn.__name__}")
+        threads.append(th)
+        th.start()
+
+    def install(v: int, msg: dict) -> None:
+        try:
+            agent._install(v, [Op.from_dict(o) for o in msg["program"]], msg["scratch"],
+                           {p: (str(a[0]), int(a[1])) for p, a in msg["peers"].items()}, {})
+            agent.send({"msg": "installed", "version": v})
+        except Exception as e:
+            agent.abort_soon(f"installing plan version {v}: {type(e).__name__}: {e}")
+
+    def retire(ex) -> None:  # a version given up on: its threads and connections go
+        for v, e in list(agent.execs.items()):
+            if e is ex and v != 0:
+                del agent.execs[v]
+        ex.close()
+
+    def run_task(pid: int, ex, rounds: dict) -> None:
+        try:
+            timing = ex.run(pid)
+            running.pop(pid, None)
+            check = {"receiver": me in rounds, "correct": True, "max_abs_err": 0.0, "digest": None}
+            if me in rounds:
+                x = ex.bufs["x"]
+                want = group_sum(job.seed, job.nodes, rounds, job.length, job.dtype)
+                ok = bool(np.array_equal(x.view(np.uint8), want.view(np.uint8)))
+                check = {"receiver": True, "correct": ok,
+                         "max_abs_err": 0.0 if ok else float(np.nanmax(np.abs(x.astype(np.float64) - want))),
+                         "digest": hashlib.sha256(memoryview(x).cast("B")).hexdigest()}
+            agent.send({"msg": "task_done", "pid": pid, "comm_start_ns": timing["comm_start_ns"],
+                        "comm_done_ns": timing["comm_done_ns"], **check})
+            if me in rounds:
+                agent.inbox.put({"msg": "_round_done"})
+        except Exception as e:
+            running.pop(pid, None)
+            log.error("task %d failed: %s", pid, e)
+            if pid in abandoned:
+                retire(ex)
+            agent.send({"msg": "task_failed", "pid": pid, "message": f"{type(e).__name__}: {e}"})
+
+    while True:
+        wait = computing_until - time.monotonic() if computing_until is not None else job.wait_s
+        try:
+            msg = agent.inbox.get(timeout=max(0.0, wait))
+        except queue.Empty:
+            if computing_until is None:
+                raise Aborted(f"no message from the {agent.coord} within {job.wait_s:g} s") from None
+            computing_until = None
+            agent.send({"msg": "enqueue", "round": rnd})
+            continue
+        kind = msg.get("msg")
+        if kind == "abort":
+            raise Aborted(msg["reason"])
+        if kind == "plan":
+            v = msg.get("version")
+            if not isinstance(v, int) or v in agent.execs:
+                raise ValueError(f"PLAN for version {v}: not a new version")
+            spawn(install, v, msg)
+        elif kind == "task":
+            pid, v, rounds = int(msg["pid"]), int(msg["version"]), dict(msg["rounds"])
+            ex = agent.execs[v]
+            ex.advance(pid)
+            ex.prepare(make_input(job.seed, job.nodes.index(me), rounds[me], job.length, job.dtype)
+                       if me in rounds else None)
+            armed[pid] = (ex, rounds)
+            agent.send({"msg": "armed", "pid": pid})
+        elif kind == "start":
+            ex, rounds = armed.pop(int(msg["pid"]))
+            running[int(msg["pid"])] = ex
+            spawn(run_task, int(msg["pid"]), ex, rounds)
+        elif kind == "abandon":  # §IV-B: stop this task; its version is not used again
+            pid = int(msg["pid"])
+            abandoned.add(pid)
+            if pid in running:
+                running[pid].abort(f"task {pid} abandoned by the controller")
+            elif isinstance(msg.get("version"), int) and msg["version"] in agent.execs:
+                armed.pop(pid, None)
+                retire(agent.execs[msg["version"]])
+        elif kind == "_round_done":
+            rnd += 1
+            computing_until = time.monotonic() + job.compute_for(rnd)
+        elif kind == "finish":
+            break
+        else:
+            raise ValueError(f"unexpected {kind!r} message in tasks mode")
+    late = [e for ex in agent.execs.values() for e in ex.late_errors()]
+    agent.send({"msg": "bye", "errors": late})
+    return 1 if late else 0

@@ -1,0 +1,220 @@
+"""CREW at run time (agents/crew.py): the controller's ready queue and group formation (pure),
+Eq. (3), and runs on real agent processes — over loopback and on a small emulated mesh — in
+which stragglers complete fewer rounds in the window T than fast workers, groups form in
+ready order, tasks run concurrently, and every completed round is exactly checked."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from agents.crew import Controller, group_sum, replacement, rounds_in_window
+from agents.inputs import make_input
+from testbed import config, topogen
+from testbed.errors import ConfigError
+from testbed.planners import make_plan
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+# -- pure ---------------------------------------------------------------------------------
+def test_groups_form_in_ready_order_and_a_worker_is_in_one_task_at_a_time():
+    c = Controller(["a", "b", "c", "d", "e"], 2)
+    c.ready("c", 0)
+    assert c.form() == []
+    c.ready("a", 0)
+    c.ready("e", 0)
+    t0, = c.form()
+    assert (t0.pid, t0.members, t0.rounds) == (0, ["c", "a"], {"c": 0, "a": 0})
+    c.ready("b", 0)
+    t1, = c.form()
+    assert (t1.pid, t1.members) == (1, ["e", "b"])
+    with pytest.raises(ValueError):  # a worker in a running task is not ready again
+        c.ready("c", 1)
+    c.member_done(0, "c")
+    c.ready("c", 1)
+    c.ready("d", 0)
+    t2, = c.form()
+    assert (t2.pid, t2.members, t2.rounds) == (2, ["c", "d"], {"c": 1, "d": 0})
+
+
+def test_a_lost_worker_leaves_the_queue_and_joins_no_group():
+    c = Controller(["a", "b", "c"], 2)
+    c.ready("a", 0)
+    c.ready("b", 3)
+    t, = c.form()
+    t.involved = ["a", "b", "c"]
+    c.ready("c", 0)
+    assert c.lose("c") == [t]  # an aggregator of a running task
+    c.ready("c", 1)  # ignored: it is gone
+    assert list(c.queue) == [] and c.alive == ["a", "b"]
+
+
+def test_eq3_picks_the_candidate_with_the_least_load_over_its_worst_member_link():
+    b = {("a", "x"): 100, ("x", "a"): 50, ("b", "x"): 100, ("x", "b"): 100,
+         ("a", "y"): 20, ("y", "a"): 200, ("b", "y"): 200, ("y", "b"): 200}
+    rate = lambda s, d: b[(s, d)]  # noqa: E731
+    # x: (0 + 1) / min(50, 100) = 0.02, y: 1 / 20 = 0.05
+    assert replacement(["x", "y"], ["a", "b"], {}, 1.0, rate) == "x"
+    # a heavy load on x tips it: (2 + 1) / 50 = 0.06 > 0.05
+    assert replacement(["x", "y"], ["a", "b"], {"x": 2.0}, 1.0, rate) == "y"
+    assert replacement([], ["a", "b"], {}, 1.0, rate) is None  # S empty: ABANDON
+
+
+def test_group_sum_takes_each_members_own_round():
+    nodes = ["a", "b", "c"]
+    got = group_sum(7, nodes, {"a": 3, "c": 0}, 1000, "float32")
+    want = make_input(7, 0, 3, 1000) + make_input(7, 2, 0, 1000)
+    assert np.array_equal(got, want)
+
+
+def test_rounds_in_window_counts_correct_rounds_done_before_its_end():
+    tasks = [{"members_done": {"a": {"done_ns": 5, "correct": True}, "b": {"done_ns": 5, "correct": True}}},
+             {"members_done": {"a": {"done_ns": 9, "correct": True}, "c": {"done_ns": 12, "correct": True}}},
+             {"members_done": {"b": {"done_ns": 6, "correct": False}}}]
+    assert rounds_in_window(tasks, 0, 10e-9) == {"a": 2, "b": 1}
+
+
+def test_groups_key_is_validated():
+    base = {"name": "g", "topology": "small-3", "scheme": {"name": "crew", "groups": {"p": 2, "window_s": 5}}}
+    exp = config.validate(base)
+    assert exp.scheme["groups"] == {"p": 2, "window_s": 5}
+    for bad, key in (({"p": 4}, "scheme.groups.p"), ({"window_s": 0}, "scheme.groups.window_s"),
+                     ({"q": 1}, "scheme.groups.q")):
+        with pytest.raises(ConfigError) as e:
+            config.validate({**base, "scheme": {"name": "crew", "groups": bad}})
+        assert e.value.key == key, e.value
+    with pytest.raises(ConfigError) as e:  # a scheme that cannot reduce a group
+        config.validate({**base, "scheme": {"name": "mst", "groups": {"p": 2}}})
+    assert e.value.key == "scheme.groups"
+
+
+# -- real agents over loopback -----------------------------------------------------------
+def check_groups_run(res: dict, nodes: list[str], fast: list[str], slow: list[str], p: int) -> dict:
+    """Every round exact, groups in ready order, fast workers ahead; returns tasks_mode."""
+    tm = res["tasks_mode"]
+    assert not res["errors"], res["errors"]
+    assert not tm["faults"], tm["faults"]
+    assert tm["tasks"] and all(t["correct"] for t in tm["tasks"])
+    for t in tm["tasks"]:
+        assert len(t["members"]) == p and all(d["correct"] for d in t["members_done"].values())
+    # every worker's rounds are consecutive from 0, each in exactly one task
+    for n in nodes:
+        mine = sorted(t["members_done"][n]["round"] for t in tm["tasks"] if n in t["members"])
+        assert mine == list(range(len(mine))), (n, mine)
+    # ready order: each group is the first p ready workers (ENQUEUE order at the controller)
+    queue, by_pid = [], {t["pid"]: t for t in tm["tasks"]}
+    pid = 0
+    for node, rnd, _ in tm["enqueued"]:
+        queue.append(node)
+        if len(queue) == p:
+            if pid in by_pid:  # tasks formed after T are not run
+                assert by_pid[pid]["members"] == queue, (pid, by_pid[pid]["members"], queue)
+            queue, pid = [], pid + 1
+    assert min(tm["rounds"][n] for n in fast) > 1.5 * max(tm["rounds"][n] for n in slow), tm["rounds"]
+    return tm
+
+
+def test_loopback_stragglers_complete_fewer_rounds_and_tasks_overlap():
+    from agents.local import LocalCluster
+
+    g = topogen.crew_mesh(4, 1).graph()
+    length = 30_011
+    plan0 = make_plan("crew", g, length, {})
+    nodes = list(plan0.nodes)
+    compute = {n: [0.04] if i < 2 else [0.25, 0.3] for i, n in enumerate(nodes)}
+    with LocalCluster(plan0, timeout_s=20, compute_s=compute, seed=5) as cl:
+        cl.coordinator.tasks = {"p": 2, "window_s": 3.0,
+                                "plan_for": lambda m: make_plan("crew", g, length, {"active": list(m)})}
+        res = cl.run()
+    tm = check_groups_run(res, nodes, nodes[:2], nodes[2:], 2)
+    spans = sorted((t["start_ns"], max(d["done_ns"] for d in t["members_done"].values())) for t in tm["tasks"])
+    assert any(b[0] < a[1] for a, b in zip(spans, spans[1:])), "no two tasks ran at once"
+
+
+# -- emulated ------------------------------------------------------------------------------
+EMU_EXP = """
+name: crew-runtime
+topology: {name: m4, generator: {kind: crew-mesh, n: 4, seed: 1, delay_ms: 5}}
+seed: 3
+scheme: {name: crew, groups: {p: 2, window_s: 8}}
+variants: [{label: opr, scheme: {name: crew, aggregators: members, groups: {p: 2, window_s: 8}}}]
+workload: {size: 2MB, compute_s: {per_worker: {n0: 0.05, n1: 0.05, n2: [0.8, 1.2], n3: [1.0, 0.7]}}}
+agents: {timeout_s: 30}
+"""
+
+
+@pytest.mark.net
+def test_emulated_groups_from_the_ready_queue(netenv, tmp_path):
+    exp = tmp_path / "exp.yaml"
+    exp.write_text(EMU_EXP)
+    res = subprocess.run([sys.executable, "-m", "testbed", "run", str(exp), "--out", str(tmp_path), "--no-report"],
+                         cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "rounds each worker completed in the window T" in res.stdout, res.stdout
+    results = json.loads((tmp_path / "results.json").read_text())
+    nodes = ["n0", "n1", "n2", "n3"]
+    for run in results["runs"]:
+        assert run["correct"], run["errors"]
+        check_groups_run({"tasks_mode": run["groups"], "errors": run["errors"]}, nodes, nodes[:2], nodes[2:], 2)
+        assert run["rounds_total"] == sum(run["rounds"].values()) > 0
+
+
+def test_failover_plans_are_exact_and_skip_the_lost_and_the_replaced():
+    """exclude (a lost worker aggregates nothing) and reassign (Eq. 3: j's block to k)."""
+    from testbed.plan import check_allreduce
+
+    g = topogen.crew_mesh(5, 2).graph()
+    inputs = {n: make_input(1, i, 0, 997) for i, n in enumerate(sorted(g.nodes))}
+    base = make_plan("crew", g, 997, {"active": ["n0", "n2"]})
+    plan = make_plan("crew", g, 997, {"active": ["n0", "n2"], "exclude": ["n4"], "reassign": {"n1": "n3"}})
+    check_allreduce(plan, inputs)
+    assert plan.meta["aggregators"] == ["n0", "n2", "n3"] and not plan.programs["n4"] and not plan.programs["n1"]
+    w0 = make_plan("crew", g, 997, {"active": ["n0", "n2"], "exclude": ["n4"]}).meta["weights"]
+    assert plan.meta["weights"]["n3"] == pytest.approx(w0["n3"] + w0["n1"])
+    assert set(base.meta["aggregators"]) == set(g.nodes)
+    with pytest.raises(ConfigError):
+        make_plan("crew", g, 997, {"active": ["n0", "n2"], "exclude": ["n4"], "reassign": {"n1": "n4"}})
+
+
+CRASH_EXP = EMU_EXP.replace("name: crew-runtime", "name: crew-crash").replace(
+    "variants: [{label: opr, scheme: {name: crew, aggregators: members, groups: {p: 2, window_s: 8}}}]\n",
+    "faults: [{at_s: 4, crash: n3}]\n")
+
+
+@pytest.mark.net
+def test_emulated_crash_mid_run_repairs_or_abandons_and_the_run_goes_on(netenv, tmp_path):
+    """n3 crashes (the emulator kills its processes and cuts its links) while groups run:
+    tasks in flight with n3 only aggregating are repaired (Eq. 3), those with n3 as a member
+    abandoned; the survivors keep forming groups to the end of T, every round exact."""
+    exp = tmp_path / "exp.yaml"
+    exp.write_text(CRASH_EXP)
+    res = subprocess.run([sys.executable, "-m", "testbed", "run", str(exp), "--out", str(tmp_path), "--no-report"],
+                         cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert any(e.get("event") == "host_crash" and e.get("dc") == "n3" for e in results["events"]), results["events"]
+    run, = results["runs"]
+    g = run["groups"]
+    assert run["correct"], run["errors"]
+    assert g["lost"] == ["n3"] and g["faults"][0]["node"] == "n3"
+    crash_ns = g["faults"][0]["t_ns"]
+    for t in g["faults"][0]["tasks"]:
+        rec = next(r for r in g["tasks"] if r["pid"] == t["pid"] and r.get("outcome") != "done")
+        assert t["outcome"] == ("abandoned" if "n3" in rec["members"] else "repaired"), (t, rec)
+        if t["outcome"] == "repaired":
+            fix = next(r for r in g["tasks"] if r.get("repair_of") == t["pid"])
+            assert fix["correct"] and fix["members"] == rec["members"], fix
+    done = [t for t in g["tasks"] if t.get("outcome") in ("done", "repair")]
+    assert all(t["correct"] for t in done)
+    after = [t for t in done if t["start_ns"] > crash_ns]
+    assert after and all("n3" not in t["members"] for t in after)
+    for n in ("n0", "n1", "n2"):  # rounds consecutive per survivor, each once
+        mine = sorted(t["members_done"][n]["round"] for t in done if n in t["members"])
+        assert mine == list(range(len(mine))), (n, mine)
+    print("faults:", g["faults"], "rounds:", g["rounds"], "repaired", g["repaired"], "abandoned", g["abandoned"])
