@@ -226,6 +226,12 @@ def _print_plan(exp: dict, variant: dict, args) -> None:
     for k, v in plan.meta.items():
         if k not in ("trees", "params") and not isinstance(v, (list, dict)):
             print(f"  {k}: {v}")
+    if variant.scheme.get("aux"):
+        paths = plan.aux["paths"]
+        pairs = {(src, op.peer) for src, op in plan.transfers()}
+        print(f"  auxiliary paths: {len(paths)} for {len({(p[0], p[-1]) for p in paths})} of {len(pairs)} "
+              "(sender, next aggregator) pairs" + "".join(f"\n    {'>'.join(p)}" for p in paths[:8])
+              + ("\n    ..." if len(paths) > 8 else ""))
     print(f"predicted CCT {prediction['cct_s']:.4f}s ({prediction.get('model', '')}); "
           + (f"bound: rate {bound['rate_mbps']:.1f} Mbit/s, CCT {bound['cct_s']:.4f}s" if bound else
              "no bound: the tree-packing optimum bounds an AllReduce of every node, this is a partial reduce"))
