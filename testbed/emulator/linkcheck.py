@@ -43,6 +43,7 @@ import re
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 from scipy.stats import binomtest, truncnorm
 

@@ -232,6 +232,7 @@ class Relay:
         batch: int = 64,
         spin_us: int = 150,
         max_ring_mb: int = 256,
+        tx_kb: int = 0,
         extra: dict[str, int] | None = None,
     ) -> None:
         if not links:
@@ -250,6 +251,7 @@ class Relay:
             "batch": int(batch),
             "spin_us": int(spin_us),
             "max_ring_mb": int(max_ring_mb),
+            "tx_kb": int(tx_kb),
             **(extra or {}),
         }
         self.proc: subprocess.Popen[bytes] | None = None
