@@ -11,6 +11,11 @@
   the closed loop's overhead (NetStorm §V claims none worth noting; issue 12 asks <= 3 %).
 * ``chaos`` / ``fuzz`` — ``testbed.chaos``: 100 seeded SIGSTOP/SIGKILL trials on loopback
   (share ending right, time to end); 10^5 mutated wire frames (share detected per field).
+* ``emulator`` — emulator headroom (issue 11): for a topology, the largest scale at which
+  ``linkcheck --concurrent`` passes every direction with the emulator kept up, once through
+  the user-space delay relay and once with HTB alone (delays, jitter and loss removed: the
+  kernel's shaping capacity), and their ratio — the share of that capacity the delay
+  emulation preserves.
 """
 
 from __future__ import annotations
@@ -123,10 +128,102 @@ def bench_adaptive(out: Path, progress, size_mb: float = 16.0, repetitions: int 
             "emulation": {k: res["emulation"][k] for k in ("method", "kept_up", "warnings")}}
 
 
-BENCHES = {"adaptive": bench_adaptive, "dataplane": bench_dataplane, "ring": bench_ring, "planner": bench_planner, "chaos": bench_chaos,
+def largest_passing(passes: Callable[[float], bool], start: float = 1.0, lo: float = 0.1, hi: float = 4.0,
+                    factor: float = 1.25, precision: float = 1.1) -> tuple[float | None, list[tuple[float, bool]]]:
+    """Largest scale in [lo, hi] at which ``passes(scale)`` holds, assuming it holds below some
+    threshold and not above: from ``start``, step by ``factor`` until the verdict flips, then
+    bisect (geometrically) until the bracket is within ``precision``.  Returns the largest
+    passing scale tried (None if even ``lo`` fails) and every (scale, verdict) tried."""
+    tried: list[tuple[float, bool]] = []
+
+    def check(x: float) -> bool:
+        ok = bool(passes(x))
+        tried.append((x, ok))
+        return ok
+
+    good, bad = None, None
+    x = min(max(start, lo), hi)
+    if check(x):
+        good = x
+        while good < hi:
+            x = min(hi, good * factor)
+            if not check(x):
+                bad = x
+                break
+            good = x
+    else:
+        bad = x
+        while bad > lo:
+            x = max(lo, bad / factor)
+            if check(x):
+                good = x
+                break
+            bad = x
+    while good is not None and bad is not None and bad / good > precision:
+        x = round((good * bad) ** 0.5, 3)
+        if check(x):
+            good = x
+        else:
+            bad = x
+    return good, tried
+
+
+def without_delays(topo):
+    """The same links with delay, jitter and loss removed: shaped by HTB alone, no relay."""
+    from dataclasses import replace
+
+    from testbed.wan import Topology
+
+    def bare(d):
+        return replace(d, delay_ms=0.0, jitter_ms=0.0, loss=0.0)
+
+    return Topology(topo.name + "-htb-only", list(topo.nodes), [replace(l, ab=bare(l.ab), ba=bare(l.ba))
+                                                               for l in topo.links],
+                    topo.source, topo.scale, {n: dict(a) for n, a in topo.node_attrs.items()})
+
+
+def bench_emulator(out: Path, progress, topology: str = "netstorm-internet2-9", tcp_cc: str | None = None,
+                   seconds: float = 6.0, lo: float = 0.1, hi: float = 4.0) -> dict:
+    from testbed.emulator import DEFAULT_TCP_CC
+    from testbed.emulator.linkcheck import run_linkcheck
+    from testbed.results import write_json_atomic
+    from testbed.topology import load_topology
+
+    cc = tcp_cc or DEFAULT_TCP_CC
+    topo = load_topology(topology, source=topology)
+    result = {"topology": topo.name, "tcp_cc": cc, "seconds": seconds,
+              "capacity_mbps_at_scale_1": sum(l.ab.rate_mbps + l.ba.rate_mbps for l in topo.links)}
+    for path, base in (("relay", topo), ("htb", without_delays(topo))):
+        runs = []
+
+        def passes(scale: float) -> bool:
+            progress(f"{path}: linkcheck --concurrent at scale {scale:g}")
+            r = run_linkcheck(base.scaled(scale), seconds=seconds, phases=("concurrent",), tcp_cc=cc,
+                              progress=lambda m: None)
+            rows = r["directions"]
+            ok = r["ok"] and r["emulation_kept_up"]["ok"]
+            runs.append({"scale": scale, "ok": ok, "directions_ok": sum(d["ok"] for d in rows),
+                         "directions": len(rows), "worst_rate_ratio": min((d.get("rate_ratio") or 0) for d in rows),
+                         "kept_up": r["emulation_kept_up"], "cpu_util": r.get("concurrent_cpu_util"),
+                         "steal": r.get("steal"), "method": r.get("method"), "relay_layout": r.get("relay_layout")})
+            write_json_atomic(out / f"{path}-scale-{scale:g}.json", r)
+            progress(f"{path}: scale {scale:g}: {runs[-1]['directions_ok']}/{len(rows)} directions, "
+                     f"kept up {r['emulation_kept_up']['ok']} -> {'pass' if ok else 'fail'}")
+            return ok
+
+        best, _ = largest_passing(passes, lo=lo, hi=hi)
+        result[path] = {"max_scale": best, "max_capacity_mbps": best and best * result["capacity_mbps_at_scale_1"],
+                        "runs": runs}
+    r, h = result["relay"]["max_scale"], result["htb"]["max_scale"]
+    result["ratio"] = r / h if r and h else None
+    return result
+
+
+BENCHES = {"emulator": bench_emulator, "adaptive": bench_adaptive, "dataplane": bench_dataplane, "ring": bench_ring, "planner": bench_planner, "chaos": bench_chaos,
            "fuzz": bench_fuzz}
 
 
-def run_bench(name: str, out: Path, progress: Callable[[str], None] = lambda m: None) -> dict:
-    """Run benchmark ``name`` (its scratch files under ``out``); its bench.json data."""
-    return {"bench": name, **BENCHES[name](out, progress), "environment": environment()}
+def run_bench(name: str, out: Path, progress: Callable[[str], None] = lambda m: None, **options) -> dict:
+    """Run benchmark ``name`` (its scratch files under ``out``; ``options`` are the benchmark's
+    keyword parameters, e.g. ``topology`` for ``emulator``); its bench.json data."""
+    return {"bench": name, **BENCHES[name](out, progress, **options), "environment": environment()}

@@ -306,12 +306,26 @@ def cmd_bench(args) -> int:
     from testbed.progress import Progress
     from testbed.results import new_run_dir, write_json_atomic
 
+    options = {k: v for k, v in (("topology", args.topology), ("tcp_cc", args.tcp_cc),
+                                 ("seconds", args.seconds)) if v is not None}
+    if options and args.name != "emulator":
+        print(f"bench {args.name}: --topology, --tcp-cc and --seconds apply to 'bench emulator' only",
+              file=sys.stderr)
+        return 2
+    if "topology" in options:
+        from testbed.topology import load_topology
+
+        load_topology(options["topology"], source=options["topology"])  # bad name: one line, before any network
     out = Path(args.out) if args.out else new_run_dir("results", f"bench-{args.name}")
-    result = run_bench(args.name, out, Progress())
+    result = run_bench(args.name, out, Progress(), **options)
     write_json_atomic(out / "bench.json", result)
     for k, v in result.items():
         if k != "environment":
             print(f"{k}: {v}")
+    if args.name == "emulator":
+        print(f"emulator headroom on {result['topology']} ({result['tcp_cc']}): largest passing scale through the "
+              f"relay {result['relay']['max_scale']}, HTB alone {result['htb']['max_scale']}, "
+              f"ratio {result['ratio'] if result['ratio'] is None else round(result['ratio'], 3)}")
     print(f"bench: {out / 'bench.json'}")
     return 0
 
@@ -402,8 +416,12 @@ def build_parser() -> argparse.ArgumentParser:
     lc.set_defaults(func=cmd_linkcheck)
 
     b = sub.add_parser("bench", help="benchmarks that report ratios measured in one run")
-    b.add_argument("name", choices=("dataplane", "ring", "planner", "adaptive", "chaos", "fuzz"),
+    b.add_argument("name", choices=("dataplane", "ring", "planner", "adaptive", "chaos", "fuzz", "emulator"),
                    help="which benchmark")
+    b.add_argument("--topology", help="emulator: topology whose largest passing scale is searched "
+                                      "(default netstorm-internet2-9)")
+    b.add_argument("--tcp-cc", help=f"emulator: the hosts' TCP congestion control (default {DEFAULT_TCP_CC})")
+    b.add_argument("--seconds", type=float, help="emulator: linkcheck measuring time per scale (default 6)")
     b.add_argument("--out", help="output folder")
     b.set_defaults(func=cmd_bench)
     return p

@@ -303,6 +303,7 @@ def _run_on_network(exp: Experiment, planned: list, results: dict, out_dir: Path
                 relay, results["events"] = [], results["events"] + [{"error": f"relay statistics: {e}"}]
             results["emulation"] = _emulation_health(net.method, len(net.relays), relay, cpu_util, steal,
                                                       exp.emulator.max_late_ms)
+            results["emulation"]["relay_layout"] = net.relay_layout
 
 
 def _comparison(variants: list[dict]) -> list[dict]:

@@ -78,6 +78,20 @@ def test_config_text_and_partition():
     assert groups == [[0], [1, 2, 3]]  # largest first: 155 | 100+50+20
 
 
+def test_layout_one_relay_per_core_recorded():
+    links = [RelayLink(f"p{i}", f"q{i}", RelayDirection(30), RelayDirection(30), r)
+             for i, r in enumerate([155, 20, 100, 50])]
+    lay = relay_mod.layout(links, cpus=2)
+    assert lay["processes"] == 2 and lay["cpus"] == [0, 1] and lay["rtprio"] == relay_mod.RTPRIO
+    assert lay["groups"] == partition_links(links, 2) and lay["links"] == [1, 3]
+    assert lay["rate_mbps"] == [155, 170]
+    assert relay_mod.layout(links[:1], cpus=8)["processes"] == 1  # never more processes than links
+    assert relay_mod.layout(links, cpus=8)["cpus"] == [0, 1, 2, 3]
+    forced = relay_mod.layout(links, cpus=2, procs=3)
+    assert forced["processes"] == 3 and forced["cpus"] == [0, 1, 0] and forced["rule"] == "requested"
+    json.dumps(lay)  # goes into results.json as is
+
+
 def test_kept_up_verdict():
     def d(**kw):
         base = dict(link=0, dir="ab", **{"in": "p", "out": "q"}, frames_out=10, drop_ring=0,

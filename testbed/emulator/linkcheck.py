@@ -43,6 +43,7 @@ import re
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 from scipy.stats import binomtest, truncnorm
 
@@ -316,7 +317,8 @@ def run_linkcheck(topo, *, seconds: float = 6.0, phases=("single", "concurrent")
             result["concurrent_cpu_util"], result["concurrent_steal"] = cpu.stop()
         result["cpu_util"], result["steal"] = whole.stop()
         result["load_after"] = os.getloadavg()
-        result["relay"] = net.relay_stats()  # keep-up window: the concurrent phase if there was one
+        result["relay"] = net.relay_stats()
+        result["relay_layout"] = net.relay_layout  # keep-up window: the concurrent phase if there was one
         result["emulation_kept_up"] = _kept_up(result["relay"], max_late_ms, result["steal"])
     for d in result["directions"]:
         d["ok"] = all(d["checks"].values())

@@ -79,7 +79,7 @@ class WanNetwork:
 
     topo: Topology
     method: str = "auto"  # "auto" | "netem" | "relay"
-    relay_procs: int = 0  # relay processes (0: one per core, at most 2)
+    relay_procs: int = 0  # relay processes (0: decided by relay.layout: one per core)
     seed: int = 0
     log: Callable[[str], None] = lambda msg: None
     caps: Capabilities | None = None
@@ -93,6 +93,7 @@ class WanNetwork:
         self.hosts: dict = {}
         self.relays: list = []
         self.relay_final_stats: list[dict] = []
+        self.relay_layout: dict | None = None  # relay.layout(): processes, cpus, priority (results.json)
         self._owns_bridge = False
         self._procs: list[tuple[str, subprocess.Popen]] = []  # (datacenter, process)
         self.events: list[dict] = []
@@ -263,10 +264,12 @@ class WanNetwork:
                 ab=relay_mod.RelayDirection(link.ab.delay_ms, link.ab.jitter_ms, link.ab.loss),
                 ba=relay_mod.RelayDirection(link.ba.delay_ms, link.ba.jitter_ms, link.ba.loss),
                 rate_mbps_max=max(link.ab.rate_mbps, link.ba.rate_mbps)))
-        cpus = os.cpu_count() or 1
-        groups = relay_mod.partition_links(links, self.relay_procs or min(2, cpus))
+        lay = relay_mod.layout(links, os.cpu_count() or 1, self.relay_procs)
+        self.relay_layout = {k: v for k, v in lay.items() if k != "groups"}
+        groups = lay["groups"]
         for k, group in enumerate(groups):
-            r = relay_mod.Relay([links[i] for i in group], seed=self.seed * 1000 + k, cpu=k % cpus)
+            r = relay_mod.Relay([links[i] for i in group], seed=self.seed * 1000 + k, cpu=lay["cpus"][k],
+                                rtprio=lay["rtprio"])
             self.relays.append(r)
             r.start(wan.popen)
         self.log(f"user-space delay relay: {len(groups)} process(es) for {len(pairs)} links")

@@ -62,6 +62,7 @@ __all__ = [
     "build",
     "kept_up",
     "partition_links",
+    "layout",
     "SOURCE",
     "BINARY",
 ]
@@ -174,6 +175,28 @@ def partition_links(links: Sequence[RelayLink], n: int) -> list[list[int]]:
     return [sorted(g) for g in groups if g]
 
 
+RTPRIO = 10  # SCHED_FIFO priority of every relay process
+
+
+def layout(links: Sequence[RelayLink], cpus: int, procs: int = 0) -> dict[str, Any]:
+    """How many relay processes, on which cores, at which priority (recorded in results.json).
+
+    Decided from measurement (issue 11; README "Emulator headroom"): a relay's sends run the
+    receiving hosts' network stack in its own context, so the relays must spread that work
+    over every core.  With one process for NetStorm's 13 links (2059 Mbit/s) on 2 cores one
+    ``sendmmsg`` took up to 35 ms and p99 lateness reached 22 ms; with one process per core,
+    pinned, the longest call was 0.3 ms and p99 0.3 ms, and GScale's 19 links (7660 Mbit/s)
+    kept up too.  SCHED_FIFO: its run-queue wait under full load averaged 2-4 us per
+    timeslice (0.2 s in a 29 s window), while a CFS relay waits behind the TCP endpoints.
+    ``procs`` > 0 overrides the count (emulator.relay_procs)."""
+    n = procs if procs > 0 else max(1, min(cpus, len(links)))
+    groups = partition_links(links, n)
+    return {"processes": len(groups), "cpus": [k % max(1, cpus) for k in range(len(groups))],
+            "rtprio": RTPRIO, "links": [len(g) for g in groups],
+            "rate_mbps": [sum(links[i].rate_mbps_max for i in g) for g in groups],
+            "groups": groups, "rule": "requested" if procs > 0 else "one per core (at most one per link)"}
+
+
 # ------------------------------------------------------------------- verdict
 
 
@@ -228,10 +251,11 @@ class Relay:
         *,
         vnet: bool = True,
         reorder: bool = False,
-        rtprio: int = 10,
+        rtprio: int = RTPRIO,
         batch: int = 64,
         spin_us: int = 150,
         max_ring_mb: int = 256,
+        tx_kb: int = 0,
         extra: dict[str, int] | None = None,
     ) -> None:
         if not links:
@@ -250,6 +274,7 @@ class Relay:
             "batch": int(batch),
             "spin_us": int(spin_us),
             "max_ring_mb": int(max_ring_mb),
+            "tx_kb": int(tx_kb),
             **(extra or {}),
         }
         self.proc: subprocess.Popen[bytes] | None = None

@@ -246,8 +246,8 @@ typedef struct dir {
 
 static struct {
     uint64_t seed;
-    int reorder, vnet, cpu, rtprio, slack_us, batch, rx_poll_us, max_ring_mb, spin_us, spin_pct;
-} cfg = {0, 0, 1, -1, 0, 20, 64, -1, 256, 150, 5};
+    int reorder, vnet, cpu, rtprio, slack_us, batch, rx_poll_us, max_ring_mb, spin_us, spin_pct, tx_kb;
+} cfg = {0, 0, 1, -1, 0, 20, 64, -1, 256, 150, 5, 0};
 
 static port_t *ports;
 static dir_t *dirs;
@@ -256,6 +256,10 @@ static double *link_rate; /* Mbit/s, for ring sizing */
 static uint64_t n_wakeups, n_loops, n_sendcalls;
 static int64_t send_call_max, wake_late_max; /* ns: longest sendmmsg, worst timer overshoot */
 static int64_t tx_loop_max, harvest_gap_max; /* ns: longest send round, longest time between socket reads */
+static int64_t rx_ns, tx_ns;                  /* ns spent reading sockets / in sendmmsg (window) */
+static int64_t win_start;                     /* start of the keep-up window (ns) */
+static int64_t sched0_run, sched0_delay;      /* /proc/self/schedstat at window start */
+static uint64_t sched0_slices;
 static int64_t t_start;
 
 /* --------------------------------------------------------------- config */
@@ -326,6 +330,7 @@ static void parse_config(const char *path)
         else if (!strcmp(key, "spin_us")) cfg.spin_us = v < 0 ? 0 : (int)v;
         else if (!strcmp(key, "spin_pct")) cfg.spin_pct = v < 0 ? 0 : v > 100 ? 100 : (int)v;
         else if (!strcmp(key, "max_ring_mb")) cfg.max_ring_mb = v < 1 ? 1 : (int)v;
+        else if (!strcmp(key, "tx_kb")) cfg.tx_kb = v < 0 ? 0 : (int)v;
         else die("%s:%d: unknown key %s", path, lineno, key);
     }
     fclose(f);
@@ -810,8 +815,9 @@ static int tx_batch(dir_t *d, int64_t now)
     static struct iovec iov[MAX_BATCH];
     static uint8_t scratch[64 * 2048 + 65536 + 4096];
     int n = 0;
+    size_t bytes = 0, cap = cfg.tx_kb ? (size_t)cfg.tx_kb << 10 : SIZE_MAX;
     entry_t *t;
-    while (n < cfg.batch && (t = q_top(d)) && t->due <= now) {
+    while (n < cfg.batch && bytes < cap && (t = q_top(d)) && t->due <= now) {
         if (t->lossmask) {
             if (n) break; /* send what we have first */
             entry_t e = *t;
@@ -835,6 +841,7 @@ static int tx_batch(dir_t *d, int64_t now)
             return 1;
         }
         b[n] = *t;
+        bytes += t->len;
         q_pop(d);
         iov[n].iov_base = b[n].data;
         iov[n].iov_len = b[n].len;
@@ -851,6 +858,7 @@ static int tx_batch(dir_t *d, int64_t now)
         int64_t t1 = mono_ns();
         n_sendcalls++;
         if (t1 - t0 > send_call_max) send_call_max = t1 - t0;
+        tx_ns += t1 - t0;
         if (k > 0) {
             /* frame i is handed to the device at ~ t0 + (t1-t0)*i/k (the
              * syscall also runs the receivers' stack in softirq context, so
@@ -890,6 +898,37 @@ static void poll_kernel_stats(void)
     }
 }
 
+/* Run-queue accounting of this process (CONFIG_SCHED_INFO): CPU time, time spent
+ * runnable but waiting for a CPU, and number of timeslices.  0 if unavailable. */
+static void read_schedstat(int64_t *run, int64_t *delay, uint64_t *slices)
+{
+    long long r = 0, w = 0;
+    unsigned long long n = 0;
+    FILE *f = fopen("/proc/self/schedstat", "r");
+    if (f) {
+        if (fscanf(f, "%lld %lld %llu", &r, &w, &n) != 3) r = w = 0, n = 0;
+        fclose(f);
+    }
+    *run = r, *delay = w, *slices = n;
+}
+
+/* Start a new keep-up window: per-direction maxima and histograms, and the loop's
+ * timing maxima and totals. */
+static void reset_window(void)
+{
+    for (int i = 0; i < ndirs; i++) {
+        stats_t *st = &dirs[i].st;
+        st->max_backlog = st->max_backlog_bytes = 0;
+        st->late_max = st->rxlag_max = 0;
+        st->drop_ring = st->drop_queue = 0;
+        memset(st->hist, 0, sizeof st->hist);
+    }
+    send_call_max = wake_late_max = tx_loop_max = harvest_gap_max = 0;
+    rx_ns = tx_ns = 0;
+    win_start = mono_ns();
+    read_schedstat(&sched0_run, &sched0_delay, &sched0_slices);
+}
+
 static void emit_stats(const char *event)
 {
     poll_kernel_stats();
@@ -897,16 +936,23 @@ static void emit_stats(const char *event)
     char *buf = malloc(cap);
     struct rusage ru;
     getrusage(RUSAGE_SELF, &ru);
-    int64_t now = mono_ns();
+    int64_t now = mono_ns(), s_run, s_delay;
+    uint64_t s_slices;
+    read_schedstat(&s_run, &s_delay, &s_slices);
+    s_slices -= sched0_slices;
 #define P(...) n += (size_t)snprintf(buf + n, cap - n, __VA_ARGS__)
     P("{\"event\":\"%s\",\"pid\":%d,\"t_mono\":%.6f,\"uptime_s\":%.6f,\"cpu_user_s\":%.6f,"
       "\"cpu_sys_s\":%.6f,\"wakeups\":%" PRIu64 ",\"loops\":%" PRIu64 ",\"send_calls\":%" PRIu64
       ",\"send_call_max_us\":%.1f,\"wake_late_max_us\":%.1f,\"tx_loop_max_us\":%.1f,\"read_gap_max_us\":%.1f"
+      ",\"window_s\":%.6f,\"win_cpu_s\":%.6f,\"win_runq_wait_s\":%.6f,\"win_runq_wait_avg_us\":%.1f"
+      ",\"win_rx_s\":%.6f,\"win_tx_s\":%.6f,\"cpu\":%d,\"rtprio\":%d,\"tx_kb\":%d"
       ",\"vnet\":%d,\"reorder\":%d,\"rx_poll_us\":%d,\"dirs\":[",
       event, getpid(), now / 1e9, (now - t_start) / 1e9,
       ru.ru_utime.tv_sec + ru.ru_utime.tv_usec / 1e6, ru.ru_stime.tv_sec + ru.ru_stime.tv_usec / 1e6,
       n_wakeups, n_loops, n_sendcalls, send_call_max / 1e3, wake_late_max / 1e3, tx_loop_max / 1e3,
-      harvest_gap_max / 1e3, cfg.vnet, cfg.reorder, cfg.rx_poll_us);
+      harvest_gap_max / 1e3, (now - win_start) / 1e9, (s_run - sched0_run) / 1e9,
+      (s_delay - sched0_delay) / 1e9, s_slices ? (s_delay - sched0_delay) / 1e3 / (double)s_slices : 0.0,
+      rx_ns / 1e9, tx_ns / 1e9, cfg.cpu, cfg.rtprio, cfg.tx_kb, cfg.vnet, cfg.reorder, cfg.rx_poll_us);
     for (int i = 0; i < ndirs; i++) {
         dir_t *d = &dirs[i];
         stats_t *s = &d->st;
@@ -959,6 +1005,19 @@ static void emit_stats(const char *event)
 /* -------------------------------------------------------------- rx mode */
 
 static int epfd = -1, rx_poll_auto, rx_in_epoll;
+static int rx_ep = -1; /* every port, level-triggered: which ones have frames (never waited on) */
+
+/* Read the ports that have frames: one epoll_wait(0) tells which (an empty
+ * recvmmsg per idle port is a syscall each, and syscalls are dear in a VM). */
+static void harvest_ready(int64_t now, int64_t off)
+{
+    struct epoll_event evs[64];
+    int ne;
+    do {
+        ne = epoll_wait(rx_ep, evs, 64, 0);
+        for (int i = 0; i < ne; i++) harvest(&ports[evs[i].data.u64], now, off);
+    } while (ne == 64);
+}
 
 /* How we learn about received frames.  They carry kernel timestamps, so it is
  * enough to read the sockets well before the smallest delay has passed:
@@ -994,14 +1053,7 @@ static void control_line(char *line)
     if (!strncmp(line, "stats", 5)) {
         emit_stats("stats");
     } else if (!strncmp(line, "reset", 5)) {
-        /* start a new measurement window for the "did it keep up" statistics */
-        for (int i = 0; i < 2 * nlinks; i++) {
-            stats_t *st = &dirs[i].st;
-            st->max_backlog = st->max_backlog_bytes = 0;
-            st->late_max = st->rxlag_max = 0;
-            st->drop_ring = st->drop_queue = 0;
-            memset(st->hist, 0, sizeof st->hist);
-        }
+        reset_window(); /* a new measurement window for the "did it keep up" statistics */
     } else if (sscanf(line, "set %d %7s %lf %lf %lf", &link, which, &dl, &jt, &ls) == 5 &&
                link >= 0 && link < nlinks && (!strcmp(which, "ab") || !strcmp(which, "ba"))) {
         set_dir_params(&dirs[2 * link + (which[0] == 'b')], dl, jt, ls);
@@ -1081,8 +1133,17 @@ int main(int argc, char **argv)
     ev.data.u64 = (uint64_t)-2;
     if (epoll_ctl(ep, EPOLL_CTL_ADD, 0, &ev)) stdin_open = 0; /* e.g. /dev/null */
     epfd = ep;
+    rx_ep = epoll_create1(EPOLL_CLOEXEC);
+    for (int i = 0; rx_ep >= 0 && i < nports; i++) {
+        struct epoll_event pe = {.events = EPOLLIN, .data.u64 = (uint64_t)i};
+        if (epoll_ctl(rx_ep, EPOLL_CTL_ADD, ports[i].fd, &pe)) {
+            close(rx_ep);
+            rx_ep = -1; /* fall back to reading every port */
+        }
+    }
     apply_rx_mode();
     t_start = mono_ns();
+    reset_window();
     emit_stats("ready");
 
     int running = 1;
@@ -1098,7 +1159,9 @@ int main(int argc, char **argv)
         if (now >= next_harvest) {
             if (last_harvest && now - last_harvest > harvest_gap_max) harvest_gap_max = now - last_harvest;
             last_harvest = now;
-            for (int i = 0; i < nports; i++) harvest(&ports[i], now, off);
+            if (rx_ep >= 0) harvest_ready(now, off);
+            else for (int i = 0; i < nports; i++) harvest(&ports[i], now, off);
+            rx_ns += mono_ns() - now;
             for (int i = 0; i < nports; i++) ports[i].rx_ready = 0;
             next_harvest = now + (cfg.rx_poll_us > 0 ? cfg.rx_poll_us : 1000) * 1000LL;
         } else {
