@@ -168,12 +168,14 @@ def gantt_figure(results: dict, path: Path) -> Path | None:
         y = ypos[(t["src"], t["dst"])]
         ax.plot([(t["send_start_ns"] - t0) / 1e9, (t["recv_start_ns"] - t0) / 1e9], [y, y], color=cmap(k % 20), lw=1, zorder=1)
         ax.barh(y, (t["recv_end_ns"] - t["recv_start_ns"]) / 1e9, left=(t["recv_start_ns"] - t0) / 1e9,
-                height=0.7, color=cmap(k % 20), edgecolor="black", linewidth=0.3, zorder=2)
+                height=0.7, color=cmap(k % 20), edgecolor="black", linewidth=0.3, zorder=2,
+                hatch="////" if t.get("route") else None)  # came over an auxiliary path
     ax.set_yticks(range(len(pairs)), [f"{a}->{b}" for a, b in pairs], fontsize=7)
     ax.invert_yaxis()
     ax.set_xlabel("seconds since the iteration's first send")
     ax.set_title(f"{run['variant']}, repetition {run['repetition']}, iteration {it['iteration']}: "
-                 f"transfers: bar = receiving, thin line = sent but not yet arriving; colour = flow ({len(flows)})",
+                 f"transfers: bar = receiving, thin line = sent but not yet arriving; colour = flow ({len(flows)})"
+                 + ("; hatched = over an auxiliary path" if any(t.get("route") for t in rows) else ""),
                  fontsize=10)
     return _save(fig, path)
 
