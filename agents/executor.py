@@ -61,7 +61,7 @@ import numpy as np
 
 from testbed.plan import RECV, SEND, Op
 
-from .wire import (ACK, DATA, FLAG_ACK_REQ, FLAG_AUX, TYPE_NAMES, Closed, Header, ProtocolError, Truncated,
+from .wire import (ACK, DATA, FLAG_ACK_REQ, FLAG_AUX, FLAG_BACKLOG, TYPE_NAMES, Closed, Header, ProtocolError, Truncated,
                    close_quietly, phase_code, recv_header, recv_into_exact, send_frame)
 
 log = logging.getLogger("agents.executor")
@@ -228,13 +228,15 @@ class Executor:
             while (item := q.get()) is not None:
                 i, it, route, payload = item
                 start = time.time_ns()
-                if i is None:  # a relayed or re-sent chunk: ``it`` is its header
-                    send_frame(sock, it._replace(send_ts_ns=start), payload, self._tick)  # stamped per hop
+                more = 0 if q.empty() else FLAG_BACKLOG  # for the receiver's probing
+                if i is None:  # a relayed or re-sent chunk: ``it`` is its header, stamped per hop
+                    send_frame(sock, it._replace(send_ts_ns=start, flags=it.flags & ~FLAG_BACKLOG | more),
+                               payload, self._tick)
                     continue
                 op, view = self.prog[i], self._views[i] if payload is None else payload
                 self._tx_bytes[i] = 0
-                send_frame(sock, Header(DATA, phase_code(op.phase), flags | (FLAG_AUX if route else 0), it, op.xfer,
-                                        op.flow, op.chunk, view.nbytes, start, route), view,
+                send_frame(sock, Header(DATA, phase_code(op.phase), flags | more | (FLAG_AUX if route else 0), it,
+                                        op.xfer, op.flow, op.chunk, view.nbytes, start, route), view,
                            self._count(self._tx_bytes, i))
                 if self.stop_and_wait:
                     a = recv_header(sock, hbuf, 0)
@@ -334,7 +336,7 @@ class Executor:
         recv_into_exact(sock, mv, f"transfer {h.xfer}", count)
         last = time.time_ns()
         if self.on_chunk:
-            self.on_chunk(peer, (h.payload_len, h.send_ts_ns, first, last, ch, *mid))
+            self.on_chunk(peer, (h.payload_len, h.send_ts_ns, first, last, ch, *mid, int(bool(h.flags & FLAG_BACKLOG))))
         return last
 
     def _give_up(self, peer: str, sock: socket.socket, q: queue.SimpleQueue, item, why: Exception) -> None:
