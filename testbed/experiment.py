@@ -57,6 +57,12 @@ def build_plan(exp: Experiment, scheme: dict | None = None, *, source: str = "",
     plan = make_plan(scheme["name"], graph, w.length, params, elem_bytes=w.elem_bytes, source=source or exp.name,
                      key=key, aux=scheme.get("aux"))
     plan.validate()
+    a = scheme.get("adaptive")
+    largest = max((op.length for _, op in plan.transfers()), default=0) * w.elem_bytes
+    if a and a["mode"] == "estimated" and largest < a["probe_chunk_bytes"]:
+        raise ConfigError(f"{a['probe_chunk_bytes']} bytes: no transfer of this plan is that large (the largest "
+                          f"is {largest} bytes), so no link would ever be measured", source=source or exp.name,
+                          key=f"{key}.adaptive.probe_chunk_bytes")
     prediction = costmodel.predict(plan, graph, elem_bytes=w.elem_bytes, stop_and_wait=exp.agents.stop_and_wait)
     # The optimum is a packing of reduce/broadcast trees over every node, a bound for an AllReduce
     # of all of them; a partial reduce (CREW's group P, forest's active workers) has none here.

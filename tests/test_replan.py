@@ -89,3 +89,17 @@ def test_oracle_mode_and_static_schemes():
     assert replanner(probe_only, probe_only.scheme, plan0) is None
     with pytest.raises(ConfigError, match="scheme.adaptive.estimator"):
         config.validate({**EXP, "scheme": {"name": "mst", "adaptive": {"estimator": "median"}}})
+
+
+def test_probe_chunk_bytes_larger_than_every_transfer_is_refused():
+    """A plan whose chunks are all below probe_chunk_bytes would never measure a link: the
+    adaptive scheme would silently stay static (netstorm-aux's std variant once did)."""
+    base = {"name": "t", "topology": "quick-5", "workload": {"size": "4MB"}}
+    exp = config.validate({**base, "scheme": {"name": "netstorm", "chunk_elems": 100_000,
+                                              "adaptive": {"probe_chunk_bytes": 2_000_000}}})
+    with pytest.raises(ConfigError) as e:
+        build_plan(exp)
+    assert e.value.key == "scheme.adaptive.probe_chunk_bytes" and "largest is 371460 bytes" in str(e.value)
+    ok = config.validate({**base, "scheme": {"name": "netstorm", "chunk_elems": 100_000,
+                                             "adaptive": {"probe_chunk_bytes": 371_460}}})
+    build_plan(ok)
