@@ -50,9 +50,11 @@ not completed.
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import queue
 import socket
+import struct
 import threading
 import time
 from collections import defaultdict, deque
@@ -71,6 +73,7 @@ RECV_COLUMNS = ["xfer", "send_ts_ns", "recv_start_ns", "recv_end_ns", "apply_ns"
 
 
 SO_MAX_PACING_RATE = getattr(socket, "SO_MAX_PACING_RATE", 47)  # Linux value
+SIOCOUTQNSD = 0x894B  # Linux: bytes in a TCP socket's send queue not yet sent
 AUX_CHANNEL = -1  # the data connections that carry auxiliary chunks (plans use channels >= 0)
 
 
@@ -80,6 +83,14 @@ class ExecError(Exception):
 
 class Stalled(ExecError):
     """No progress for ``timeout_s``, or an iteration over its limit."""
+
+
+def _unsent(sock: socket.socket) -> int:
+    """Bytes the kernel holds for ``sock`` that it has not sent yet (0 where unknown)."""
+    try:
+        return struct.unpack("i", fcntl.ioctl(sock.fileno(), SIOCOUTQNSD, b"\0\0\0\0"))[0]
+    except OSError:
+        return 0
 
 
 def _summary(ids_by_peer: dict[str, list[int]]) -> str:
@@ -182,11 +193,12 @@ class Executor:
             sock.setsockopt(socket.SOL_SOCKET, SO_MAX_PACING_RATE, int(rate * 1e6 / 8))
         # a send that moves no byte for timeout_s fails; on an auxiliary path it is given up sooner
         sock.settimeout((self._resend_after or self.timeout_s) if channel == AUX_CHANNEL else self.timeout_s)
-        with self._lock:
-            if key not in self._out_keys or key in self._senders:
+        with self._lock:  # an auxiliary connection may also be one a relay opens on first use
+            if (key not in self._out_keys and channel != AUX_CHANNEL) or key in self._senders:
                 raise ProtocolError(f"no (further) data connection to {peer} channel {channel} expected")
             q: queue.SimpleQueue = queue.SimpleQueue()
             self._senders[key] = (sock, q)
+            self._out_keys.add(key)
         threading.Thread(target=self._send_loop, args=(key, sock, q), daemon=True,
                          name=f"send-{peer}-{channel}").start()
 
@@ -228,7 +240,7 @@ class Executor:
             while (item := q.get()) is not None:
                 i, it, route, payload = item
                 start = time.time_ns()
-                more = 0 if q.empty() else FLAG_BACKLOG  # for the receiver's probing
+                more = FLAG_BACKLOG if not q.empty() or _unsent(sock) else 0  # for the receiver's probing
                 if i is None:  # a relayed or re-sent chunk: ``it`` is its header, stamped per hop
                     send_frame(sock, it._replace(send_ts_ns=start, flags=it.flags & ~FLAG_BACKLOG | more),
                                payload, self._tick)
@@ -410,8 +422,6 @@ class Executor:
             if key not in self._senders and nxt not in self._dead:
                 if self._connect is None:
                     raise ProtocolError(f"auxiliary transfer {h.xfer}: no connection to {nxt}")
-                with self._lock:
-                    self._out_keys.add(key)
                 self.attach_outgoing(nxt, AUX_CHANNEL, self._connect(nxt, AUX_CHANNEL))
         with self._lock:  # as _give_up: nothing is queued for a connection once it is given up
             if nxt in self._dead:

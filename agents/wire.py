@@ -12,9 +12,10 @@ off   size    field          meaning
 6     1       phase          plan phase label as a small code (``PHASES``), 0 if none
 7     1       flags          ``FLAG_ACK_REQ``: the receiver must answer with an ACK;
                              ``FLAG_AUX``: an auxiliary chunk, source-routed by ``route``;
-                             ``FLAG_BACKLOG``: the sender had more chunks queued on this
-                             connection when it began this one (passive probing: the link
-                             was driven, so the chunk's rate is the link's, agents.netstate)
+                             ``FLAG_BACKLOG``: the sender had more data queued on this
+                             connection (chunks, or unsent bytes in the socket) when it
+                             began this one (passive probing: the link was driven, so the
+                             chunk's rate is the link's, agents.netstate)
 8     4       op_id          iteration number
 12    4       xfer           transfer id from the plan
 16    4       flow           flow label from the plan
