@@ -50,11 +50,9 @@ not completed.
 
 from __future__ import annotations
 
-import fcntl
 import logging
 import queue
 import socket
-import struct
 import threading
 import time
 from collections import defaultdict, deque
@@ -63,7 +61,7 @@ import numpy as np
 
 from testbed.plan import RECV, SEND, Op
 
-from .wire import (ACK, DATA, FLAG_ACK_REQ, FLAG_AUX, FLAG_BACKLOG, TYPE_NAMES, Closed, Header, ProtocolError, Truncated,
+from .wire import (ACK, DATA, FLAG_ACK_REQ, FLAG_AUX, TYPE_NAMES, Closed, Header, ProtocolError, Truncated,
                    close_quietly, phase_code, recv_header, recv_into_exact, send_frame)
 
 log = logging.getLogger("agents.executor")
@@ -73,7 +71,6 @@ RECV_COLUMNS = ["xfer", "send_ts_ns", "recv_start_ns", "recv_end_ns", "apply_ns"
 
 
 SO_MAX_PACING_RATE = getattr(socket, "SO_MAX_PACING_RATE", 47)  # Linux value
-SIOCOUTQNSD = 0x894B  # Linux: bytes in a TCP socket's send queue not yet sent
 AUX_CHANNEL = -1  # the data connections that carry auxiliary chunks (plans use channels >= 0)
 
 
@@ -83,14 +80,6 @@ class ExecError(Exception):
 
 class Stalled(ExecError):
     """No progress for ``timeout_s``, or an iteration over its limit."""
-
-
-def _unsent(sock: socket.socket) -> int:
-    """Bytes the kernel holds for ``sock`` that it has not sent yet (0 where unknown)."""
-    try:
-        return struct.unpack("i", fcntl.ioctl(sock.fileno(), SIOCOUTQNSD, b"\0\0\0\0"))[0]
-    except OSError:
-        return 0
 
 
 def _summary(ids_by_peer: dict[str, list[int]]) -> str:
@@ -240,14 +229,12 @@ class Executor:
             while (item := q.get()) is not None:
                 i, it, route, payload = item
                 start = time.time_ns()
-                more = FLAG_BACKLOG if not q.empty() or _unsent(sock) else 0  # for the receiver's probing
                 if i is None:  # a relayed or re-sent chunk: ``it`` is its header, stamped per hop
-                    send_frame(sock, it._replace(send_ts_ns=start, flags=it.flags & ~FLAG_BACKLOG | more),
-                               payload, self._tick)
+                    send_frame(sock, it._replace(send_ts_ns=start), payload, self._tick)
                     continue
                 op, view = self.prog[i], self._views[i] if payload is None else payload
                 self._tx_bytes[i] = 0
-                send_frame(sock, Header(DATA, phase_code(op.phase), flags | more | (FLAG_AUX if route else 0), it,
+                send_frame(sock, Header(DATA, phase_code(op.phase), flags | (FLAG_AUX if route else 0), it,
                                         op.xfer, op.flow, op.chunk, view.nbytes, start, route), view,
                            self._count(self._tx_bytes, i))
                 if self.stop_and_wait:
@@ -348,7 +335,7 @@ class Executor:
         recv_into_exact(sock, mv, f"transfer {h.xfer}", count)
         last = time.time_ns()
         if self.on_chunk:
-            self.on_chunk(peer, (h.payload_len, h.send_ts_ns, first, last, ch, *mid, int(bool(h.flags & FLAG_BACKLOG))))
+            self.on_chunk(peer, (h.payload_len, h.send_ts_ns, first, last, ch, *mid))
         return last
 
     def _give_up(self, peer: str, sock: socket.socket, q: queue.SimpleQueue, item, why: Exception) -> None:

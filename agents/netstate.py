@@ -33,22 +33,18 @@ def parse_samples(raw) -> list[Sample]:
 
 
 LINK_WINDOWS = 3  # a link's estimate: the largest rate of its last this many windows
-DRIVEN = 0.5  # a window whose chunks were sent with a backlog at least this often measured the link
 
 
 class NetState:
     """Per directed link: every window's estimate (``rate_mbps``: the chosen estimator's
     goodput times :data:`agents.probe.WIRE_BYTES_PER_PAYLOAD`, i.e. in link-rate units) and
-    ``link_mbps``, what planners get.  Passive probing sees what TCP achieved, never more
-    than the link carries, so a window in which the link was not kept full (a sender with
-    nothing more to send, a loss) reads low while the capacity did not change: measured on
-    netstorm-dynamic, half of all windows read below 0.9 of the configured rate.  Two kinds
-    of window, told apart by the senders' ``FLAG_BACKLOG`` (more chunks were queued behind
-    a chunk on its connection when it was sent): a *driven* window (at least ``DRIVEN`` of
-    its chunks backlogged: the link was the bottleneck) measures the link, and replaces
-    what came before (a fall shows at once); any other window is a lower bound, so the
-    estimate is the largest of the last ``windows`` windows since the last driven one.
-    (Without backlog information this is the maximum of the last ``windows`` windows.)"""
+    ``link_mbps``, the largest of the link's last ``windows`` window rates — what planners
+    get.  Passive probing sees what TCP achieved, never more than the link carries, so a
+    window in which TCP did not fill the link (a loss, a sender that ran late: 0.67-0.88 of
+    the rate in about 1 window of 12 on this testbed) reads low while the capacity did not
+    change; the maximum of recent windows is the tightest such lower bound.  A rise shows
+    at once, a fall once ``windows`` windows saw it (NetStorm re-plans every UPDATE_TIME
+    = 5 s; a window on a busy link lasts ~1-3 s here).  ``windows: 1`` = the latest window."""
 
     def __init__(self, nodes: list[str], estimator: str = DEFAULT_ESTIMATOR,
                  truth: Callable[[str, str], dict | None] | None = None, windows: int = LINK_WINDOWS):
@@ -80,13 +76,12 @@ class NetState:
         now = time.time_ns()
         est = estimate(samples, self.offsets.get(dst, 0) - self.offsets.get(src, 0))
         rate = est[f"{self.estimator}_mbps"] * WIRE_BYTES_PER_PAYLOAD
-        driven = est["backlogged"] >= DRIVEN
         with self._lock:
             recent = self._recent.setdefault((src, dst), [])
-            recent[:] = [rate] if driven else (recent + [rate])[-self.windows:]
+            recent[:] = (recent + [rate])[-self.windows:]
             link = max(recent)
         entry = {"t_s": round((now - self.t0_ns) / 1e9, 4), "src": src, "dst": dst,
-                 "link_mbps": link, "rate_mbps": rate, "driven": driven, **est}
+                 "link_mbps": link, "rate_mbps": rate, **est}
         if self.truth:
             entry["truth"] = self.truth(src, dst)
         with self._lock:

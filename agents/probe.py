@@ -65,7 +65,6 @@ class Sample(NamedTuple):
     channel: int = 0
     mid_ns: int = 0  # receiver's clock: the read that completed half the payload (0: not recorded)
     mid_bytes: int = 0  # payload bytes read by then
-    backlog: int = 0  # 1: the sender had more chunks queued on the connection (wire.FLAG_BACKLOG)
 
 
 
@@ -157,8 +156,7 @@ def estimate(samples: list[Sample], offset_ns: int = 0) -> dict:
     return {"busy_mbps": busy_rate(samples) * mbps, "sum_mbps": sum_rate(samples, offset_ns) * mbps,
             "eq17_mbps": eq17_rate(samples, offset_ns) * mbps, "owd_ms": owd_s(samples, offset_ns) * 1e3,
             "flows_mbps": {str(ch): r * mbps for ch, r in per_flow_rates(samples, offset_ns).items()},
-            "chunks": len(samples), "bytes": sum(s.nbytes for s in samples),
-            "backlogged": sum(s.backlog for s in samples) / len(samples) if samples else 0.0}
+            "chunks": len(samples), "bytes": sum(s.nbytes for s in samples)}
 
 
 class Prober:

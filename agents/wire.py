@@ -11,11 +11,7 @@ off   size    field          meaning
 5     1       type           HELLO, AUTH, CTRL (JSON payload), DATA, ACK, ERROR (JSON)
 6     1       phase          plan phase label as a small code (``PHASES``), 0 if none
 7     1       flags          ``FLAG_ACK_REQ``: the receiver must answer with an ACK;
-                             ``FLAG_AUX``: an auxiliary chunk, source-routed by ``route``;
-                             ``FLAG_BACKLOG``: the sender had more data queued on this
-                             connection (chunks, or unsent bytes in the socket) when it
-                             began this one (passive probing: the link was driven, so the
-                             chunk's rate is the link's, agents.netstate)
+                             ``FLAG_AUX``: an auxiliary chunk, source-routed by ``route``
 8     4       op_id          iteration number
 12    4       xfer           transfer id from the plan
 16    4       flow           flow label from the plan
@@ -76,8 +72,7 @@ HELLO, AUTH, CTRL, DATA, ACK, ERROR = 1, 2, 3, 4, 5, 6
 TYPE_NAMES = {HELLO: "HELLO", AUTH: "AUTH", CTRL: "CTRL", DATA: "DATA", ACK: "ACK", ERROR: "ERROR"}
 FLAG_ACK_REQ = 0x01
 FLAG_AUX = 0x02
-FLAG_BACKLOG = 0x04
-FLAGS_KNOWN = FLAG_ACK_REQ | FLAG_AUX | FLAG_BACKLOG
+FLAGS_KNOWN = FLAG_ACK_REQ | FLAG_AUX
 RESERVED = bytes(7)
 
 PHASES = ("", "reduce", "bcast", "reduce-scatter", "all-gather", "scatter", "gather", "relay")
