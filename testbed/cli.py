@@ -279,16 +279,62 @@ def cmd_linkcheck(args) -> int:
     return 0 if result["ok"] else 1
 
 
+def _check_bench_options(options: dict) -> None:
+    from testbed.bench import EFFICIENCY_CASES
+    from testbed.planners import schemes
+    from testbed.workloads import parse_size
+
+    for s in options.get("schemes", ()):
+        if s not in schemes():
+            raise ConfigError(f"--schemes: unknown scheme {s!r} (known: {', '.join(sorted(schemes()))})")
+    known = [t for t, _, _ in EFFICIENCY_CASES]
+    for t in options.get("topologies", ()):
+        if t not in known:
+            raise ConfigError(f"--topologies: {t!r} is not benchmarked (known: {', '.join(known)})")
+    for z in options.get("sizes", ()):
+        try:
+            parse_size(z)
+        except ValueError as e:
+            raise ConfigError(f"--sizes: {e}") from None
+
+
+def _print_table(rows: list[dict]) -> None:
+    """Rows of equal keys as an aligned text table (numbers to 3 significant digits)."""
+    if not rows:
+        return
+    cols = list(rows[0])
+    fmt = [[(f"{v:.3g}" if isinstance(v, float) else "" if v is None else str(v)) for v in r.values()] for r in rows]
+    width = [max(len(c), *(len(f[i]) for f in fmt)) for i, c in enumerate(cols)]
+    print("  ".join(c.ljust(w) for c, w in zip(cols, width)))
+    for f in fmt:
+        print("  ".join(v.ljust(w) for v, w in zip(f, width)))
+
+
 def cmd_bench(args) -> int:
     from testbed.bench import run_bench
     from testbed.progress import Progress
     from testbed.results import new_run_dir, write_json_atomic
 
+    options = {}
+    for key in ("sizes", "schemes", "topologies"):
+        val = getattr(args, key, None)
+        if val:
+            if args.name not in ("efficiency", "peers"):
+                print(f"error: bench {args.name}: --{key} applies to bench efficiency and peers only", file=sys.stderr)
+                return 2
+            options[key] = tuple(x for x in val.split(",") if x)
+    try:
+        _check_bench_options(options)
+    except ConfigError as e:
+        print(f"error: bench {args.name}: {e}", file=sys.stderr)
+        return 2
     out = Path(args.out) if args.out else new_run_dir("results", f"bench-{args.name}")
-    result = run_bench(args.name, out, Progress())
+    result = run_bench(args.name, out, Progress(), **options)
     write_json_atomic(out / "bench.json", result)
     for k, v in result.items():
-        if k != "environment":
+        if k == "table":
+            _print_table(v)
+        elif k not in ("environment", "analysis"):
             print(f"{k}: {v}")
     print(f"bench: {out / 'bench.json'}")
     return 0
@@ -380,8 +426,11 @@ def build_parser() -> argparse.ArgumentParser:
     lc.set_defaults(func=cmd_linkcheck)
 
     b = sub.add_parser("bench", help="benchmarks that report ratios measured in one run")
-    b.add_argument("name", choices=("dataplane", "ring", "planner", "adaptive", "chaos", "fuzz"),
-                   help="which benchmark")
+    b.add_argument("name", choices=("dataplane", "ring", "planner", "adaptive", "efficiency", "peers", "chaos",
+                                    "fuzz"), help="which benchmark")
+    b.add_argument("--sizes", help="efficiency, peers: comma-separated model sizes before the scale (e.g. 16MB,64MB)")
+    b.add_argument("--schemes", help="efficiency, peers: comma-separated schemes (default: the tree schemes)")
+    b.add_argument("--topologies", help="efficiency, peers: comma-separated topologies among the benchmarked ones")
     b.add_argument("--out", help="output folder")
     b.set_defaults(func=cmd_bench)
     return p
