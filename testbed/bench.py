@@ -11,6 +11,8 @@
   the closed loop's overhead (NetStorm §V claims none worth noting; issue 12 asks <= 3 %).
 * ``efficiency`` — every tree scheme on NetStorm's overlay and GScale: CCT against the
   bound and the cost model's prediction, and where the time goes (:mod:`testbed.efficiency`).
+* ``peers`` — PyTorch's gloo all_reduce in the emulated datacenters (``exec``) against the
+  schemes on the same WAN: each scheme's speed-up over it (skipped without torch).
 * ``chaos`` / ``fuzz`` — ``testbed.chaos``: 100 seeded SIGSTOP/SIGKILL trials on loopback
   (share ending right, time to end); 10^5 mutated wire frames (share detected per field).
 """
@@ -145,6 +147,7 @@ def bench_efficiency(out: Path, progress, sizes: tuple[str, ...] = ("16MB", "64M
     from testbed.efficiency import analyse_run, breakdown
     from testbed.experiment import run_experiment
     from testbed.report import write_csv
+    from testbed.results import write_json_atomic
 
     rows, kept = [], []
     for topo, scale, cc in EFFICIENCY_CASES:
@@ -159,6 +162,7 @@ def bench_efficiency(out: Path, progress, sizes: tuple[str, ...] = ("16MB", "64M
                                    "agents": {"timeout_s": 300}, "emulator": {"tcp_cc": cc}}, "<bench efficiency>")
             progress(f"efficiency: {topo} (scale {scale:g}, {cc}), {size}: {', '.join(schemes)}")
             res = run_experiment(exp, out / f"{topo}-{size}", progress)
+            write_json_atomic(out / f"{topo}-{size}" / "results.json", res)  # `testbed report` reads it
             graph = exp.topology.graph()
             kept.append(res["emulation"]["kept_up"])
             for v in res["variants"]:
@@ -230,7 +234,92 @@ def efficiency_figure(rows: list[dict], path: Path) -> Path:
     return path
 
 
-BENCHES = {"adaptive": bench_adaptive, "dataplane": bench_dataplane, "efficiency": bench_efficiency, "ring": bench_ring, "planner": bench_planner, "chaos": bench_chaos,
+PEER_SCHEMES = ("ring",) + TREE_SCHEMES
+GLOO_SCRIPT = Path(__file__).resolve().parent.parent / "examples" / "gloo_allreduce.py"
+
+
+def torch_missing() -> str | None:
+    """Why PyTorch's gloo all-reduce cannot run here (None: it can)."""
+    try:
+        import torch.distributed as dist
+    except Exception as e:  # not a dependency: any import failure means "not available"
+        return f"torch is not importable ({type(e).__name__}: {e}); install it (pip install torch) to compare"
+    if not dist.is_available() or not dist.is_gloo_available():
+        return "torch is installed without torch.distributed's gloo backend"
+    return None
+
+
+def bench_peers(out: Path, progress, sizes: tuple[str, ...] = ("16MB",), schemes: tuple[str, ...] = PEER_SCHEMES,
+                topologies: tuple[str, ...] | None = ("netstorm-internet2-9",)) -> dict:
+    """PyTorch's ``gloo`` all_reduce, one process per datacenter started with ``exec``
+    (examples/gloo_allreduce.py, ``GLOO_SOCKET_IFNAME=tbnode``), against the testbed's
+    schemes on the same WAN (same topology, scale, congestion control; one warm-up and one
+    measured iteration each): every scheme's speed-up = gloo CCT / scheme CCT.  Skipped,
+    saying why, when torch is not importable (it is not a dependency)."""
+    from testbed import config
+    from testbed.execute import exec_command
+    from testbed.experiment import run_experiment
+    from testbed.results import write_json_atomic
+    from testbed.workloads import parse_size
+
+    why = torch_missing()
+    if why:
+        progress(f"peers: skipped: {why}")
+        return {"skipped": why}
+    rows = []
+    for topo, scale, cc in EFFICIENCY_CASES:
+        if topologies and topo not in topologies:
+            continue
+        for size in sizes:
+            variants = [{"label": s, "scheme": {"name": s, **({"adaptive": False} if s == "netstorm" else {})}}
+                        for s in schemes]
+            exp = config.validate({"name": f"peers-{topo}-{size}", "topology": topo, "scale": scale, "seed": 1,
+                                   "scheme": variants[0]["scheme"], "variants": variants[1:], "repetitions": 1,
+                                   "workload": {"size": size, "warmup": 1, "iterations": 1},
+                                   "agents": {"timeout_s": 300}, "emulator": {"tcp_cc": cc}}, "<bench peers>")
+            mb = parse_size(size) * scale / 1e6
+            progress(f"peers: {topo} (scale {scale:g}, {cc}), {size}: gloo all_reduce of {mb:g} MB")
+            run_dir = out / f"{topo}-{size}"
+            argv = ["env", "GLOO_SOCKET_IFNAME=tbnode", "python3", str(GLOO_SCRIPT), "--size-mb", f"{mb:g}",
+                    "--warmup", "1", "--iterations", "1"]
+            ex = exec_command(exp, argv, run_dir / "gloo", progress=progress)
+            write_json_atomic(run_dir / "gloo" / "results.json", ex)
+            gloo = _gloo_cct(ex)
+            progress(f"peers: gloo CCT {gloo['cct_s']}; the schemes on the same WAN: {', '.join(schemes)}")
+            res = run_experiment(exp, run_dir / "schemes", progress)
+            write_json_atomic(run_dir / "schemes" / "results.json", res)
+            rows.append({"topology": topo, "size": size, "scheme": "gloo (PyTorch)", "cct_s": gloo["cct_s"],
+                         "speedup_over_gloo": 1.0 if gloo["cct_s"] else None, "efficiency":
+                         res["variants"][0]["summary"]["bound_cct_s"] / gloo["cct_s"] if gloo["cct_s"] else None,
+                         "correct": gloo["correct"]})
+            for v in res["variants"]:
+                sm = v["summary"]
+                cct = sm["cct_s"]["mean"]
+                rows.append({"topology": topo, "size": size, "scheme": v["label"], "cct_s": cct,
+                             "speedup_over_gloo": gloo["cct_s"] / cct if gloo["cct_s"] and cct else None,
+                             "efficiency": sm["efficiency"], "correct": sm["correct"]})
+    return {"table": rows, "torch": __import__("torch").__version__}
+
+
+def _gloo_cct(ex: dict) -> dict:
+    """The measured iterations' CCT (mean over iterations of the slowest rank) from the
+    processes' JSON lines, and whether every rank summed right."""
+    per_rank, ok = [], ex.get("ok", False)
+    for p in ex["processes"].values():
+        line = next((l for l in reversed(p["stdout"].splitlines()) if l.startswith("{")), None)
+        if line is None:
+            ok = False
+            continue
+        d = json.loads(line)
+        per_rank.append(d["times_s"][d["warmup"]:])
+        ok = ok and d["correct"]
+    if not per_rank or len(per_rank) != len(ex["processes"]):
+        return {"cct_s": None, "correct": False}
+    its = [max(t[i] for t in per_rank) for i in range(min(len(t) for t in per_rank))]
+    return {"cct_s": sum(its) / len(its) if its else None, "correct": ok}
+
+
+BENCHES = {"adaptive": bench_adaptive, "dataplane": bench_dataplane, "efficiency": bench_efficiency, "peers": bench_peers, "ring": bench_ring, "planner": bench_planner, "chaos": bench_chaos,
            "fuzz": bench_fuzz}
 
 

@@ -69,8 +69,9 @@ class _Ops:
 class _Routes:
     """Per ordered pair: link ids on the latency-shortest path, one-way delay (s)."""
 
-    def __init__(self, graph: nx.DiGraph):
+    def __init__(self, graph: nx.DiGraph, share: float = 1.0):
         self.graph = graph
+        self.share = share  # payload per byte of link rate
         self.paths = data_paths(graph)
         self.link_id: dict[tuple[str, str], int] = {}
         self.cap: list[float] = []
@@ -91,7 +92,7 @@ class _Routes:
             key = (a, b)
             if key not in self.link_id:
                 self.link_id[key] = len(self.cap)
-                self.cap.append(_bytes_per_s(self.graph, a, b))
+                self.cap.append(_bytes_per_s(self.graph, a, b) * self.share)
                 self.names.append(f"{a}->{b}")
             ids.append(self.link_id[key])
             delay += self.graph[a][b].get("delay_ms", 0.0) / 1000.0
@@ -144,9 +145,15 @@ def max_min_rates(classes: dict[tuple[int, ...], int], cap: list[float]) -> dict
 
 
 PACE_PREFIX = "pace "  # names of the virtual links that model paced connections
+# TCP payload per shaped byte at MTU 1500 with timestamps: MSS 1448 in a 1514-byte Ethernet frame
+# (HTB shapes frames: a link of rate R carries R x 1448/1514 of payload), and per IP byte (the
+# kernel paces a connection's IP packets, 1500 bytes per 1448 of payload).
+TCP_LINK_SHARE = 1448 / 1514
+TCP_PACED_SHARE = 1448 / 1500
 
 
-def predict(plan: Plan, graph: nx.DiGraph, *, elem_bytes: int = 4, stop_and_wait: bool = False) -> dict:
+def predict(plan: Plan, graph: nx.DiGraph, *, elem_bytes: int = 4, stop_and_wait: bool = False,
+            tcp: bool = False) -> dict:
     """Flow-level, max-min fair discrete-event simulation of ``plan`` on ``graph``.
 
     * An op is ready when its ``deps`` have completed.  A ready send joins the FIFO of
@@ -160,7 +167,10 @@ def predict(plan: Plan, graph: nx.DiGraph, *, elem_bytes: int = 4, stop_and_wait
       rate private to its connection.
     * The send completes when its last byte has left (``stop_and_wait``: one route RTT
       later, when the acknowledgement is back, and only then can the connection send
-      again — TSEngine-style stop-and-wait, NetStorm App. B).  The data arrives at the
+      again — TSEngine-style stop-and-wait, NetStorm App. B).  With ``tcp`` the rates are
+      the payload TCP gets through them (:data:`TCP_LINK_SHARE` of a link's rate,
+      :data:`TCP_PACED_SHARE` of a pacing rate): what the executor's connections carry over
+      the emulator's links; without, rates carry payload at face value (the papers' model).  The data arrives at the
       receiver one-way delay α (sum of ``delay_ms`` on the route) after the last byte
       left.  A single transfer therefore takes α + size/rate exactly.
     * A recv completes once its data has arrived and its deps are met.  Reduction
@@ -173,7 +183,7 @@ def predict(plan: Plan, graph: nx.DiGraph, *, elem_bytes: int = 4, stop_and_wait
     if the plan deadlocks.
     """
     ops = _Ops(plan)
-    routes = _Routes(graph)
+    routes = _Routes(graph, TCP_LINK_SHARE if tcp else 1.0)
     n_ops = len(ops.ops)
     links: list[tuple[int, ...]] = [()] * n_ops
     alpha = [0.0] * n_ops
@@ -191,7 +201,7 @@ def predict(plan: Plan, graph: nx.DiGraph, *, elem_bytes: int = 4, stop_and_wait
             key = (src, op.peer, op.channel)
             if key not in paced:
                 paced[key] = len(routes.cap)
-                routes.cap.append(op.rate_mbps * 1e6 / 8)
+                routes.cap.append(op.rate_mbps * 1e6 / 8 * (TCP_PACED_SHARE if tcp else 1.0))
                 routes.names.append(PACE_PREFIX + f"{src}->{op.peer}#{op.channel}")
             links[i] = links[i] + (paced[key],)
         if stop_and_wait:
@@ -352,13 +362,14 @@ def _report(plan: Plan, ops: _Ops, routes: _Routes, done: list[float], per_link:
             result = max(result, done[i])
             phase_end[op.phase] = max(phase_end.get(op.phase, 0.0), done[i])
     real = [l for l, name in enumerate(routes.names) if not name.startswith(PACE_PREFIX)]
-    busy = {l: per_link[l] / routes.cap[l] for l in real}
+    busy = {l: per_link[l] / routes.cap[l] for l in real}  # at the payload rate the model gives the link
     bott = max(real, key=lambda l: (busy[l], routes.names[l]), default=None)
     return {
         "cct_s": max(node_finish.values(), default=0.0),
         "result_s": result,
         "model": MODEL,
         "stop_and_wait": stop_and_wait,
+        "payload_share": routes.share,
         "compute": "reduction compute time ignored",
         "per_link_bytes": {routes.names[l]: per_link[l] for l in real},
         "link_busy_s": {routes.names[l]: busy[l] for l in real},

@@ -55,7 +55,8 @@ def build_plan(exp: Experiment, scheme: dict | None = None, *, source: str = "",
     plan = make_plan(scheme["name"], graph, w.length, params, elem_bytes=w.elem_bytes, source=source or exp.name,
                      key=key)
     plan.validate()
-    prediction = costmodel.predict(plan, graph, elem_bytes=w.elem_bytes, stop_and_wait=exp.agents.stop_and_wait)
+    prediction = costmodel.predict(plan, graph, elem_bytes=w.elem_bytes, stop_and_wait=exp.agents.stop_and_wait,
+                                   tcp=True)
     # The optimum is a packing of reduce/broadcast trees over every node, a bound for an AllReduce
     # of all of them; a partial reduce (CREW's group P, forest's active workers) has none here.
     partial = set(plan.contributing()) != set(plan.nodes) or set(plan.finishing()) != set(plan.nodes)
@@ -146,7 +147,7 @@ def replanner(exp: Experiment, scheme: dict, plan, truth: Callable[[str, str], d
         new = next((p for p in seen if p.programs == new.programs), None) or new
         if new is state["plan"]:
             return None
-        cct = {id(p): predict(p, graph, elem_bytes=w.elem_bytes)["cct_s"] for p in (new, state["plan"])}
+        cct = {id(p): predict(p, graph, elem_bytes=w.elem_bytes, tcp=True)["cct_s"] for p in (new, state["plan"])}
         if cct[id(new)] > (1 - a["min_gain"]) * cct[id(state["plan"])]:
             return None
         if new not in seen:
