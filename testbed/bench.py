@@ -128,21 +128,23 @@ def bench_adaptive(out: Path, progress, size_mb: float = 16.0, repetitions: int 
 
 
 TREE_SCHEMES = ("mtree", "forest", "blink", "multitree", "netstorm", "mst")
-# (topology, scale, TCP congestion control): NetStorm's overlay has 0.02 % random loss (BBR, as
-# netstorm-baselines); GScale is lossless with long RTTs (cubic), at a scale two shared cores sustain
-EFFICIENCY_CASES = (("netstorm-internet2-9", 1.0, "bbr"), ("gscale-b4-12", 0.1, "cubic"))
+# (topology, scale, TCP congestion control, default sizes before the scale): NetStorm's overlay has
+# 0.02 % random loss (BBR, as netstorm-baselines); GScale is lossless with long RTTs (cubic), at a
+# scale two shared cores sustain, with a size at which bandwidth, not its 0.1-0.8 s RTTs, dominates
+EFFICIENCY_CASES = (("netstorm-internet2-9", 1.0, "bbr", ("16MB", "64MB")), ("gscale-b4-12", 0.1, "cubic", ("128MB",)))
 EFFICIENCY_COLUMNS = ["topology", "size", "scheme", "cct_s", "bound_s", "predicted_s", "efficiency",
                       "measured_over_predicted", "plan_factor", "execution_factor", "bottleneck", "bottleneck_busy",
                       "mean_utilisation", "longest_idle_s", "startup_s", "tail_s", "trees", "first_tree_done_share",
                       "correct"]
 
 
-def bench_efficiency(out: Path, progress, sizes: tuple[str, ...] = ("16MB", "64MB"),
+def bench_efficiency(out: Path, progress, sizes: tuple[str, ...] | None = None,
                      schemes: tuple[str, ...] = TREE_SCHEMES, topologies: tuple[str, ...] | None = None) -> dict:
     """Every tree scheme against the bound and its prediction, with where the time goes
     (:mod:`testbed.efficiency`): one experiment per topology and size (nominal, before the
     scale; every scheme a variant on one network, 1 warm-up + 1 measured iteration), one row
-    per scheme, ``efficiency.csv`` and one figure per topology."""
+    per scheme, ``efficiency.csv`` and one figure per topology.  ``sizes`` (default: each
+    topology's own, :data:`EFFICIENCY_CASES`) applies to every topology."""
     from testbed import config
     from testbed.efficiency import analyse_run, breakdown
     from testbed.experiment import run_experiment
@@ -150,10 +152,10 @@ def bench_efficiency(out: Path, progress, sizes: tuple[str, ...] = ("16MB", "64M
     from testbed.results import write_json_atomic
 
     rows, kept = [], []
-    for topo, scale, cc in EFFICIENCY_CASES:
+    for topo, scale, cc, default_sizes in EFFICIENCY_CASES:
         if topologies and topo not in topologies:
             continue
-        for size in sizes:
+        for size in sizes or default_sizes:
             variants = [{"label": s, "scheme": {"name": s, **({"adaptive": False} if s == "netstorm" else {})}}
                         for s in schemes]
             exp = config.validate({"name": f"efficiency-{topo}-{size}", "topology": topo, "scale": scale, "seed": 1,
@@ -267,7 +269,7 @@ def bench_peers(out: Path, progress, sizes: tuple[str, ...] = ("16MB",), schemes
         progress(f"peers: skipped: {why}")
         return {"skipped": why}
     rows = []
-    for topo, scale, cc in EFFICIENCY_CASES:
+    for topo, scale, cc, _ in EFFICIENCY_CASES:
         if topologies and topo not in topologies:
             continue
         for size in sizes:

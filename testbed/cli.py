@@ -287,7 +287,7 @@ def _check_bench_options(options: dict) -> None:
     for s in options.get("schemes", ()):
         if s not in schemes():
             raise ConfigError(f"--schemes: unknown scheme {s!r} (known: {', '.join(sorted(schemes()))})")
-    known = [t for t, _, _ in EFFICIENCY_CASES]
+    known = [case[0] for case in EFFICIENCY_CASES]
     for t in options.get("topologies", ()):
         if t not in known:
             raise ConfigError(f"--topologies: {t!r} is not benchmarked (known: {', '.join(known)})")
