@@ -268,7 +268,7 @@ def bench_peers(out: Path, progress, sizes: tuple[str, ...] = ("16MB",), schemes
     if why:
         progress(f"peers: skipped: {why}")
         return {"skipped": why}
-    rows = []
+    rows, kept = [], []
     for topo, scale, cc, _ in EFFICIENCY_CASES:
         if topologies and topo not in topologies:
             continue
@@ -290,6 +290,7 @@ def bench_peers(out: Path, progress, sizes: tuple[str, ...] = ("16MB",), schemes
             progress(f"peers: gloo CCT {gloo['cct_s']}; the schemes on the same WAN: {', '.join(schemes)}")
             res = run_experiment(exp, run_dir / "schemes", progress)
             write_json_atomic(run_dir / "schemes" / "results.json", res)
+            kept.append(res["emulation"]["kept_up"])
             rows.append({"topology": topo, "size": size, "scheme": "gloo (PyTorch)", "cct_s": gloo["cct_s"],
                          "speedup_over_gloo": 1.0 if gloo["cct_s"] else None, "efficiency":
                          res["variants"][0]["summary"]["bound_cct_s"] / gloo["cct_s"] if gloo["cct_s"] else None,
@@ -300,7 +301,7 @@ def bench_peers(out: Path, progress, sizes: tuple[str, ...] = ("16MB",), schemes
                 rows.append({"topology": topo, "size": size, "scheme": v["label"], "cct_s": cct,
                              "speedup_over_gloo": gloo["cct_s"] / cct if gloo["cct_s"] and cct else None,
                              "efficiency": sm["efficiency"], "correct": sm["correct"]})
-    return {"table": rows, "torch": __import__("torch").__version__}
+    return {"table": rows, "torch": __import__("torch").__version__, "kept_up": all(kept)}
 
 
 def _gloo_cct(ex: dict) -> dict:
