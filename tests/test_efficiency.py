@@ -176,3 +176,25 @@ def test_bench_peers_without_torch_says_so(tmp_path):
     assert r.returncode == 0, r.stderr
     assert "skipped: torch is not importable" in r.stdout and "hidden by the test" in r.stdout
     assert json.loads((tmp_path / "o" / "bench.json").read_text())["skipped"].startswith("torch is not importable")
+
+
+@pytest.mark.net
+def test_bench_efficiency_end_to_end_small(netenv, tmp_path):
+    """Two schemes on NetStorm's overlay at 2 MB: a row per scheme with the bound, the
+    prediction and the where-time-goes columns taken from real per-chunk timings."""
+    r = cli("bench", "efficiency", "--topologies", "netstorm-internet2-9", "--sizes", "2MB",
+            "--schemes", "mtree,mst", "--out", str(tmp_path))
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads((tmp_path / "bench.json").read_text())
+    rows = {row["scheme"]: row for row in out["table"]}
+    assert sorted(rows) == ["mst", "mtree"]
+    for row in rows.values():
+        assert row["correct"] and row["cct_s"] > row["bound_s"] > 0
+        assert 0 < row["efficiency"] < 1 and row["predicted_s"] > 0
+        assert row["plan_factor"] * row["execution_factor"] == pytest.approx(row["efficiency"], rel=1e-6)
+        assert 0 < row["bottleneck_busy"] <= 1.0 + 1e-9
+    assert rows["mst"]["trees"] == 1 and rows["mst"]["first_tree_done_share"] == pytest.approx(1.0, abs=0.05)
+    assert (tmp_path / "efficiency.csv").read_text().count("\n") == 3
+    assert (tmp_path / "efficiency-netstorm-internet2-9.png").stat().st_size > 10_000
+    assert (tmp_path / "netstorm-internet2-9-2MB" / "results.json").exists()
+    assert "mtree" in r.stdout and "efficiency" in r.stdout
