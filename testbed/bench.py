@@ -9,6 +9,10 @@
 * ``adaptive`` — NetStorm on its 9-DC overlay without dynamics, adaptive (probing,
   re-planning every 5 s) vs static, repetitions interleaved on one network: the CCT ratio is
   the closed loop's overhead (NetStorm §V claims none worth noting; issue 12 asks <= 3 %).
+* ``efficiency`` — every tree scheme on NetStorm's overlay and GScale: CCT against the
+  bound and the cost model's prediction, and where the time goes (:mod:`testbed.efficiency`).
+* ``peers`` — PyTorch's gloo all_reduce in the emulated datacenters (``exec``) against the
+  schemes on the same WAN: each scheme's speed-up over it (skipped without torch).
 * ``chaos`` / ``fuzz`` — ``testbed.chaos``: 100 seeded SIGSTOP/SIGKILL trials on loopback
   (share ending right, time to end); 10^5 mutated wire frames (share detected per field).
 * ``emulator`` — emulator headroom (issue 11): for a topology, the largest scale at which
@@ -219,7 +223,202 @@ def bench_emulator(out: Path, progress, topology: str = "netstorm-internet2-9", 
     return result
 
 
-BENCHES = {"emulator": bench_emulator, "adaptive": bench_adaptive, "dataplane": bench_dataplane, "ring": bench_ring, "planner": bench_planner, "chaos": bench_chaos,
+TREE_SCHEMES = ("mtree", "forest", "blink", "multitree", "netstorm", "mst")
+# (topology, scale, TCP congestion control, default sizes before the scale): NetStorm's overlay has
+# 0.02 % random loss (BBR, as netstorm-baselines); GScale is lossless with long RTTs (cubic), at a
+# scale two shared cores sustain, with a size at which bandwidth, not its 0.1-0.8 s RTTs, dominates
+EFFICIENCY_CASES = (("netstorm-internet2-9", 1.0, "bbr", ("16MB", "64MB")), ("gscale-b4-12", 0.1, "cubic", ("128MB",)))
+EFFICIENCY_COLUMNS = ["topology", "size", "scheme", "cct_s", "bound_s", "predicted_s", "efficiency",
+                      "measured_over_predicted", "plan_factor", "execution_factor", "bottleneck", "bottleneck_busy",
+                      "mean_utilisation", "longest_idle_s", "startup_s", "tail_s", "trees", "first_tree_done_share",
+                      "correct"]
+
+
+def bench_efficiency(out: Path, progress, sizes: tuple[str, ...] | None = None,
+                     schemes: tuple[str, ...] = TREE_SCHEMES, topologies: tuple[str, ...] | None = None) -> dict:
+    """Every tree scheme against the bound and its prediction, with where the time goes
+    (:mod:`testbed.efficiency`): one experiment per topology and size (nominal, before the
+    scale; every scheme a variant on one network, 1 warm-up + 1 measured iteration), one row
+    per scheme, ``efficiency.csv`` and one figure per topology.  ``sizes`` (default: each
+    topology's own, :data:`EFFICIENCY_CASES`) applies to every topology."""
+    from testbed import config
+    from testbed.efficiency import analyse_run, breakdown
+    from testbed.experiment import run_experiment
+    from testbed.report import write_csv
+    from testbed.results import write_json_atomic
+
+    rows, kept = [], []
+    for topo, scale, cc, default_sizes in EFFICIENCY_CASES:
+        if topologies and topo not in topologies:
+            continue
+        for size in sizes or default_sizes:
+            variants = [{"label": s, "scheme": {"name": s, **({"adaptive": False} if s == "netstorm" else {})}}
+                        for s in schemes]
+            exp = config.validate({"name": f"efficiency-{topo}-{size}", "topology": topo, "scale": scale, "seed": 1,
+                                   "scheme": variants[0]["scheme"], "variants": variants[1:], "repetitions": 1,
+                                   "workload": {"size": size, "warmup": 1, "iterations": 1},
+                                   "agents": {"timeout_s": 300}, "emulator": {"tcp_cc": cc}}, "<bench efficiency>")
+            progress(f"efficiency: {topo} (scale {scale:g}, {cc}), {size}: {', '.join(schemes)}")
+            res = run_experiment(exp, out / f"{topo}-{size}", progress)
+            write_json_atomic(out / f"{topo}-{size}" / "results.json", res)  # `testbed report` reads it
+            graph = exp.topology.graph()
+            kept.append(res["emulation"]["kept_up"])
+            for v in res["variants"]:
+                sm = v["summary"]
+                run = next(r for r in res["runs"] if r["variant"] == v["label"])
+                a = analyse_run(run, graph)
+                bd = breakdown(sm["cct_s"]["mean"], sm["bound_cct_s"], a)
+                hot = a.get("bottleneck") or {}
+                rows.append({"topology": topo, "size": size, "scheme": v["label"], "cct_s": sm["cct_s"]["mean"],
+                             "bound_s": sm["bound_cct_s"], "predicted_s": sm["predicted_cct_s"],
+                             "efficiency": sm["efficiency"], "measured_over_predicted": sm["prediction_ratio"],
+                             "plan_factor": bd.get("plan_factor"), "execution_factor": bd.get("execution_factor"),
+                             "bottleneck": hot.get("link"), "bottleneck_busy": hot.get("busy_share"),
+                             "mean_utilisation": a.get("mean_utilisation"), "longest_idle_s": hot.get("longest_idle_s"),
+                             "startup_s": hot.get("startup_s"), "tail_s": hot.get("tail_s"), "trees": a.get("trees"),
+                             "first_tree_done_share": a.get("first_tree_done_share"), "correct": run["correct"],
+                             "_analysis": a})
+    write_csv(out / "efficiency.csv", rows, EFFICIENCY_COLUMNS)
+    figures = [str(efficiency_figure([r for r in rows if r["topology"] == t], out / f"efficiency-{t}.png"))
+               for t in dict.fromkeys(r["topology"] for r in rows)]
+    return {"table": [{k: r[k] for k in EFFICIENCY_COLUMNS} for r in rows], "figures": figures,
+            "analysis": [{"topology": r["topology"], "size": r["size"], "scheme": r["scheme"], **r["_analysis"]}
+                         for r in rows],
+            "kept_up": all(kept), "csv": str(out / "efficiency.csv")}
+
+
+def efficiency_figure(rows: list[dict], path: Path) -> Path:
+    """Left: CCT, prediction and bound per scheme and size.  Right: the busiest link's busy
+    share and the tree finish times (as shares of the CCT) per scheme at the largest size."""
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(11, 4.2), dpi=110, layout="constrained")
+    ax, bx = fig.subplots(1, 2)
+    sizes = list(dict.fromkeys(r["size"] for r in rows))
+    schemes = list(dict.fromkeys(r["scheme"] for r in rows))
+    w = 0.8 / max(1, len(sizes))
+    for k, size in enumerate(sizes):
+        xs = [i + (k - (len(sizes) - 1) / 2) * w for i in range(len(schemes))]
+        by = {r["scheme"]: r for r in rows if r["size"] == size}
+        ax.bar(xs, [by[s]["cct_s"] or 0 for s in schemes], width=w * 0.9, label=f"CCT {size}", alpha=0.8)
+        ax.plot(xs, [by[s]["predicted_s"] for s in schemes], "D", color="#d95f02", ms=4,
+                label="predicted" if k == 0 else None)
+        ax.plot(xs, [by[s]["bound_s"] for s in schemes], "_", color="#1b9e77", ms=14, mew=3,
+                label="bound" if k == 0 else None)
+        for x, s in zip(xs, schemes):
+            if by[s]["efficiency"]:
+                ax.annotate(f"{by[s]['efficiency']:.2f}", (x, by[s]["cct_s"]), textcoords="offset points",
+                            xytext=(0, 3), ha="center", fontsize=7)
+    ax.set_xticks(range(len(schemes)), schemes)
+    ax.set_ylabel("CCT (s)")
+    ax.set_title(f"{rows[0]['topology']}: CCT, prediction, bound (labels: bound/CCT)", fontsize=9)
+    ax.legend(fontsize=7)
+    last = {r["scheme"]: r for r in rows if r["size"] == sizes[-1]}
+    for i, s in enumerate(schemes):
+        a = last[s]["_analysis"]
+        fin = [e / a["cct_s"] for e in a.get("tree_finish_s", {}).values()] if a else []
+        bx.plot([i] * len(fin), fin, "o", color="#1f4e79", ms=3, alpha=0.6, label="tree finish / CCT" if i == 0 else None)
+        if last[s]["bottleneck_busy"] is not None:
+            bx.bar(i, last[s]["bottleneck_busy"], width=0.5, color="#fdb863", alpha=0.7,
+                   label="busiest link busy share" if i == 0 else None)
+        if last[s]["execution_factor"] is not None:
+            bx.plot(i, last[s]["execution_factor"], "x", color="#b2182b", ms=8,
+                    label="busiest link utilisation (need/CCT)" if i == 0 else None)
+    bx.set_xticks(range(len(schemes)), schemes)
+    bx.set_ylim(0, 1.1)
+    bx.set_title(f"where time goes at {sizes[-1]}", fontsize=9)
+    bx.legend(fontsize=7, loc="lower left")
+    fig.savefig(path, format="png")
+    return path
+
+
+PEER_SCHEMES = ("ring",) + TREE_SCHEMES
+GLOO_SCRIPT = Path(__file__).resolve().parent.parent / "examples" / "gloo_allreduce.py"
+
+
+def torch_missing() -> str | None:
+    """Why PyTorch's gloo all-reduce cannot run here (None: it can)."""
+    try:
+        import torch.distributed as dist
+    except Exception as e:  # not a dependency: any import failure means "not available"
+        return f"torch is not importable ({type(e).__name__}: {e}); install it (pip install torch) to compare"
+    if not dist.is_available() or not dist.is_gloo_available():
+        return "torch is installed without torch.distributed's gloo backend"
+    return None
+
+
+def bench_peers(out: Path, progress, sizes: tuple[str, ...] = ("16MB",), schemes: tuple[str, ...] = PEER_SCHEMES,
+                topologies: tuple[str, ...] | None = ("netstorm-internet2-9",)) -> dict:
+    """PyTorch's ``gloo`` all_reduce, one process per datacenter started with ``exec``
+    (examples/gloo_allreduce.py, ``GLOO_SOCKET_IFNAME=tbnode``), against the testbed's
+    schemes on the same WAN (same topology, scale, congestion control; one warm-up and one
+    measured iteration each): every scheme's speed-up = gloo CCT / scheme CCT.  Skipped,
+    saying why, when torch is not importable (it is not a dependency)."""
+    from testbed import config
+    from testbed.execute import exec_command
+    from testbed.experiment import run_experiment
+    from testbed.results import write_json_atomic
+    from testbed.workloads import parse_size
+
+    why = torch_missing()
+    if why:
+        progress(f"peers: skipped: {why}")
+        return {"skipped": why}
+    rows, kept = [], []
+    for topo, scale, cc, _ in EFFICIENCY_CASES:
+        if topologies and topo not in topologies:
+            continue
+        for size in sizes:
+            variants = [{"label": s, "scheme": {"name": s, **({"adaptive": False} if s == "netstorm" else {})}}
+                        for s in schemes]
+            exp = config.validate({"name": f"peers-{topo}-{size}", "topology": topo, "scale": scale, "seed": 1,
+                                   "scheme": variants[0]["scheme"], "variants": variants[1:], "repetitions": 1,
+                                   "workload": {"size": size, "warmup": 1, "iterations": 1},
+                                   "agents": {"timeout_s": 300}, "emulator": {"tcp_cc": cc}}, "<bench peers>")
+            mb = parse_size(size) * scale / 1e6
+            progress(f"peers: {topo} (scale {scale:g}, {cc}), {size}: gloo all_reduce of {mb:g} MB")
+            run_dir = out / f"{topo}-{size}"
+            argv = ["env", "GLOO_SOCKET_IFNAME=tbnode", "python3", str(GLOO_SCRIPT), "--size-mb", f"{mb:g}",
+                    "--warmup", "1", "--iterations", "1"]
+            ex = exec_command(exp, argv, run_dir / "gloo", progress=progress)
+            write_json_atomic(run_dir / "gloo" / "results.json", ex)
+            gloo = _gloo_cct(ex)
+            progress(f"peers: gloo CCT {gloo['cct_s']}; the schemes on the same WAN: {', '.join(schemes)}")
+            res = run_experiment(exp, run_dir / "schemes", progress)
+            write_json_atomic(run_dir / "schemes" / "results.json", res)
+            kept.append(res["emulation"]["kept_up"])
+            rows.append({"topology": topo, "size": size, "scheme": "gloo (PyTorch)", "cct_s": gloo["cct_s"],
+                         "speedup_over_gloo": 1.0 if gloo["cct_s"] else None, "efficiency":
+                         res["variants"][0]["summary"]["bound_cct_s"] / gloo["cct_s"] if gloo["cct_s"] else None,
+                         "correct": gloo["correct"]})
+            for v in res["variants"]:
+                sm = v["summary"]
+                cct = sm["cct_s"]["mean"]
+                rows.append({"topology": topo, "size": size, "scheme": v["label"], "cct_s": cct,
+                             "speedup_over_gloo": gloo["cct_s"] / cct if gloo["cct_s"] and cct else None,
+                             "efficiency": sm["efficiency"], "correct": sm["correct"]})
+    return {"table": rows, "torch": __import__("torch").__version__, "kept_up": all(kept)}
+
+
+def _gloo_cct(ex: dict) -> dict:
+    """The measured iterations' CCT (mean over iterations of the slowest rank) from the
+    processes' JSON lines, and whether every rank summed right."""
+    per_rank, ok = [], ex.get("ok", False)
+    for p in ex["processes"].values():
+        line = next((l for l in reversed(p["stdout"].splitlines()) if l.startswith("{")), None)
+        if line is None:
+            ok = False
+            continue
+        d = json.loads(line)
+        per_rank.append(d["times_s"][d["warmup"]:])
+        ok = ok and d["correct"]
+    if not per_rank or len(per_rank) != len(ex["processes"]):
+        return {"cct_s": None, "correct": False}
+    its = [max(t[i] for t in per_rank) for i in range(min(len(t) for t in per_rank))]
+    return {"cct_s": sum(its) / len(its) if its else None, "correct": ok}
+
+
+BENCHES = {"emulator": bench_emulator, "adaptive": bench_adaptive, "dataplane": bench_dataplane, "efficiency": bench_efficiency, "peers": bench_peers, "ring": bench_ring, "planner": bench_planner, "chaos": bench_chaos,
            "fuzz": bench_fuzz}
 
 

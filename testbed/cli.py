@@ -301,6 +301,37 @@ def cmd_linkcheck(args) -> int:
     return 0 if result["ok"] else 1
 
 
+def _check_bench_options(options: dict) -> None:
+    from testbed.bench import EFFICIENCY_CASES
+    from testbed.planners import schemes
+    from testbed.workloads import parse_size
+
+    for s in options.get("schemes", ()):
+        if s not in schemes():
+            raise ConfigError(f"--schemes: unknown scheme {s!r} (known: {', '.join(sorted(schemes()))})")
+    known = [case[0] for case in EFFICIENCY_CASES]
+    for t in options.get("topologies", ()):
+        if t not in known:
+            raise ConfigError(f"--topologies: {t!r} is not benchmarked (known: {', '.join(known)})")
+    for z in options.get("sizes", ()):
+        try:
+            parse_size(z)
+        except ValueError as e:
+            raise ConfigError(f"--sizes: {e}") from None
+
+
+def _print_table(rows: list[dict]) -> None:
+    """Rows of equal keys as an aligned text table (numbers to 3 significant digits)."""
+    if not rows:
+        return
+    cols = list(rows[0])
+    fmt = [[(f"{v:.3g}" if isinstance(v, float) else "" if v is None else str(v)) for v in r.values()] for r in rows]
+    width = [max(len(c), *(len(f[i]) for f in fmt)) for i, c in enumerate(cols)]
+    print("  ".join(c.ljust(w) for c, w in zip(cols, width)))
+    for f in fmt:
+        print("  ".join(v.ljust(w) for v, w in zip(f, width)))
+
+
 def cmd_bench(args) -> int:
     from testbed.bench import run_bench
     from testbed.progress import Progress
@@ -309,18 +340,32 @@ def cmd_bench(args) -> int:
     options = {k: v for k, v in (("topology", args.topology), ("tcp_cc", args.tcp_cc),
                                  ("seconds", args.seconds)) if v is not None}
     if options and args.name != "emulator":
-        print(f"bench {args.name}: --topology, --tcp-cc and --seconds apply to 'bench emulator' only",
+        print(f"error: bench {args.name}: --topology, --tcp-cc and --seconds apply to 'bench emulator' only",
               file=sys.stderr)
         return 2
     if "topology" in options:
         from testbed.topology import load_topology
 
         load_topology(options["topology"], source=options["topology"])  # bad name: one line, before any network
+    for key in ("sizes", "schemes", "topologies"):
+        val = getattr(args, key, None)
+        if val:
+            if args.name not in ("efficiency", "peers"):
+                print(f"error: bench {args.name}: --{key} applies to bench efficiency and peers only", file=sys.stderr)
+                return 2
+            options[key] = tuple(x for x in val.split(",") if x)
+    try:
+        _check_bench_options(options)
+    except ConfigError as e:
+        print(f"error: bench {args.name}: {e}", file=sys.stderr)
+        return 2
     out = Path(args.out) if args.out else new_run_dir("results", f"bench-{args.name}")
     result = run_bench(args.name, out, Progress(), **options)
     write_json_atomic(out / "bench.json", result)
     for k, v in result.items():
-        if k != "environment":
+        if k == "table":
+            _print_table(v)
+        elif k not in ("environment", "analysis"):
             print(f"{k}: {v}")
     if args.name == "emulator":
         print(f"emulator headroom on {result['topology']} ({result['tcp_cc']}): largest passing scale through the "
@@ -416,12 +461,15 @@ def build_parser() -> argparse.ArgumentParser:
     lc.set_defaults(func=cmd_linkcheck)
 
     b = sub.add_parser("bench", help="benchmarks that report ratios measured in one run")
-    b.add_argument("name", choices=("dataplane", "ring", "planner", "adaptive", "chaos", "fuzz", "emulator"),
-                   help="which benchmark")
+    b.add_argument("name", choices=("dataplane", "ring", "planner", "adaptive", "efficiency", "peers", "chaos",
+                                    "fuzz", "emulator"), help="which benchmark")
     b.add_argument("--topology", help="emulator: topology whose largest passing scale is searched "
                                       "(default netstorm-internet2-9)")
     b.add_argument("--tcp-cc", help=f"emulator: the hosts' TCP congestion control (default {DEFAULT_TCP_CC})")
     b.add_argument("--seconds", type=float, help="emulator: linkcheck measuring time per scale (default 6)")
+    b.add_argument("--sizes", help="efficiency, peers: comma-separated model sizes before the scale (e.g. 16MB,64MB)")
+    b.add_argument("--schemes", help="efficiency, peers: comma-separated schemes (default: the tree schemes)")
+    b.add_argument("--topologies", help="efficiency, peers: comma-separated topologies among the benchmarked ones")
     b.add_argument("--out", help="output folder")
     b.set_defaults(func=cmd_bench)
     return p

@@ -69,8 +69,9 @@ class _Ops:
 class _Routes:
     """Per ordered pair: link ids on the latency-shortest path, one-way delay (s)."""
 
-    def __init__(self, graph: nx.DiGraph):
+    def __init__(self, graph: nx.DiGraph, share: float = 1.0):
         self.graph = graph
+        self.share = share  # payload per byte of link rate
         self.paths = data_paths(graph)
         self.link_id: dict[tuple[str, str], int] = {}
         self.cap: list[float] = []
@@ -91,7 +92,7 @@ class _Routes:
             key = (a, b)
             if key not in self.link_id:
                 self.link_id[key] = len(self.cap)
-                self.cap.append(_bytes_per_s(self.graph, a, b))
+                self.cap.append(_bytes_per_s(self.graph, a, b) * self.share)
                 self.names.append(f"{a}->{b}")
             ids.append(self.link_id[key])
             delay += self.graph[a][b].get("delay_ms", 0.0) / 1000.0
@@ -144,9 +145,21 @@ def max_min_rates(classes: dict[tuple[int, ...], int], cap: list[float]) -> dict
 
 
 PACE_PREFIX = "pace "  # names of the virtual links that model paced connections
+# TCP payload per shaped byte at MTU 1500 with timestamps: MSS 1448 in a 1514-byte Ethernet frame
+# (HTB shapes frames: a link of rate R carries R x 1448/1514 of payload), and per IP byte (the
+# kernel paces a connection's IP packets, 1500 bytes per 1448 of payload).
+TCP_LINK_SHARE = 1448 / 1514
+TCP_PACED_SHARE = 1448 / 1500
+# The agent executor's CPU time per received transfer (Python: read, numpy add/copy, bookkeeping;
+# the agent's threads share one interpreter, so a node handles its transfers one after another).
+# Calibrated from bench efficiency runs on the project's 2-core machine shared by several
+# workers: the measured CCT grew by ~2 ms per extra transfer per node when the same plans were
+# cut into more chunks (MTREE 17 -> 160 chunks per tree, forest 4 -> 32 rounds; issue 17).
+EXECUTOR_TRANSFER_S = 0.002
 
 
-def predict(plan: Plan, graph: nx.DiGraph, *, elem_bytes: int = 4, stop_and_wait: bool = False) -> dict:
+def predict(plan: Plan, graph: nx.DiGraph, *, elem_bytes: int = 4, stop_and_wait: bool = False,
+            tcp: bool = False, transfer_s: float = 0.0) -> dict:
     """Flow-level, max-min fair discrete-event simulation of ``plan`` on ``graph``.
 
     * An op is ready when its ``deps`` have completed.  A ready send joins the FIFO of
@@ -160,7 +173,13 @@ def predict(plan: Plan, graph: nx.DiGraph, *, elem_bytes: int = 4, stop_and_wait
       rate private to its connection.
     * The send completes when its last byte has left (``stop_and_wait``: one route RTT
       later, when the acknowledgement is back, and only then can the connection send
-      again — TSEngine-style stop-and-wait, NetStorm App. B).  The data arrives at the
+      again — TSEngine-style stop-and-wait, NetStorm App. B).  With ``tcp`` the rates are
+      the payload TCP gets through them (:data:`TCP_LINK_SHARE` of a link's rate,
+      :data:`TCP_PACED_SHARE` of a pacing rate): what the executor's connections carry over
+      the emulator's links; without, rates carry payload at face value (the papers' model).
+    * ``transfer_s`` > 0: a receive, once its data has arrived and its deps are met, takes
+      that much of its node's CPU, one receive at a time per node (the executor's
+      per-transfer cost, :data:`EXECUTOR_TRANSFER_S`); 0: receives are free.  The data arrives at the
       receiver one-way delay α (sum of ``delay_ms`` on the route) after the last byte
       left.  A single transfer therefore takes α + size/rate exactly.
     * A recv completes once its data has arrived and its deps are met.  Reduction
@@ -173,7 +192,7 @@ def predict(plan: Plan, graph: nx.DiGraph, *, elem_bytes: int = 4, stop_and_wait
     if the plan deadlocks.
     """
     ops = _Ops(plan)
-    routes = _Routes(graph)
+    routes = _Routes(graph, TCP_LINK_SHARE if tcp else 1.0)
     n_ops = len(ops.ops)
     links: list[tuple[int, ...]] = [()] * n_ops
     alpha = [0.0] * n_ops
@@ -191,7 +210,7 @@ def predict(plan: Plan, graph: nx.DiGraph, *, elem_bytes: int = 4, stop_and_wait
             key = (src, op.peer, op.channel)
             if key not in paced:
                 paced[key] = len(routes.cap)
-                routes.cap.append(op.rate_mbps * 1e6 / 8)
+                routes.cap.append(op.rate_mbps * 1e6 / 8 * (TCP_PACED_SHARE if tcp else 1.0))
                 routes.names.append(PACE_PREFIX + f"{src}->{op.peer}#{op.channel}")
             links[i] = links[i] + (paced[key],)
         if stop_and_wait:
@@ -207,7 +226,8 @@ def predict(plan: Plan, graph: nx.DiGraph, *, elem_bytes: int = 4, stop_and_wait
     unmet = list(ops.unmet)
     per_link = [0.0] * len(cap)
     events: list[tuple[float, int, int, int]] = []  # (time, seq, kind, op): arrivals and ACKs
-    ARRIVE, ACK = 0, 1
+    ARRIVE, ACK, CPU = 0, 1, 2
+    cpu_free = dict.fromkeys(plan.nodes, 0.0)  # transfer_s: when each node's CPU is next free
     seq = count()
     # Transmitting flows.  A flow's bytes left are ``left`` as of ``t_upd`` at rate ``rate``;
     # its predicted end sits in ``ends`` (stale entries are skipped by version).
@@ -231,6 +251,14 @@ def predict(plan: Plan, graph: nx.DiGraph, *, elem_bytes: int = 4, stop_and_wait
             unmet[u] -= 1
             if unmet[u] == 0:
                 work.append(u)
+
+    def received(i: int) -> None:  # a recv whose data is there and whose deps are met
+        if transfer_s <= 0:
+            complete(i)
+            return
+        n = ops.node[i]
+        cpu_free[n] = max(t, cpu_free[n]) + transfer_s
+        heapq.heappush(events, (cpu_free[n], next(seq), CPU, i))
 
     def pump(c: int) -> None:
         if busy[c] or not queues[c]:
@@ -262,7 +290,7 @@ def predict(plan: Plan, graph: nx.DiGraph, *, elem_bytes: int = 4, stop_and_wait
             else:
                 ready[i] = True
                 if arrived[i]:
-                    complete(i)
+                    received(i)
         if touched:
             moved = [k for k in touched if len(members.get(k, ())) != basis.get(k, 0)]
             touched.clear()
@@ -328,7 +356,9 @@ def predict(plan: Plan, graph: nx.DiGraph, *, elem_bytes: int = 4, stop_and_wait
             if kind == ARRIVE:
                 arrived[i] = True
                 if ready[i]:
-                    complete(i)
+                    received(i)
+            elif kind == CPU:
+                complete(i)
             else:
                 complete(i)
                 busy[conn[i]] = False
@@ -337,11 +367,11 @@ def predict(plan: Plan, graph: nx.DiGraph, *, elem_bytes: int = 4, stop_and_wait
     if stuck:
         sample = [(ops.node[i], ops.ops[i].id) for i in stuck[:5]]
         raise PlanError(f"plan deadlocks in the cost model; ops never complete: {sample}")
-    return _report(plan, ops, routes, done, per_link, stop_and_wait)
+    return _report(plan, ops, routes, done, per_link, stop_and_wait, transfer_s)
 
 
 def _report(plan: Plan, ops: _Ops, routes: _Routes, done: list[float], per_link: list[float],
-            stop_and_wait: bool) -> dict:
+            stop_and_wait: bool, transfer_s: float = 0.0) -> dict:
     node_finish = {n: 0.0 for n in plan.nodes}
     phase_end: dict[str, float] = {}
     result = 0.0
@@ -352,13 +382,15 @@ def _report(plan: Plan, ops: _Ops, routes: _Routes, done: list[float], per_link:
             result = max(result, done[i])
             phase_end[op.phase] = max(phase_end.get(op.phase, 0.0), done[i])
     real = [l for l, name in enumerate(routes.names) if not name.startswith(PACE_PREFIX)]
-    busy = {l: per_link[l] / routes.cap[l] for l in real}
+    busy = {l: per_link[l] / routes.cap[l] for l in real}  # at the payload rate the model gives the link
     bott = max(real, key=lambda l: (busy[l], routes.names[l]), default=None)
     return {
         "cct_s": max(node_finish.values(), default=0.0),
         "result_s": result,
         "model": MODEL,
         "stop_and_wait": stop_and_wait,
+        "payload_share": routes.share,
+        "transfer_s": transfer_s,
         "compute": "reduction compute time ignored",
         "per_link_bytes": {routes.names[l]: per_link[l] for l in real},
         "link_busy_s": {routes.names[l]: busy[l] for l in real},

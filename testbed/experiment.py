@@ -63,7 +63,8 @@ def build_plan(exp: Experiment, scheme: dict | None = None, *, source: str = "",
         raise ConfigError(f"{a['probe_chunk_bytes']} bytes: no transfer of this plan is that large (the largest "
                           f"is {largest} bytes), so no link would ever be measured", source=source or exp.name,
                           key=f"{key}.adaptive.probe_chunk_bytes")
-    prediction = costmodel.predict(plan, graph, elem_bytes=w.elem_bytes, stop_and_wait=exp.agents.stop_and_wait)
+    prediction = costmodel.predict(plan, graph, elem_bytes=w.elem_bytes, stop_and_wait=exp.agents.stop_and_wait,
+                                   tcp=True, transfer_s=costmodel.EXECUTOR_TRANSFER_S)
     # The optimum is a packing of reduce/broadcast trees over every node, a bound for an AllReduce
     # of all of them; a partial reduce (CREW's group P, forest's active workers) has none here.
     partial = set(plan.contributing()) != set(plan.nodes) or set(plan.finishing()) != set(plan.nodes)
@@ -163,7 +164,7 @@ def replanner(exp: Experiment, scheme: dict, plan, truth: Callable[[str, str], d
     version costs new connections in slow start; 0 = any change).  NetStorm §IV-A keeps the
     root set of its first decision; here the planner chooses again (a choice: the same
     planner, unchanged, is what "re-planning" means for every other scheme)."""
-    from testbed.costmodel import predict
+    from testbed.costmodel import EXECUTOR_TRANSFER_S, predict
     from testbed.planners import make_plan
 
     a = scheme.get("adaptive")
@@ -191,7 +192,8 @@ def replanner(exp: Experiment, scheme: dict, plan, truth: Callable[[str, str], d
         new = next((p for p in seen if (p.programs, p.aux) == (new.programs, new.aux)), None) or new
         if new is state["plan"]:
             return None
-        cct = {id(p): predict(p, graph, elem_bytes=w.elem_bytes)["cct_s"] for p in (new, state["plan"])}
+        cct = {id(p): predict(p, graph, elem_bytes=w.elem_bytes, tcp=True,
+                                  transfer_s=EXECUTOR_TRANSFER_S)["cct_s"] for p in (new, state["plan"])}
         if cct[id(new)] > (1 - a["min_gain"]) * cct[id(state["plan"])]:
             return None
         if new not in seen:

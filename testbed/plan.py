@@ -440,9 +440,34 @@ class Tree:
                 "chunks": self.chunks, "rate_mbps": self.rate_mbps, "height": self.height()}
 
 
+def contended_pacing(trees: list[Tree], capacity: dict[tuple[str, str], float]) -> dict[tuple[int, str, str], float]:
+    """Pacing rates for trees running at ``tree.rate_mbps``, only where they contend: on a
+    directed edge that two or more trees use (reduce child->parent, broadcast parent->child),
+    each tree's connection is paced at its rate scaled by capacity / (sum of the rates on
+    the edge) (a packing that leaves the edge partly idle fills it in the same proportions);
+    an edge only one tree uses is left unpaced (the link itself limits it, and after a stall
+    the tree can catch up, which a connection paced at exactly its mean rate never can).
+    Returns {(tree index, src, dst): rate_mbps} for the paced connections."""
+    load: dict[tuple[str, str], list[int]] = defaultdict(list)
+    for ti, t in enumerate(trees):
+        for c, p in t.edges():
+            load[(c, p)].append(ti)
+            load[(p, c)].append(ti)
+    out = {}
+    for (a, b), users in load.items():
+        if len(set(users)) < 2:
+            continue
+        total = sum(trees[ti].rate_mbps for ti in users)
+        scale = max(1.0, capacity[(a, b)] / total) if total > 0 else 1.0
+        for ti in users:
+            if trees[ti].rate_mbps > 0:
+                out[(ti, a, b)] = trees[ti].rate_mbps * scale
+    return out
+
+
 def trees_plan(scheme: str, nodes: list[str], length: int, trees: list[Tree], *,
                participants: list[str] | None = None, meta: dict | None = None,
-               pace: bool = False) -> Plan:
+               pace: bool | dict[tuple[int, str, str], float] = False) -> Plan:
     """Compile concurrent reduce-then-broadcast over several trees into a plan.
 
     The vector is split among trees by ``share``; each tree's slice into ``chunks``
@@ -452,7 +477,9 @@ def trees_plan(scheme: str, nodes: list[str], length: int, trees: list[Tree], *,
     k+1 (pipelining); each tree uses its own channel so trees never block each other.
     Every tree must contain all ``nodes`` that finish with the result (Steiner trees may
     omit non-participants only if they are neither participants nor receivers).
-    With ``pace`` every transfer of a tree is paced at the tree's ``rate_mbps``.
+    With ``pace`` every transfer of a tree is paced at the tree's ``rate_mbps``; a dict
+    {(tree index, src, dst): rate_mbps} paces just those connections
+    (:func:`contended_pacing`).
     """
     for t in trees:
         t.check(participants if participants is not None else nodes)
@@ -465,7 +492,12 @@ def trees_plan(scheme: str, nodes: list[str], length: int, trees: list[Tree], *,
         for ci, csize in enumerate(split_lengths(size, [1] * t.chunks) if size else []):
             if csize == 0:
                 continue
-            label = dict(channel=ti, flow=ti, chunk=ci, rate_mbps=t.rate_mbps if pace else 0.0)
+            label = dict(channel=ti, flow=ti, chunk=ci)
+
+            def rate(a: str, b: str, ti: int = ti, t: Tree = t) -> float:
+                if isinstance(pace, dict):
+                    return pace.get((ti, a, b), 0.0)
+                return t.rate_mbps if pace else 0.0
             got: dict[str, list[int]] = defaultdict(list)  # node -> recv ids of children's sums
             up_send: dict[str, int] = {}
             for n, _ in order:  # reduce, bottom-up
@@ -473,7 +505,7 @@ def trees_plan(scheme: str, nodes: list[str], length: int, trees: list[Tree], *,
                 if p is None:
                     continue
                 s, r = b.transfer(n, p, offset, csize, reduce=True, send_deps=got[n],
-                                  phase="reduce", **label)
+                                  phase="reduce", rate_mbps=rate(n, p), **label)
                 up_send[n] = s
                 got[p].append(r)
             have: dict[str, list[int]] = {t.root: got[t.root]}
@@ -481,7 +513,7 @@ def trees_plan(scheme: str, nodes: list[str], length: int, trees: list[Tree], *,
                 for c in children[n]:
                     # the child's copy-in must wait until its own upward send has read the data
                     _, r = b.transfer(n, c, offset, csize, reduce=False, send_deps=have[n],
-                                      recv_deps=[up_send[c]], phase="bcast", **label)
+                                      recv_deps=[up_send[c]], phase="bcast", rate_mbps=rate(n, c), **label)
                     have[c] = [r]
             offset += csize
     meta = dict(meta or {})

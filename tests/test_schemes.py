@@ -15,7 +15,7 @@ import pytest
 
 from testbed import config
 from testbed.errors import ConfigError
-from testbed.planners import NODE, NODES, make_plan, schemes
+from testbed.planners import NODE, NODE_MAP, NODES, make_plan, schemes
 from testbed.plan import check_allreduce
 from testbed.topology import load_topology
 from wan_graphs import random_wan
@@ -83,13 +83,15 @@ def test_make_plan_stamps_params_time_and_reference(scheme):
 def _bad_values(name, p):
     """(value, expected key suffix, expected message) that the declaration must reject."""
     types = p.type if isinstance(p.type, tuple) else (p.type,)
-    out = [({"not": "valid"}, name, "expected")]
+    out = [(0.5 if dict in types else {"not": "valid"}, name, "expected")]
     if int in types and bool not in types:
         out.append((True, name, "expected"))
     if p.kind == NODE:
         out.append(("zz", name, "unknown datacenter 'zz'"))
     if p.kind == NODES:
         out.append((["h1", "zz"], f"{name}[1]", "unknown datacenter 'zz'"))
+    if p.kind == NODE_MAP:
+        out.append(({"h1": "zz"}, f"{name}.h1", "unknown datacenter 'zz'"))
     if p.choices:
         out.append(("no-such-choice", name, "expected one of"))
     step = 1 if float not in types else 0.5

@@ -32,7 +32,7 @@ from testbed.checks import Checker
 from testbed.errors import ConfigError
 from testbed.plan import Plan
 
-NODE, NODES = "node", "nodes"
+NODE, NODES, NODE_MAP = "node", "nodes", "node-map"
 _BOUNDS = {"ge": (">=", operator.ge), "gt": (">", operator.gt), "le": ("<=", operator.le), "lt": ("<", operator.lt)}
 
 
@@ -85,6 +85,10 @@ class Param:
             c.node(value, key, nodes)
         if self.kind == NODES and value is not None:
             c.nodes(value, key, nodes)
+        if self.kind == NODE_MAP:
+            for a, b in value.items():
+                c.node(a, key, nodes)
+                c.node(b, f"{key}.{a}", nodes)
         return value
 
 

@@ -39,7 +39,7 @@ from scipy.optimize import linprog
 from testbed.plan import Plan, Tree, split_lengths, trees_plan
 from testbed.planners import Param, planner
 from testbed.planners.bound import mwu_packing, simple_bound
-from testbed.planners.common import (WanView, check_graph, parents_from_edges, tree_centre, tree_roundtrip_s,
+from testbed.planners.common import (WanView, check_graph, parents_from_edges, tree_centre, tree_pacing, tree_roundtrip_s,
                                      wan_view)
 from testbed.planners.mtree import chunk_time, select_trees, tree_paths
 
@@ -78,10 +78,12 @@ def select_subset(wv: WanView, flow: dict[tuple[int, ...], float], max_trees: in
                       "overrides chunks", ge=0),
     milp_time_limit=Param((int, float), 5.0, "HiGHS time limit for the subset MILP, seconds"),
     pace=Param(bool, True, "pace each tree's transfers at its packed rate; false = TCP sharing"),
+    pacing=Param(str, "contended", "with pace: 'all' paces every transfer at its tree's rate; 'contended' only the "
+                 "trees sharing a link direction, scaled to fill it (plan.contended_pacing)", ("all", "contended")),
 )
 def blink(graph: nx.DiGraph, length: int, *, elem_bytes: int, max_trees: int = 5,
           epsilon: float = 0.2, candidates: int = 20, chunks: int = 1, chunk_bytes: int = 0,
-          milp_time_limit: float = 5.0, pace: bool = True) -> Plan:
+          milp_time_limit: float = 5.0, pace: bool = True, pacing: str = "contended") -> Plan:
     """BLINK-style: MWU fractional spanning-tree packing, best subset of <= max_trees
     trees with re-solved rates, shares by rate, no height limit (approximation of BLINK
     from the MTREE/CREW descriptions)."""
@@ -132,4 +134,4 @@ def blink(graph: nx.DiGraph, length: int, *, elem_bytes: int, max_trees: int = 5
         "avg_max_fanout": float(np.mean([d["max_fanout"] for d in infos])),
         "timing_s": {"packing_s": pack_s, "milp_s": milp_info.get("solve_s", 0.0)},
     }
-    return trees_plan("blink", list(wv.nodes), length, trees, meta=meta, pace=pace)
+    return trees_plan("blink", list(wv.nodes), length, trees, meta=meta, pace=tree_pacing(graph, trees, pace, pacing))

@@ -12,7 +12,7 @@ import networkx as nx
 import numpy as np
 
 from testbed.errors import ConfigError
-from testbed.plan import Tree
+from testbed.plan import Tree, contended_pacing
 from testbed.planners import NODES, Param, ParamError
 
 INF = float("inf")
@@ -215,3 +215,14 @@ def wan_view(graph: nx.DiGraph, nodes: Iterable[str] | None = None) -> WanView:
     return WanView(names, [edges[k] for k in order], np.array([cap[k] for k in order], float),
                    np.array([delay[k] for k in order], float), index)
 
+
+
+def tree_pacing(graph: nx.DiGraph, trees: list[Tree], pace: bool, pacing: str) -> bool | dict:
+    """The ``pace`` argument of :func:`testbed.plan.trees_plan` for trees with planned rates:
+    False (unpaced), True (``pacing="all"``: every transfer at its tree's rate) or, for
+    ``"contended"``, :func:`testbed.plan.contended_pacing` on the graph's link rates."""
+    if not pace:
+        return False
+    if pacing == "all":
+        return True
+    return contended_pacing(trees, {(u, v): float(d["rate_mbps"]) for u, v, d in graph.edges(data=True)})

@@ -26,7 +26,7 @@ from scipy.optimize import linprog
 from testbed.plan import Plan, ProgramBuilder
 from testbed.routing import data_paths
 
-from testbed.planners import Param, ParamError, planner
+from testbed.planners import NODE_MAP, NODES, Param, ParamError, planner
 from testbed.planners.common import ACTIVE, check_graph, partial, path_rate, members as workers_of
 
 CREW_REF = "CREW (Luo et al.) §III-IV: weighted scatter, controlled reduce, way-back multicast; LP (2), Alg. 1"
@@ -115,8 +115,9 @@ def split_model(weights: list[float], k: int, rounding: str = "floor") -> list[r
     rounding=Param(str, "floor", "Alg. 1 block bounds: floor = as printed (l < j <= u); nearest = round u "
                                  "(each block within half a chunk of its weight)", choices=("floor", "nearest")),
     exclude=Param(list, [], "workers that aggregate nothing (lost ones, §IV-B: G rebuilt without them; LP (2) "
-                            "over the rest)", kind="nodes"),
-    reassign=Param(dict, {}, "failover, Eq. (3): {j: k} aggregator j's block (its LP (2) weight) goes to k",),
+                            "over the rest)", kind=NODES),
+    reassign=Param(dict, {}, "failover, Eq. (3): {j: k} aggregator j's block (its LP (2) weight) goes to k",
+                   kind=NODE_MAP),
     scheduling=Param(str, "fcfs", "fcfs = one ordered connection per pair, flows served in the order they became "
                                   "ready (FL-FCFS, §IV-C); fs = scatter and multicast on separate connections "
                                   "sharing the link (FS)", choices=("fcfs", "fs")),
@@ -132,7 +133,8 @@ def plan_crew(graph: nx.DiGraph, length: int, *, elem_bytes: int = 4, active=Non
     reassign = dict(reassign or {})
     for j, r in reassign.items():
         if j not in aggs or r not in aggs or r in reassign:
-            raise ParamError("reassign", f"{j} -> {r}: both must aggregate, and {r} keeps its block")
+            raise ParamError("reassign", f"expected {{aggregator: replacement}} between aggregators, the replacement "
+                                         f"keeping its own block; got {j} -> {r}")
     if not aggs:
         raise ParamError("exclude", "no aggregator left")
     b = pair_rates(graph)

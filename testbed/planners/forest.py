@@ -52,8 +52,14 @@ Pipeline of this module (Sec. IV-V, end-to-end procedure of the note Sec. 3.7):
    a J flow; with ``"partial"`` the K flows carry the fraction sum w_k / chi_v of every
    round as soon as it is reduced (the root's FIFO of Sec. V).
 
-The IR has no rates: the weights only size the pieces (the agents' transport shares
-links); ``plan.meta`` reports the LP rates per tree for pacing or analysis.
+The weights size the pieces; with ``pace`` they are also every flow's sending rate
+(``Op.rate_mbps``).  Unpaced (the default), trees sharing a link get the transport's equal
+shares and finish far apart (bench efficiency, issue 17: on NetStorm's overlay, 16 MB, the
+first tree done at 0.12 of the CCT) -- yet paced is slower, predicted (4.73 s vs 3.22 s)
+and measured (5.11 s vs 3.44 s, one run each, shared machine): a paced tree cannot use the
+capacity its link-mates leave idle while they fill or drain their pipelines (deep Steiner
+trees, up to 8 hops, with 4 rounds), and pure broadcast trees wait for the whole reduce.
+``plan.meta`` reports the LP rates per tree.
 """
 
 from __future__ import annotations
@@ -668,14 +674,20 @@ def _tree_order(t: SteinerTree) -> list[tuple[str, int]]:
 
 
 def compile_forest(forest: Forest, nodes: list[str], length: int, active: list[str], *, chunks: int,
-                   scheme: str = "forest") -> tuple[Plan, list[dict]]:
+                   scheme: str = "forest", pace: bool = False) -> tuple[Plan, list[dict]]:
     """Compile a weighted forest into the plan IR (TopoAdapt Sec. III-C/V; the static
     piece assignment is ours, see the module doc).  Returns the plan and the flow table
-    (one entry per tree and stage: kind, stage, tree, rate, elements)."""
+    (one entry per tree and stage: kind, stage, tree, rate, elements).  With ``pace`` every
+    transfer of a flow is paced at the flow's LP weight w (Mbit/s): the trees sharing a link
+    get the bandwidths LP (4)/(8) allots them, which the shares assume (Property 3: all trees
+    finish together), instead of the transport's equal shares."""
     w = forest.weights
     roots = [v for v in forest.roots if w.chi[v] > EPS]
     b = ProgramBuilder(nodes)
     flows: list[dict] = []
+
+    def rate_of(fi: int) -> float:
+        return flows[fi]["rate_mbps"] if pace else 0.0
 
     def flow(tree: SteinerTree, stage: str, rate: float) -> int:
         flows.append({"tree": tree, "stage": stage, "rate_mbps": rate, "elements": 0})
@@ -731,7 +743,7 @@ def compile_forest(forest: Forest, nodes: list[str], length: int, active: list[s
                     if p is None:
                         continue
                     s, rid = b.transfer(n, p, o, ln, reduce=True, send_deps=got[n], channel=fi, flow=fi,
-                                        chunk=r, phase="reduce")
+                                        chunk=r, phase="reduce", rate_mbps=rate_of(fi))
                     sends[n] = s
                     got[p].append(rid)
                 up_send[(fi, o)] = sends
@@ -758,7 +770,7 @@ def compile_forest(forest: Forest, nodes: list[str], length: int, active: list[s
                         for c in children[n]:
                             mine = [up_send[key][c] for key in over if c in up_send[key]]
                             _, rid = b.transfer(n, c, o, ln, reduce=False, send_deps=have[n], recv_deps=mine,
-                                                channel=fi, flow=fi, chunk=r,
+                                                channel=fi, flow=fi, chunk=r, rate_mbps=rate_of(fi),
                                                 phase="bcast" if stage == "pure" else "bcast-overlap")
                             have[c] = [rid]
                     flows[fi]["elements"] += ln
@@ -778,7 +790,8 @@ def compile_forest(forest: Forest, nodes: list[str], length: int, active: list[s
     max_trees=Param(int, 64, "keep at most this many reduce and this many broadcast trees (pruned in rounds, "
                              "heaviest first, every root keeps its best tree, weights re-solved); 0 = no limit",
                    ge=0),
-    chunks=Param(int, 4, "pipelined sub-chunks (rounds) per root's data (Property 2 pipelining)", ge=1),
+    chunks=Param(int, 8, "pipelined sub-chunks (rounds) per root's data (Property 2 pipelining); 8: measured "
+                         "on NetStorm's overlay at 64 MB 10.9 s vs 12.9 s with 4 (bench efficiency, issue 17)", ge=1),
     oracle=Param(str, "auto", "minimum Steiner tree oracle A: auto/heuristic = Edmonds when all nodes are "
                               "terminals (exact), else best of shortest-path heuristic and pruned arborescence; "
                               "exact = MILP (small graphs)", choices=ORACLES),
@@ -787,10 +800,13 @@ def compile_forest(forest: Forest, nodes: list[str], length: int, active: list[s
                            "relative gap of the LP optimum (exact with an exact oracle)", ge=0),
     shallow=Param(bool, True, "among LP-optimal weightings prefer shallow trees (secondary LP minimising "
                               "weight x height; our tie-break, the LP is bandwidth-only)"),
+    pace=Param(bool, False, "pace every tree's transfers at its LP weight (the bandwidth the shares assume); "
+                            "false = the transport shares links (measured faster, see the module doc)"),
 )
 def plan_forest(graph: nx.DiGraph, length: int, *, elem_bytes: int = 4, overlap: str = "partial",
-                active: list | None = None, relays: bool = True, max_trees: int = 64, chunks: int = 4,
-                oracle: str = "auto", max_iters: int = 200, gap: float = 1e-3, shallow: bool = True) -> Plan:
+                active: list | None = None, relays: bool = True, max_trees: int = 64, chunks: int = 8,
+                oracle: str = "auto", max_iters: int = 200, gap: float = 1e-3, shallow: bool = True,
+                pace: bool = False) -> Plan:
     """Topology-adaptive Steiner forest packing (TopoAdapt, INFOCOM'21): reduce and
     broadcast trees rooted at every active worker, packed by column generation with a
     minimum-Steiner-tree oracle, weighted by LP (4) or (8), each tree carrying a share of
@@ -810,7 +826,7 @@ def plan_forest(graph: nx.DiGraph, length: int, *, elem_bytes: int = 4, overlap:
                 raise ParamError("active", f"active workers unreachable from {v}"
                            + ("" if relays else " without relays"))
     meta: dict = {"overlap": overlap, "active": act, "relays_allowed": relays,
-                  "chunks": chunks, "max_trees": max_trees, "shallow": shallow}
+                  "chunks": chunks, "max_trees": max_trees, "shallow": shallow, "pace": pace}
     if len(act) == 1:
         plan = Plan("forest", nodes, length, {n: [] for n in nodes}, participants=act, receivers=act)
         meta.update(trees=[], roots={act[0]: {"chi_mbps": None, "share": 1.0}})
@@ -822,7 +838,7 @@ def plan_forest(graph: nx.DiGraph, length: int, *, elem_bytes: int = 4, overlap:
     forest = prune_forest(forest, caps, max_trees, shallow=shallow)
     if forest.weights.objective <= EPS:
         raise RuntimeError("forest LP found no bandwidth")
-    plan, flows = compile_forest(forest, nodes, length, act, chunks=chunks)
+    plan, flows = compile_forest(forest, nodes, length, act, chunks=chunks, pace=pace)
     w = forest.weights
     total = w.objective
     trees_meta = []

@@ -80,7 +80,7 @@ from scipy.optimize import Bounds, LinearConstraint, milp
 from testbed.plan import Plan, Tree, split_lengths, trees_plan
 from testbed.planners import Param, ParamError, planner
 from testbed.planners.bound import simple_bound
-from testbed.planners.common import WanView, check_graph, parents_from_edges, tree_roundtrip_s, wan_view
+from testbed.planners.common import WanView, check_graph, parents_from_edges, tree_pacing, tree_roundtrip_s, wan_view
 
 PAPER = ("S. Luo, R. Wang, H. Xing, 'Efficient Inter-Datacenter AllReduce With Multiple "
          "Trees' (MTREE), seed 000")
@@ -451,13 +451,15 @@ def _tree_info(graph: nx.DiGraph, t: Tree, wv: WanView, L: np.ndarray) -> dict:
     max_gbst_trees=Param(int, 200, "safety cap on trees per GBST call (not in the paper)", ge=1),
     pace=Param(bool, True, "pace each tree's transfers at its MILP rate (the paper's rate "
                "allocation); false = trees share links as TCP flows do"),
+    pacing=Param(str, "contended", "with pace: 'all' paces every transfer at its tree's rate; 'contended' only the "
+                 "trees sharing a link direction, scaled to fill it (plan.contended_pacing)", ("all", "contended")),
 )
 def mtree(graph: nx.DiGraph, length: int, *, elem_bytes: int, K: int = 10, H: float = 0,
           ith: bool = True, rho: float = 0.95, min_rate_mbps: float = 0,
           rate_rule: str = "bottleneck", quantum_ms: float = 0, grth_fix: bool = False,
           seed: int = 0, pipelined: bool = True, chunks: int = 0, chunk_delta: int = 0,
           chunk_path: str = "roundtrip", max_chunks: int = 256, milp_time_limit: float = 10.0,
-          max_gbst_trees: int = 200, pace: bool = True) -> Plan:
+          max_gbst_trees: int = 200, pace: bool = True, pacing: str = "contended") -> Plan:
     """MTREE (paper 000): GOST trees (Algs. 1-3), MILP (1) selection of <= K trees with
     rates r_i and shares r_i / sum r, per-tree pipelined chunk counts from Eqs. (2)-(8);
     compiled to concurrent reduce-then-broadcast over the trees (trees_plan)."""
@@ -540,5 +542,5 @@ def mtree(graph: nx.DiGraph, length: int, *, elem_bytes: int, K: int = 10, H: fl
         "avg_max_fanout": float(np.mean([i["max_fanout"] for i in infos])),
         "timing_s": {"gost_s": gost_s, "milp_s": milp_info.get("solve_s", 0.0)},
     }
-    return trees_plan("mtree", list(wv.nodes), length, trees, meta=meta, pace=pace)
+    return trees_plan("mtree", list(wv.nodes), length, trees, meta=meta, pace=tree_pacing(graph, trees, pace, pacing))
 
