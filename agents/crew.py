@@ -25,6 +25,8 @@ installs one (:mod:`agents.coordinator`), then reused whenever the same group fo
     involved -> coordinator: armed {pid}                  (executor moved to iteration pid, inputs set)
     coordinator -> involved: start {pid}
     involved -> coordinator: task_done {pid, timing, check} | task_failed {pid, message}
+    agent -> coordinator:  link_lost {peer} | link_back {peer}   (heartbeats over the data network)
+    coordinator -> involved: abandon {pid, version}      (failover: the task is stopped)
     coordinator -> agents: finish (after T, once the tasks in flight ended)
 
 ARMED before START is the one message more than the iteration barrier: a member may send
@@ -45,6 +47,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import queue
+import socket
 import threading
 import time
 from collections import deque
@@ -187,12 +190,17 @@ class TaskRun:
         self.lost: list[str] = []
         self.faults: list[dict] = []
         self.reassign: dict[int, dict] = {}  # pid -> {j: k} of a repair task
+        self.link_timeout_s = float(opts.get("link_timeout_s") or 0.0)
+        self.broken: dict[frozenset, dict] = {}  # {a, b} -> its fault record, while the link is down
+        self.later: list[tuple[float, str, int]] = []
+        self._pair_cache: dict[int, set] = {}  # (monotonic, worker, round): re-queued after a pause
 
     def run(self) -> dict:
         c = self.c
         task_limit = c.ready_limit() + c.limit_s
         for n in self.nodes:
-            c._send(n, {"msg": "begin"})
+            c._send(n, {"msg": "begin", **({"watch": self._watch_peers(n), "link_timeout_s": self.link_timeout_s}
+                                           if self.link_timeout_s else {})})
         self.t0_ns = time.time_ns()
         end = time.monotonic() + self.window_s
         c.progress(f"window of {self.window_s:g} s started: groups of {self.p} from the ready queue")
@@ -214,11 +222,15 @@ class TaskRun:
             if len(self.nodes) - len(self.lost) < self.p:
                 c._diagnose(("lost", self.lost[-1], f"{len(self.nodes) - len(self.lost)} workers left (lost: "
                              f"{', '.join(self.lost)}), fewer than a group of {self.p}: no group can form"))
+            for item in [x for x in self.later if x[0] <= time.monotonic()]:
+                self.later.remove(item)
+                self.ctl.ready(item[1], item[2])
             if time.monotonic() < end:
                 for t in self.ctl.form():
                     t.deadline = time.monotonic() + task_limit
                     t.times["formed_ns"] = time.time_ns()
-                    self._place(t)
+                    if not self._place(t):
+                        self._unplaceable(t, "no plan of the group avoids the broken links")
         self._finish()
         return self.results()
 
@@ -237,7 +249,7 @@ class TaskRun:
             if ev is None or ev[0] == "registered" or ev[1] in self.lost or (ev[0] in ("lost", "silent")
                                                                               and ev[1] in got):
                 continue
-            if ev[0] != "msg" or ev[2].get("msg") not in ("bye", "enqueue", "status"):
+            if ev[0] != "msg" or ev[2].get("msg") not in ("bye", "enqueue", "status", "link_lost", "link_back"):
                 c._diagnose(ev)
             if ev[2].get("msg") == "bye":
                 got.add(ev[1])
@@ -278,6 +290,8 @@ class TaskRun:
         if kind == "enqueue":
             self.enqueued.append([node, data.get("round"), time.time_ns()])
             self.ctl.ready(node, int(data["round"]))
+        elif kind in ("link_lost", "link_back"):
+            self._link(node, str(data.get("peer")), kind == "link_lost")
         elif kind == "installed":
             v = data.get("version")
             left = self.installing.get(v)
@@ -311,18 +325,42 @@ class TaskRun:
         else:
             self.c._diagnose(("protocol", node, f"unexpected {kind!r} message in a task run"))
 
-    def _place(self, t: Task) -> None:
+    def _place(self, t: Task) -> bool:
         """Find (or install) the version of t's group (without the lost workers as
-        aggregators; with a repair's Eq. (3) replacement); hold it while that version runs."""
-        swap = self.reassign.get(t.pid, {})
-        exclude = [n for n in self.lost if n not in swap]
-        key = (frozenset(t.members), tuple(exclude), tuple(sorted(swap.items())))
+        aggregators; with a repair's Eq. (3) replacements); hold it while that version runs.
+        While links are down (:meth:`_link`), every aggregator cut off from a member of P
+        hands its block to an Eq. (3) replacement with live links to all of P (§IV-B); False
+        when the plan still needs a broken link (no candidate, or a scheme without per-block
+        aggregators: the task cannot run)."""
+        swap = dict(self.reassign.get(t.pid, {}))
+        while True:
+            exclude = [n for n in self.lost if n not in swap]
+            key = (frozenset(t.members), tuple(exclude), tuple(sorted(swap.items())))
+            if key in self.by_group:
+                plan = self.plans[self.by_group[key]]
+            else:
+                extra = {**({"exclude": exclude} if exclude else {}), **({"reassign": swap} if swap else {})}
+                plan = self.plan_for(sorted(t.members, key=self.nodes.index), **extra)
+                if list(plan.nodes) != self.nodes or plan.length != self.plans[0].length:
+                    raise ValueError(f"plan for group {t.members} differs in nodes or length")
+                plan.validate()
+            pairs = self._vpairs(self.by_group[key]) if key in self.by_group else _pairs(plan)
+            cut = [pair for pair in self.broken if pair in pairs]
+            if not cut:
+                break
+            weights = plan.meta.get("weights") or {}
+            bad = sorted({e for pair in cut for e in pair if e in weights and (set(pair) - {e}) <= set(t.members)},
+                         key=self.nodes.index)
+            if not self.rate or not bad or any(not (set(pair) & set(bad)) for pair in cut):
+                return False
+            for a in bad:
+                cands = self._candidates(t.members, set(bad) | set(swap))
+                k = replacement([c for c in cands if c in weights], t.members, self._load(t), weights[a], self.rate)
+                if k is None:
+                    return False
+                swap = _redirect(swap, a, k)
+            self.reassign[t.pid] = swap
         if key not in self.by_group:
-            extra = {**({"exclude": exclude} if exclude else {}), **({"reassign": swap} if swap else {})}
-            plan = self.plan_for(sorted(t.members, key=self.nodes.index), **extra)
-            if list(plan.nodes) != self.nodes or plan.length != self.plans[0].length:
-                raise ValueError(f"plan for group {t.members} differs in nodes or length")
-            plan.validate()
             v = len(self.plans)
             self.plans.append(plan)
             self.by_group[key] = v
@@ -341,6 +379,37 @@ class TaskRun:
             t.state = "held"
         else:
             self._arm(t)
+        return True
+
+    def _vpairs(self, v: int) -> set:
+        if v not in self._pair_cache:
+            self._pair_cache[v] = _pairs(self.plans[v])
+        return self._pair_cache[v]
+
+    def _candidates(self, members: list[str], out: set) -> list[str]:
+        """§IV-B's S: workers alive, not in P, not in ``out``, with no broken link to a member."""
+        return [k for k in self.nodes if k not in self.lost and k not in members and k not in out
+                and not any(frozenset((k, m)) in self.broken for m in members)]
+
+    def _load(self, t: Task) -> dict[str, float]:
+        """Eq. (3)'s l_k: the block volume (model fractions) each worker aggregates in the
+        other tasks in flight."""
+        load: dict[str, float] = {}
+        for r in self.ctl.running():
+            if r is not t and r.version is not None:
+                for a, x in (self.plans[r.version].meta.get("weights") or {}).items():
+                    load[a] = load.get(a, 0.0) + x
+        return load
+
+    def _unplaceable(self, t: Task, why: str) -> None:
+        """A group no plan can serve now: abandoned, its members queued again after a pause
+        (at once they would form the same group again)."""
+        t.state = "abandoned"
+        self.records.append({"pid": t.pid, "members": t.members, "version": None, "outcome": "abandoned",
+                             "why": why, **t.times, "correct": True, "members_done": {}})
+        for m in t.members:
+            self.ctl.member_done(t.pid, m)
+            self.later.append((time.monotonic() + 1.0, m, t.rounds[m]))
 
     def _arm(self, t: Task) -> None:
         if t.version in self.busy:
@@ -384,7 +453,8 @@ class TaskRun:
         start = min(d["comm_start_ns"] for d in t.done.values())
         end = max(t.done[m]["comm_done_ns"] for m in t.members)
         return {"pid": t.pid, "members": t.members, "version": t.version, "aggregators": len(t.involved),
-                "outcome": "repair" if "repair_of" in t.times else "done", **t.times, "cct_s": (end - start) / 1e9, "correct": not wrong, "members_done": members}
+                "outcome": "repair" if "repair_of" in t.times else "done", **t.times,
+                **({"reassign": self.reassign[t.pid]} if self.reassign.get(t.pid) else {}), "cct_s": (end - start) / 1e9, "correct": not wrong, "members_done": members}
 
     def results(self) -> dict:
         rounds = rounds_in_window(self.records, self.t0_ns, self.window_s)
@@ -399,6 +469,17 @@ class TaskRun:
                                "abandoned": sum(r.get("outcome") == "abandoned" for r in self.records)}}
 
     # failover (§IV-B)
+    def _watch_peers(self, n: str) -> dict[str, list]:
+        """Where ``n`` reaches every other worker's data port (its heartbeats go there)."""
+        c = self.c
+        view = c._addresses.get(n) if isinstance(c._addresses.get(n), dict) else c._addresses
+        out = {}
+        for d in self.nodes:
+            port = c.data_port or int(c._idents.get(d, {}).get("data_port") or 0)
+            if d != n and isinstance(view.get(d), str) and port:
+                out[d] = [view[d], port]
+        return out
+
     def _lose(self, w: str, why: str) -> None:
         """Worker ``w`` is gone: out of the queue and of every future group (its aggregator
         share goes to the others: LP (2) over the rest); every task in flight that involves
@@ -412,49 +493,169 @@ class TaskRun:
         self.faults.append(fault)
         self.c.progress(f"worker {w} lost ({why}): failover")
         for t in self.ctl.lose(w):
-            for n in t.involved:
-                if n not in self.lost:
-                    self.c._send(n, {"msg": "abandon", "pid": t.pid, "version": t.version})
-            if self.busy.get(t.version) == t.pid:
-                del self.busy[t.version]
-            self.installing.pop(t.version, None)
-            pending = [m for m in t.members if m not in t.done and m != w]
-            weights = (self.plans[t.version].meta.get("weights") or {}) if t.version is not None else {}
+            self._stop(t, fault, w)
+
+    def _link(self, node: str, peer: str, lost: bool) -> None:
+        """§IV-B, a link between two workers breaks (both ends' heartbeats stop; the first
+        report counts, FCFS) or comes back.  Every task in flight whose plan sends over it
+        is stopped and run again with the cut-off aggregators' blocks at Eq. (3)
+        replacements (:meth:`_place`), or ABANDONed; groups formed while it is down get such
+        plans from the start.  A report about a lost worker is that loss, not a link."""
+        pair = frozenset((node, peer))
+        if peer not in self.nodes or peer == node or node in self.lost or peer in self.lost:
+            return
+        if not lost:
+            fault = self.broken.pop(pair, None)
+            if fault is not None:
+                fault["back_ns"] = time.time_ns()
+                self.c.progress(f"link {'-'.join(fault['link'])} back (reported by {node})")
+            return
+        if pair in self.broken:
+            return
+        fault = {"t_ns": time.time_ns(), "link": sorted(pair, key=self.nodes.index), "reported_by": node,
+                 "tasks": []}
+        self.broken[pair] = fault
+        self.faults.append(fault)
+        self.c.progress(f"link {'-'.join(fault['link'])} broken (reported by {node}): failover")
+        for t in self.ctl.running():
+            if t.version is not None and pair in self._vpairs(t.version):
+                self._stop(t, fault, None)
+
+    def _stop(self, t: Task, fault: dict, w: str | None) -> None:
+        """Stop task ``t`` (ABANDON to its nodes, its version retired) after worker ``w`` was
+        lost (None: a link broke) and repair it as a new task with the same members and
+        rounds (:meth:`_retry`) or abandon it."""
+        for n in t.involved:
+            if n not in self.lost:
+                self.c._send(n, {"msg": "abandon", "pid": t.pid, "version": t.version})
+        if self.busy.get(t.version) == t.pid:
+            del self.busy[t.version]
+        self.installing.pop(t.version, None)
+        for key in [k for k, v in self.by_group.items() if v == t.version]:
+            del self.by_group[key]  # retired on the agents
+        pending = [m for m in t.members if m not in t.done and m != w]
+        swap = dict(self.reassign.get(t.pid, {}))
+        weights = (self.plans[t.version].meta.get("weights") or {}) if t.version is not None else {}
+        repair = len(pending) == len(t.members) and bool(self.rate)
+        if repair and w is not None:  # Eq. (3) for the lost aggregator's block
             k = None
-            if w not in t.members and len(pending) == len(t.members) and self.rate and w in weights:
-                load = {}
-                for r in self.ctl.running():
-                    if r is not t and r.version is not None:
-                        for a, x in (self.plans[r.version].meta.get("weights") or {}).items():
-                            load[a] = load.get(a, 0.0) + x
-                cands = [a for a in weights if a not in self.lost and a not in t.members
-                         and a not in self.reassign.get(t.pid, {})]
-                k = replacement(cands, t.members, load, weights[w], self.rate)
-            t.state = "repaired" if k else "abandoned"
-            rec = {"pid": t.pid, "members": t.members, "version": t.version, "outcome": t.state, "lost": w,
-                   **t.times, "correct": True,
-                   "members_done": {m: {"round": t.rounds[m], "done_ns": t.done[m]["comm_done_ns"],
-                                        "correct": bool(t.done[m].get("correct"))} for m in t.members if m in t.done}}
-            fault["tasks"].append({"pid": t.pid, "outcome": t.state, **({"replacement": k} if k else {})})
+            if w not in t.members and w in weights:
+                k = replacement([c for c in self._candidates(t.members, set(swap) | {w}) if c in weights],
+                                t.members, self._load(t), weights[w], self.rate)
+            repair = k is not None
             if k:
-                nt = Task(self.ctl.next_pid, list(t.members), dict(t.rounds))
-                self.ctl.next_pid += 1
-                self.ctl.tasks[nt.pid] = nt
-                for m in nt.members:
-                    self.ctl.member_of[m] = nt.pid
-                self.reassign[nt.pid] = {**self.reassign.get(t.pid, {}), w: k}
-                rec["repair"] = nt.pid
-                nt.times = {"formed_ns": time.time_ns(), "repair_of": t.pid}
-                nt.deadline = time.monotonic() + self.c.ready_limit() + self.c.limit_s
-                self._place(nt)
-            else:
-                for m in pending:
-                    self.ctl.member_done(t.pid, m)
-                    self.ctl.ready(m, t.rounds[m])
-            self.records.append(rec)
+                swap = _redirect(swap, w, k)
+        new = self._retry(t, swap) if repair else None
+        t.state = "repaired" if new is not None else "abandoned"
+        rec = {"pid": t.pid, "members": t.members, "version": t.version, "outcome": t.state,
+               **({"lost": w} if w else {"link": fault["link"]}), **t.times, "correct": True,
+               "members_done": {m: {"round": t.rounds[m], "done_ns": t.done[m]["comm_done_ns"],
+                                    "correct": bool(t.done[m].get("correct"))} for m in t.members if m in t.done}}
+        fix = self.reassign.get(new, {}) if new is not None else {}
+        fault["tasks"].append({"pid": t.pid, "outcome": t.state,
+                               **({"replacement": fix.get(w) if w else fix} if new is not None else {})})
+        if new is not None:
+            rec["repair"] = new
+        else:
+            for m in pending:
+                self.ctl.member_done(t.pid, m)
+                self.ctl.ready(m, t.rounds[m])
+        self.records.append(rec)
+
+    def _retry(self, t: Task, swap: dict) -> int | None:
+        """A repair of ``t``: a new pid, the same members and rounds, aggregators moved by
+        ``swap`` (and around broken links); None if it cannot be placed."""
+        nt = Task(self.ctl.next_pid, list(t.members), dict(t.rounds))
+        self.ctl.next_pid += 1
+        self.ctl.tasks[nt.pid] = nt
+        for m in nt.members:
+            self.ctl.member_of[m] = nt.pid
+        self.reassign[nt.pid] = swap
+        nt.times = {"formed_ns": time.time_ns(), "repair_of": t.pid}
+        nt.deadline = time.monotonic() + self.c.ready_limit() + self.c.limit_s
+        if self._place(nt):
+            return nt.pid
+        del self.ctl.tasks[nt.pid]
+        self.reassign.pop(nt.pid, None)
+        for m in nt.members:
+            self.ctl.member_of[m] = t.pid
+        return None
+
+
+def _redirect(swap: dict, a: str, k: str) -> dict:
+    """``swap`` with aggregator ``a``'s block (and what it inherited) moved to ``k``."""
+    return {**{j: (k if r == a else r) for j, r in swap.items()}, a: k}
+
+
+def _pairs(plan) -> set:
+    """The worker pairs a plan sends data between (either direction)."""
+    return {frozenset((n, op.peer)) for n, prog in plan.programs.items() for op in prog}
 
 
 # -- agent side ------------------------------------------------------------------------------
+class LinkWatch:
+    """§IV-B's outage detection ("heartbeat and timeout", both ends of a connection get the
+    same view): a UDP heartbeat to every other worker's data address every ``timeout_s``/8,
+    over the data network (the path its chunks take); a peer silent for
+    ``timeout_s`` (or never heard within ``timeout_s`` of the start) is reported ``link_lost``,
+    heard again ``link_back``.  The UDP port is the
+    agent's TCP data port.  A heartbeat is the sender's name, unauthenticated (a forged one
+    can only make a broken link look alive)."""
+
+    MAGIC = b"crew-hb "
+
+    def __init__(self, agent, peers: dict, timeout_s: float):
+        self.agent, self.timeout_s = agent, float(timeout_s)
+        self.peers = {p: (str(a[0]), int(a[1])) for p, a in peers.items()}
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        self.sock.bind((agent.listener.getsockname()[0], agent.data_port))
+        self.heard = {p: time.monotonic() for p in self.peers}  # a peer never heard is lost too
+        self.down: set[str] = set()
+        self.stopped = False
+        self.thread = threading.Thread(target=self._run, daemon=True, name="crew-linkwatch")
+        self.thread.start()
+
+    def _run(self) -> None:
+        every, me, nxt = self.timeout_s / 8, self.MAGIC + self.agent.name.encode(), 0.0
+        while not self.stopped:
+            now = time.monotonic()
+            if now >= nxt:
+                for addr in self.peers.values():
+                    try:
+                        self.sock.sendto(me, addr)
+                    except OSError:  # e.g. no route: the link is down
+                        pass
+                nxt = now + every
+            self.sock.settimeout(max(0.01, nxt - time.monotonic()))
+            try:
+                data, _ = self.sock.recvfrom(512)
+                name = data[len(self.MAGIC):].decode(errors="replace") if data.startswith(self.MAGIC) else ""
+                if name in self.peers:
+                    self.heard[name] = time.monotonic()
+                    if name in self.down:
+                        self.down.discard(name)
+                        self._report("link_back", name)
+            except (socket.timeout, OSError):
+                pass
+            now = time.monotonic()
+            for name, t in self.heard.items():
+                if now - t > self.timeout_s and name not in self.down:
+                    self.down.add(name)
+                    self._report("link_lost", name)
+
+    def _report(self, kind: str, peer: str) -> None:
+        log.warning("%s: %s", kind, peer)
+        try:
+            self.agent.send({"msg": kind, "peer": peer})
+        except Exception as e:  # the control connection's own loss is handled elsewhere
+            log.error("cannot report %s %s: %s", kind, peer, e)
+
+    def close(self) -> None:
+        self.stopped = True
+        self.thread.join(timeout=1.0)
+        self.sock.close()
+
+
 def worker_loop(agent, Aborted: type[Exception]) -> int:
     """The agent in ``tasks`` mode, after READY: wait for BEGIN; then compute round r (sleep
     its compute time), ENQUEUE, and serve the controller's messages: PLAN (install a version,
@@ -464,7 +665,8 @@ def worker_loop(agent, Aborted: type[Exception]) -> int:
     from testbed.plan import Op
 
     job, me = agent.job, agent.name
-    agent.next_msg("begin", job.wait_s)
+    begin = agent.next_msg("begin", job.wait_s)
+    watch = LinkWatch(agent, begin["watch"], begin["link_timeout_s"]) if begin.get("watch") else None
     rnd, computing_until = 0, time.monotonic() + job.compute_for(0)
     armed: dict[int, tuple] = {}
     running: dict[int, object] = {}  # pid -> executor
@@ -558,6 +760,8 @@ def worker_loop(agent, Aborted: type[Exception]) -> int:
             break
         else:
             raise ValueError(f"unexpected {kind!r} message in tasks mode")
+    if watch:
+        watch.close()
     late = [e for ex in agent.execs.values() for e in ex.late_errors()]
     agent.send({"msg": "bye", "errors": late})
     return 1 if late else 0

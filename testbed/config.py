@@ -84,8 +84,10 @@ TOP_KEYS = {"name", "topology", "scheme", *DEFAULTS}
 # on those rates beats the current plan's by min_gain.  Chunk size and count: NetStorm Table II.
 # scheme.groups (CREW §III, §V): no iterations; the controller forms groups P of the first p
 # ready workers, each runs the scheme over P (its ``active``) while the others compute; each
-# worker's completed rounds in a window of window_s seconds are counted.
-GROUPS_DEFAULTS = {"p": 2, "window_s": 30.0}
+# worker's completed rounds in a window of window_s seconds are counted.  link_timeout_s: a
+# member pair whose UDP heartbeats (every link_timeout_s / 8, over the data network) stop for
+# this long is a broken link (§IV-B: detected by heartbeat and timeout); 0 = not watched.
+GROUPS_DEFAULTS = {"p": 2, "window_s": 30.0, "link_timeout_s": 2.0}
 ADAPTIVE_DEFAULTS = {"update_s": 5.0, "probe_chunk_bytes": 2_000_000, "probe_chunk_num": 4,
                      "estimator": "busy", "mode": "estimated", "min_gain": 0.1}
 # scheme.aux (NetStorm §VI, multipath auxiliary transmission; NetStorm-pro = netstorm with aux):
@@ -441,6 +443,7 @@ def _groups(c: Checker, spec, key: str, nodes: list[str], scheme: dict) -> dict:
         c.fail(f"{key}.p", f"must be at most the number of datacenters ({len(nodes)}), got {out['p']!r}")
     if c.number(out["window_s"], f"{key}.window_s") <= 0:
         c.fail(f"{key}.window_s", f"must be positive, got {out['window_s']!r}")
+    c.number(out["link_timeout_s"], f"{key}.link_timeout_s", minimum=0)
     return out
 
 

@@ -133,7 +133,8 @@ def group_runtime(exp: Experiment, scheme: dict) -> dict | None:
         from testbed.planners.crew import pair_rates
         b = pair_rates(graph)
         rate = lambda i, j: b[(i, j)]  # noqa: E731
-    return {"p": g["p"], "window_s": g["window_s"], "plan_for": plan_for, "rate": rate}
+    return {"p": g["p"], "window_s": g["window_s"], "plan_for": plan_for, "rate": rate,
+            "link_timeout_s": g.get("link_timeout_s", 0.0)}
 
 
 def probe_options(scheme: dict, warmup: int = 0) -> dict | None:
@@ -323,7 +324,8 @@ def _summarise_run(rep: int, label: str, result: dict, warmup: int = 0) -> dict:
         tm = result["tasks_mode"]
         tasks = tm["tasks"]
         incorrect = sorted({m for t in tasks for m, d in t["members_done"].items() if not d["correct"]})
-        return {"variant": label, "repetition": rep, "cct_s": stats([t["cct_s"] for t in tasks])["mean"],
+        return {"variant": label, "repetition": rep,  # CCT over completed tasks (not stopped ones)
+                "cct_s": stats([t["cct_s"] for t in tasks if "cct_s" in t])["mean"],
                 "warmup_cct_s": [], "iterations": [], "rounds": tm["rounds"],
                 "rounds_total": sum(tm["rounds"].values()), "groups": tm,
                 "correct": bool(tasks) and all(t["correct"] for t in tasks) and not result.get("errors"),

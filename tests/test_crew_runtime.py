@@ -83,7 +83,7 @@ def test_rounds_in_window_counts_correct_rounds_done_before_its_end():
 def test_groups_key_is_validated():
     base = {"name": "g", "topology": "small-3", "scheme": {"name": "crew", "groups": {"p": 2, "window_s": 5}}}
     exp = config.validate(base)
-    assert exp.scheme["groups"] == {"p": 2, "window_s": 5}
+    assert exp.scheme["groups"] == {"p": 2, "window_s": 5, "link_timeout_s": 2.0}
     for bad, key in (({"p": 4}, "scheme.groups.p"), ({"window_s": 0}, "scheme.groups.window_s"),
                      ({"q": 1}, "scheme.groups.q")):
         with pytest.raises(ConfigError) as e:
@@ -129,7 +129,7 @@ def test_loopback_stragglers_complete_fewer_rounds_and_tasks_overlap():
     nodes = list(plan0.nodes)
     compute = {n: [0.04] if i < 2 else [0.25, 0.3] for i, n in enumerate(nodes)}
     with LocalCluster(plan0, timeout_s=20, compute_s=compute, seed=5) as cl:
-        cl.coordinator.tasks = {"p": 2, "window_s": 3.0,
+        cl.coordinator.tasks = {"p": 2, "window_s": 3.0, "link_timeout_s": 1.0,  # heartbeats: no false outage
                                 "plan_for": lambda m: make_plan("crew", g, length, {"active": list(m)})}
         res = cl.run()
     tm = check_groups_run(res, nodes, nodes[:2], nodes[2:], 2)
@@ -218,3 +218,84 @@ def test_emulated_crash_mid_run_repairs_or_abandons_and_the_run_goes_on(netenv, 
         mine = sorted(t["members_done"][n]["round"] for t in done if n in t["members"])
         assert mine == list(range(len(mine))), (n, mine)
     print("faults:", g["faults"], "rounds:", g["rounds"], "repaired", g["repaired"], "abandoned", g["abandoned"])
+
+
+LINK_EXP = EMU_EXP.replace("name: crew-runtime", "name: crew-link").replace("window_s: 8}}\n", "window_s: 10}}\n").replace(
+    "variants: [{label: opr, scheme: {name: crew, aggregators: members, groups: {p: 2, window_s: 8}}}]\n",
+    "faults: [{at_s: 3, link_down: [n0, n1]}, {at_s: 6, link_up: [n0, n1]}]\n")
+
+
+@pytest.mark.net
+def test_emulated_link_break_between_members_is_repaired_and_the_run_goes_on(netenv, tmp_path):
+    """The link n0-n1 between the two fast workers (a group of them every few hundred ms)
+    goes down mid-run and comes back: the agents' heartbeats report it, the task in flight
+    over it is stopped and run again with n0's and n1's blocks at Eq. (3) replacements
+    (§IV-B), groups formed while it is down avoid it from the start, and every round is
+    exact; results.json records the fault and the repairs."""
+    exp = tmp_path / "exp.yaml"
+    exp.write_text(LINK_EXP)
+    res = subprocess.run([sys.executable, "-m", "testbed", "run", str(exp), "--out", str(tmp_path), "--no-report"],
+                         cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    results = json.loads((tmp_path / "results.json").read_text())
+    run, = results["runs"]
+    g = run["groups"]
+    assert run["correct"], run["errors"]
+    assert not g["lost"], g["lost"]
+    fault, = [f for f in g["faults"] if f.get("link")]
+    assert fault["link"] == ["n0", "n1"] and fault.get("back_ns", 0) > fault["t_ns"], fault
+    done = [t for t in g["tasks"] if t.get("outcome") in ("done", "repair")]
+    assert all(t["correct"] for t in done)
+    # while the link was down, every group of n0 and n1 ran with both blocks elsewhere
+    during = [t for t in done if fault["t_ns"] < t["start_ns"] < fault["back_ns"]
+              and {"n0", "n1"} <= set(t["members"])]
+    assert during, "no group of n0 and n1 ran while the link was down"
+    for t in during:
+        assert set(t.get("reassign", {})) >= {"n0", "n1"}, t
+        assert not {"n0", "n1"} & set(t["reassign"].values()), t
+    for t in fault["tasks"]:  # stopped in flight: repaired (a new pid, same members) or abandoned
+        if t["outcome"] == "repaired":
+            fix = next(r for r in g["tasks"] if r.get("repair_of") == t["pid"])
+            assert fix["correct"] and set(fix["reassign"]) >= {"n0", "n1"}, fix
+    for n in ("n0", "n1", "n2", "n3"):  # rounds consecutive per worker, each once
+        mine = sorted(t["members_done"][n]["round"] for t in done if n in t["members"])
+        assert mine == list(range(len(mine))), (n, mine)
+    after = [t for t in done if t["start_ns"] > fault["back_ns"] + 1e9 and {"n0", "n1"} <= set(t["members"])]
+    assert after and all(not t.get("reassign") for t in after), "groups after the link came back still avoid it"
+    print("faults:", g["faults"], "rounds:", g["rounds"])
+
+
+def test_link_watch_reports_a_silent_peer_and_its_return():
+    """Heartbeats over real UDP sockets: a peer that stops is reported link_lost within the
+    timeout (one report), and link_back once it beats again."""
+    import socket
+    import time as _time
+
+    from agents.crew import LinkWatch
+
+    class Fake:
+        def __init__(self, name):
+            self.name, self.sent = name, []
+            self.listener = socket.create_server(("127.0.0.1", 0))
+            self.data_port = self.listener.getsockname()[1]
+
+        def send(self, obj):
+            self.sent.append((_time.monotonic(), obj))
+
+    a, b = Fake("a"), Fake("b")
+    wa = LinkWatch(a, {"b": ["127.0.0.1", b.data_port]}, 0.8)
+    wb = LinkWatch(b, {"a": ["127.0.0.1", a.data_port]}, 0.8)
+    try:
+        _time.sleep(1.5)
+        assert a.sent == [] and b.sent == []  # both beat: no outage
+        wb.close()
+        t0 = _time.monotonic()
+        _time.sleep(1.5)
+        assert [m for _, m in a.sent] == [{"msg": "link_lost", "peer": "b"}]
+        assert a.sent[0][0] - t0 < 0.8 + 0.3
+        wb = LinkWatch(b, {"a": ["127.0.0.1", a.data_port]}, 0.8)
+        _time.sleep(0.6)
+        assert [m for _, m in a.sent][1:] == [{"msg": "link_back", "peer": "b"}]
+    finally:
+        wa.close()
+        wb.close()
