@@ -24,7 +24,8 @@ Format (YAML; every key but ``name``, ``topology`` and ``scheme.name`` is option
                                  # (the first one is dominated by TCP's start); their times
                                  # are kept apart in results.json (runs[].warmup_cct_s)
       compute_s: 0               # seconds per iteration: a number, {uniform: [lo, hi]},
-                                 # {normal: [mean, std]}, or {per_worker: {dc: s or [s per iteration]}}
+                                 # {normal: [mean, std]}, {per_worker: {dc: s or [s per iteration]}},
+                                 # or CREW's {T1: factor} / {T2: factor} (seeded per worker)
     emulator: {method: auto, relay_procs: 0, max_late_ms: 2, tcp_cc: cubic}
                                  # max_late_ms: relay p99 lateness above which results.json
                                  # says the emulation did not keep up; tcp_cc: congestion
@@ -87,7 +88,9 @@ TOP_KEYS = {"name", "topology", "scheme", *DEFAULTS}
 # worker's completed rounds in a window of window_s seconds are counted.  link_timeout_s: a
 # member pair whose UDP heartbeats (every link_timeout_s / 8, over the data network) stop for
 # this long is a broken link (§IV-B: detected by heartbeat and timeout); 0 = not watched.
-GROUPS_DEFAULTS = {"p": 2, "window_s": 30.0, "link_timeout_s": 2.0}
+# noise: lambda of §V-H: the controller plans on b(1+x), x ~ U[-lambda, lambda] per link direction
+# (drawn once per run from the seed), while the emulator shapes the true b.
+GROUPS_DEFAULTS = {"p": 2, "window_s": 30.0, "link_timeout_s": 2.0, "noise": 0.0}
 ADAPTIVE_DEFAULTS = {"update_s": 5.0, "probe_chunk_bytes": 2_000_000, "probe_chunk_num": 4,
                      "estimator": "busy", "mode": "estimated", "min_gain": 0.1}
 # scheme.aux (NetStorm §VI, multipath auxiliary transmission; NetStorm-pro = netstorm with aux):
@@ -444,6 +447,8 @@ def _groups(c: Checker, spec, key: str, nodes: list[str], scheme: dict) -> dict:
     if c.number(out["window_s"], f"{key}.window_s") <= 0:
         c.fail(f"{key}.window_s", f"must be positive, got {out['window_s']!r}")
     c.number(out["link_timeout_s"], f"{key}.link_timeout_s", minimum=0)
+    if not 0 <= c.number(out["noise"], f"{key}.noise") < 1:
+        c.fail(f"{key}.noise", f"must be in [0, 1), got {out['noise']!r}")
     return out
 
 
@@ -470,11 +475,13 @@ def _check_compute(c: Checker, spec, nodes: list[str]) -> None:
     if isinstance(spec, (int, float)) and not isinstance(spec, bool):
         c.number(spec, key, minimum=0)
         return
-    c.mapping(spec, key, {"uniform", "normal", "per_worker"})
+    c.mapping(spec, key, {"uniform", "normal", "per_worker", "T1", "T2"})
     if len(spec) != 1:
-        c.fail(key, "give exactly one of uniform, normal, per_worker")
+        c.fail(key, "give exactly one of uniform, normal, per_worker, T1, T2")
     (kind, arg), = spec.items()
-    if kind == "per_worker":
+    if kind in ("T1", "T2"):  # CREW §V-A's distributions on [0.05, 0.2] s, times a factor
+        c.number(arg, f"{key}.{kind}", positive=True)
+    elif kind == "per_worker":
         c.mapping(arg, f"{key}.per_worker")
         for dc, s in arg.items():
             c.node(dc, f"{key}.per_worker", nodes)

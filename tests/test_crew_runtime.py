@@ -83,7 +83,7 @@ def test_rounds_in_window_counts_correct_rounds_done_before_its_end():
 def test_groups_key_is_validated():
     base = {"name": "g", "topology": "small-3", "scheme": {"name": "crew", "groups": {"p": 2, "window_s": 5}}}
     exp = config.validate(base)
-    assert exp.scheme["groups"] == {"p": 2, "window_s": 5, "link_timeout_s": 2.0}
+    assert exp.scheme["groups"] == {"p": 2, "window_s": 5, "link_timeout_s": 2.0, "noise": 0.0}
     for bad, key in (({"p": 4}, "scheme.groups.p"), ({"window_s": 0}, "scheme.groups.window_s"),
                      ({"q": 1}, "scheme.groups.q")):
         with pytest.raises(ConfigError) as e:
@@ -299,3 +299,53 @@ def test_link_watch_reports_a_silent_peer_and_its_return():
     finally:
         wa.close()
         wb.close()
+
+
+def test_crew_compute_time_distributions_are_seeded_skewed_and_scaled():
+    """CREW §V-A's T1/T2 on [0.05, 0.2] s (times a factor, Fig. 9), drawn per worker from the seed."""
+    from testbed.experiment import compute_times
+
+    nodes = ["n0", "n1", "n2"]
+    t1 = compute_times({"T1": 1}, nodes, 4000, seed=4)
+    assert t1 == compute_times({"T1": 1}, nodes[::-1], 4000, seed=4)  # per worker, order-free
+    assert t1["n0"] != t1["n1"] and t1 != compute_times({"T1": 1}, nodes, 4000, seed=5)
+    t2 = compute_times({"T2": 1}, nodes, 4000, seed=4)
+    for d in (t1, t2):
+        v = sorted(x for xs in d.values() for x in xs)
+        assert 0.05 <= v[0] and v[-1] <= 0.2
+        assert np.median(v) < np.mean(v) < 0.125  # right-skewed: the tail is slow
+    assert np.percentile(t2["n0"], 95) > np.percentile(t1["n0"], 95)  # T2's heavier tail
+    t3 = compute_times({"T2": 3}, nodes, 50, seed=4)
+    assert t3["n1"] == pytest.approx([3 * x for x in t2["n1"][:50]])
+    base = {"name": "g", "topology": "small-3", "scheme": {"name": "ring"}}
+    assert config.validate({**base, "workload": {"compute_s": {"T2": 2}}}).workload.compute_s == {"T2": 2}
+    for bad in ({"T1": 0}, {"T3": 1}, {"T1": 1, "T2": 1}):
+        with pytest.raises(ConfigError) as e:
+            config.validate({**base, "workload": {"compute_s": bad}})
+        assert e.value.key.startswith("workload.compute_s"), e.value
+
+
+def test_bandwidth_noise_is_the_controllers_view_only():
+    """§V-H: groups.noise = lambda plans on b(1+x), x ~ U[-lambda, lambda] per direction,
+    seeded; the topology (what the emulator shapes) keeps b."""
+    from testbed.experiment import group_runtime, noisy_rates
+
+    exp = config.validate({"name": "g", "topology": "crew-mesh-8", "seed": 2,
+                           "scheme": {"name": "crew", "groups": {"p": 3, "noise": 0.5}}})
+    g = exp.topology.graph()
+    noisy = noisy_rates(g, 0.5, 2)
+    ratios = [noisy[u][v]["rate_mbps"] / d["rate_mbps"] for u, v, d in g.edges(data=True)]
+    assert all(0.5 <= r <= 1.5 for r in ratios) and np.std(ratios) > 0.1
+    assert noisy_rates(g, 0.5, 2)["n0"]["n1"] == noisy["n0"]["n1"] != noisy_rates(g, 0.5, 3)["n0"]["n1"]
+    assert noisy_rates(g, 0.0, 2) is g
+    rt = group_runtime(exp, exp.scheme)
+    clean_exp = config.validate({"name": "g", "topology": "crew-mesh-8", "seed": 2,
+                                 "scheme": {"name": "crew", "groups": {"p": 3}}})
+    clean = group_runtime(clean_exp, clean_exp.scheme)
+    members = ["n0", "n3", "n5"]
+    w_noisy, w_clean = rt["plan_for"](members).meta["weights"], clean["plan_for"](members).meta["weights"]
+    assert w_noisy != pytest.approx(w_clean, abs=1e-3)
+    assert exp.topology.graph()["n0"]["n1"]["rate_mbps"] == g["n0"]["n1"]["rate_mbps"]  # true b unchanged
+    with pytest.raises(ConfigError) as e:
+        config.validate({"name": "g", "topology": "small-3", "scheme": {"name": "crew", "groups": {"noise": 1.0}}})
+    assert e.value.key == "scheme.groups.noise"
