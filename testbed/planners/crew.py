@@ -211,7 +211,7 @@ def plan_crew(graph: nx.DiGraph, length: int, *, elem_bytes: int = 4, active=Non
     reassign = dict(reassign or {})
     for j, r in reassign.items():
         if j not in aggs or r not in aggs or r in reassign:
-            raise ParamError("reassign", f"{j} -> {r}: both must aggregate, and {r} keeps its block")
+            raise ParamError("reassign", f"{j} -> {r}: expected two aggregators, {r} keeping its block")
     if not aggs:
         raise ParamError("exclude", "no aggregator left")
     b = pair_rates(graph)
