@@ -26,6 +26,19 @@ installs one (:mod:`agents.coordinator`), then reused whenever the same group fo
     coordinator -> involved: start {pid}
     involved -> coordinator: task_done {pid, timing, check} | task_failed {pid, message}
     agent -> coordinator:  link_lost {peer} | link_back {peer}   (heartbeats over the data network)
+
+Non-blocking scatter (``prescatter_for``, §IV-A2): one more plan version per worker i, its
+early scatter of the default blocks (installed before BEGIN); at i's ENQUEUE of round r::
+
+    coordinator -> receivers: pre {of: i, version, seq}   (armed for i's early scatter number seq)
+    receivers -> coordinator: pre_armed {of, seq}
+    coordinator -> i:         pre_go {version, seq, round} (i sends its round-r blocks at once)
+
+and TASK carries ``pre`` {from: {k: [version, seq]}, kept: element ranges}: the node waits
+until it received every member's early blocks, adds the chunks it keeps into its input, then
+answers ARMED.  A worker's early scatter is not cut short when P forms (a choice: the
+executor runs a plan to its end); chunks Alg. 2 moved were sent in vain and go again to
+their new owner in the task's plan (Alg. 2 moves the fewest, the last-sent ones).
     coordinator -> involved: abandon {pid, version}      (failover: the task is stopped)
     coordinator -> agents: finish (after T, once the tasks in flight ended)
 
@@ -193,16 +206,24 @@ class TaskRun:
         self.link_timeout_s = float(opts.get("link_timeout_s") or 0.0)
         self.broken: dict[frozenset, dict] = {}  # {a, b} -> its fault record, while the link is down
         self.later: list[tuple[float, str, int]] = []
-        self._pair_cache: dict[int, set] = {}  # (monotonic, worker, round): re-queued after a pause
+        self._pair_cache: dict[int, set] = {}
+        self.prescatter_for = opts.get("prescatter_for")  # non-blocking scatter: sender -> its early plan
+        self.pre_v: dict[str, int] = {}  # worker -> version of its early scatter
+        self.seq: dict[str, int] = {}  # worker -> number of its latest early scatter
+        self.pre_wait: dict[str, set] = {}  # worker -> receivers not yet armed for it
+        self.end = float("inf")
+        self.enq_round: dict[str, int] = {}  # (monotonic, worker, round): re-queued after a pause
 
     def run(self) -> dict:
         c = self.c
         task_limit = c.ready_limit() + c.limit_s
+        if self.prescatter_for:
+            self._install_prescatter(task_limit)
         for n in self.nodes:
             c._send(n, {"msg": "begin", **({"watch": self._watch_peers(n), "link_timeout_s": self.link_timeout_s}
                                            if self.link_timeout_s else {})})
         self.t0_ns = time.time_ns()
-        end = time.monotonic() + self.window_s
+        end = self.end = time.monotonic() + self.window_s
         c.progress(f"window of {self.window_s:g} s started: groups of {self.p} from the ready queue")
         while True:
             now = time.monotonic()
@@ -249,7 +270,8 @@ class TaskRun:
             if ev is None or ev[0] == "registered" or ev[1] in self.lost or (ev[0] in ("lost", "silent")
                                                                               and ev[1] in got):
                 continue
-            if ev[0] != "msg" or ev[2].get("msg") not in ("bye", "enqueue", "status", "link_lost", "link_back"):
+            if ev[0] != "msg" or ev[2].get("msg") not in ("bye", "enqueue", "status", "link_lost", "link_back",
+                                                          "pre_armed"):
                 c._diagnose(ev)
             if ev[2].get("msg") == "bye":
                 got.add(ev[1])
@@ -289,7 +311,23 @@ class TaskRun:
             self.c._diagnose(ev)
         if kind == "enqueue":
             self.enqueued.append([node, data.get("round"), time.time_ns()])
+            self.enq_round[node] = int(data["round"])
             self.ctl.ready(node, int(data["round"]))
+            if self.prescatter_for and time.monotonic() < self.end and node in self.ctl.alive:
+                v, seq = self.pre_v[node], self.seq.get(node, -1) + 1
+                self.seq[node] = seq
+                self.pre_wait[node] = {n for n in self.nodes if n != node and self.plans[v].programs.get(n)}
+                for n in self.pre_wait[node]:
+                    self.c._send(n, {"msg": "pre", "of": node, "version": v, "seq": seq})
+        elif kind == "pre_armed":
+            left = self.pre_wait.get(data.get("of"))
+            if left is None or node not in left or data.get("seq") != self.seq.get(data.get("of")):
+                self.c._diagnose(("protocol", node, f"unexpected PRE_ARMED for {data.get('of')}"))
+            left.discard(node)
+            if not left:
+                w = data["of"]
+                self.c._send(w, {"msg": "pre_go", "version": self.pre_v[w], "seq": self.seq[w],
+                                 "round": data.get("round", self.enq_round.get(w))})
         elif kind in ("link_lost", "link_back"):
             self._link(node, str(data.get("peer")), kind == "link_lost")
         elif kind == "installed":
@@ -418,8 +456,11 @@ class TaskRun:
         self.busy[t.version] = t.pid
         t.state, t.waiting = "arming", set(t.involved)
         t.times["arm_ns"] = time.time_ns()
+        kept = self.plans[t.version].meta.get("kept") if self.prescatter_for else None
         for n in t.involved:
-            self.c._send(n, {"msg": "task", "pid": t.pid, "version": t.version, "rounds": t.rounds})
+            self.c._send(n, {"msg": "task", "pid": t.pid, "version": t.version, "rounds": t.rounds,
+                             **({"pre": {"from": {k: [self.pre_v[k], self.seq[k]] for k in t.members},
+                                         "kept": kept.get(n, [])}} if kept is not None else {})})
 
     def _start(self, t: Task) -> None:
         t.state, t.waiting = "running", set(t.involved)
@@ -467,6 +508,31 @@ class TaskRun:
                                "faults": self.faults, "lost": self.lost,
                                "repaired": sum(r.get("outcome") == "repaired" for r in self.records),
                                "abandoned": sum(r.get("outcome") == "abandoned" for r in self.records)}}
+
+    def _install_prescatter(self, limit: float) -> None:
+        """Non-blocking scatter: every worker's early-scatter version, installed before BEGIN."""
+        for w in self.nodes:
+            plan = self.prescatter_for(w)
+            if list(plan.nodes) != self.nodes or plan.length != self.plans[0].length:
+                raise ValueError(f"early-scatter plan of {w} differs in nodes or length")
+            plan.validate()
+            v = self.pre_v[w] = len(self.plans)
+            self.plans.append(plan)
+            involved = [n for n in self.nodes if plan.programs.get(n)]
+            self.installing[v] = set(involved)
+            for n in involved:
+                program, peers, scratch = self.c._part(n, plan)
+                self.c._send(n, {"msg": "plan", "version": v, "program": [op.to_dict() for op in program],
+                                 "peers": {p: list(a) for p, a in peers.items()}, "scratch": scratch})
+        deadline = time.monotonic() + limit
+        while any(v in self.installing for v in self.pre_v.values()):
+            if time.monotonic() > deadline:
+                left = sorted({n for v in self.pre_v.values() for n in self.installing.get(v, ())})
+                self.c._diagnose(("deadline", left[0], f"early-scatter plans not installed within {limit:g} s "
+                                  f"at {', '.join(left)}"))
+            ev = self._next(deadline)
+            if ev is not None:
+                self._on(ev)
 
     # failover (§IV-B)
     def _watch_peers(self, n: str) -> dict[str, list]:
@@ -657,7 +723,8 @@ class LinkWatch:
 
 
 def worker_loop(agent, Aborted: type[Exception]) -> int:
-    """The agent in ``tasks`` mode, after READY: wait for BEGIN; then compute round r (sleep
+    """The agent in ``tasks`` mode, after READY: wait for BEGIN (installing PLANs meanwhile:
+    non-blocking scatter's early versions); then compute round r (sleep
     its compute time), ENQUEUE, and serve the controller's messages: PLAN (install a version,
     in a thread: other tasks run meanwhile), TASK (arm), START (run the task in a thread;
     a member verifies its result and computes its next round), FINISH.  ``Aborted``: the
@@ -665,13 +732,11 @@ def worker_loop(agent, Aborted: type[Exception]) -> int:
     from testbed.plan import Op
 
     job, me = agent.job, agent.name
-    begin = agent.next_msg("begin", job.wait_s)
-    watch = LinkWatch(agent, begin["watch"], begin["link_timeout_s"]) if begin.get("watch") else None
-    rnd, computing_until = 0, time.monotonic() + job.compute_for(0)
     armed: dict[int, tuple] = {}
     running: dict[int, object] = {}  # pid -> executor
     abandoned: set[int] = set()
     threads: list[threading.Thread] = []
+    early: dict[tuple, threading.Event] = {}  # (sender, seq) -> its early blocks arrived here
 
     def spawn(fn, *args) -> None:
         th = threading.Thread(target=fn, args=args, daemon=True, name=f"crew-{fn.__name__}")
@@ -685,6 +750,43 @@ def worker_loop(agent, Aborted: type[Exception]) -> int:
             agent.send({"msg": "installed", "version": v})
         except Exception as e:
             agent.abort_soon(f"installing plan version {v}: {type(e).__name__}: {e}")
+
+    def pre_recv(sender: str, seq: int, ex, done: threading.Event) -> None:
+        try:
+            ex.run(seq)
+            done.set()
+        except Exception as e:
+            agent.abort_soon(f"early scatter {seq} of {sender}: {type(e).__name__}: {e}")
+
+    def pre_send(seq: int, ex) -> None:
+        try:
+            ex.run(seq)
+        except Exception as e:
+            agent.abort_soon(f"early scatter {seq}: {type(e).__name__}: {e}")
+
+    def arm(pid: int, ex, rounds: dict, pre: dict | None) -> None:
+        """TASK: the executor moves to iteration ``pid`` with this node's input; with early
+        blocks (``pre``), once every member's arrived, the kept chunks added in."""
+        try:
+            x = make_input(job.seed, job.nodes.index(me), rounds[me], job.length, job.dtype) if me in rounds \
+                else None
+            if pre is not None and pre["kept"]:
+                x = np.zeros(job.length, job.dtype) if x is None else x
+                deadline = time.monotonic() + job.timeout_s
+                for k, (v, seq) in pre["from"].items():
+                    if k == me:
+                        continue
+                    if not early[(k, seq)].wait(max(0.0, deadline - time.monotonic())):
+                        raise TimeoutError(f"early blocks of {k} (scatter {seq}) not here within {job.timeout_s:g} s")
+                    got = agent.execs[v].bufs["x"]
+                    for lo, hi in pre["kept"]:
+                        np.add(x[lo:hi], got[lo:hi], out=x[lo:hi])
+            ex.advance(pid)
+            ex.prepare(x)
+            armed[pid] = (ex, rounds)
+            agent.send({"msg": "armed", "pid": pid})
+        except Exception as e:
+            agent.abort_soon(f"arming task {pid}: {type(e).__name__}: {e}")
 
     def retire(ex) -> None:  # a version given up on: its threads and connections go
         for v, e in list(agent.execs.items()):
@@ -715,6 +817,10 @@ def worker_loop(agent, Aborted: type[Exception]) -> int:
                 retire(ex)
             agent.send({"msg": "task_failed", "pid": pid, "message": f"{type(e).__name__}: {e}"})
 
+    while (begin := agent.next_msg(("begin", "plan"), job.wait_s))["msg"] == "plan":
+        install(int(begin["version"]), begin)  # non-blocking: the early-scatter versions, before BEGIN
+    watch = LinkWatch(agent, begin["watch"], begin["link_timeout_s"]) if begin.get("watch") else None
+    rnd, computing_until = 0, time.monotonic() + job.compute_for(0)
     while True:
         wait = computing_until - time.monotonic() if computing_until is not None else job.wait_s
         try:
@@ -735,12 +841,24 @@ def worker_loop(agent, Aborted: type[Exception]) -> int:
             spawn(install, v, msg)
         elif kind == "task":
             pid, v, rounds = int(msg["pid"]), int(msg["version"]), dict(msg["rounds"])
+            if msg.get("pre") is not None:  # waits for early blocks: in a thread
+                spawn(arm, pid, agent.execs[v], rounds, msg["pre"])
+            else:
+                arm(pid, agent.execs[v], rounds, None)
+        elif kind == "pre":  # receive an early scatter (non-blocking, §IV-A2)
+            sender, v, seq = str(msg["of"]), int(msg["version"]), int(msg["seq"])
             ex = agent.execs[v]
-            ex.advance(pid)
-            ex.prepare(make_input(job.seed, job.nodes.index(me), rounds[me], job.length, job.dtype)
-                       if me in rounds else None)
-            armed[pid] = (ex, rounds)
-            agent.send({"msg": "armed", "pid": pid})
+            ex.advance(seq)
+            ex.prepare(None)
+            early[(sender, seq)] = threading.Event()
+            spawn(pre_recv, sender, seq, ex, early[(sender, seq)])
+            agent.send({"msg": "pre_armed", "of": sender, "seq": seq})
+        elif kind == "pre_go":  # every receiver is armed: send this round's default blocks now
+            v, seq = int(msg["version"]), int(msg["seq"])
+            ex = agent.execs[v]
+            ex.advance(seq)
+            ex.prepare(make_input(job.seed, job.nodes.index(me), int(msg["round"]), job.length, job.dtype))
+            spawn(pre_send, seq, ex)
         elif kind == "start":
             ex, rounds = armed.pop(int(msg["pid"]))
             running[int(msg["pid"])] = ex

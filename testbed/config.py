@@ -90,7 +90,9 @@ TOP_KEYS = {"name", "topology", "scheme", *DEFAULTS}
 # this long is a broken link (§IV-B: detected by heartbeat and timeout); 0 = not watched.
 # noise: lambda of §V-H: the controller plans on b(1+x), x ~ U[-lambda, lambda] per link direction
 # (drawn once per run from the seed), while the emulator shapes the true b.
-GROUPS_DEFAULTS = {"p": 2, "window_s": 30.0, "link_timeout_s": 2.0, "noise": 0.0}
+# blocking: false = CREW's non-blocking scatter (§IV-A2, Alg. 2): a ready worker sends its
+# default blocks (P = N) at once, before P forms (crew with every worker aggregating; no faults).
+GROUPS_DEFAULTS = {"p": 2, "window_s": 30.0, "link_timeout_s": 2.0, "noise": 0.0, "blocking": True}
 ADAPTIVE_DEFAULTS = {"update_s": 5.0, "probe_chunk_bytes": 2_000_000, "probe_chunk_num": 4,
                      "estimator": "busy", "mode": "estimated", "min_gain": 0.1}
 # scheme.aux (NetStorm §VI, multipath auxiliary transmission; NetStorm-pro = netstorm with aux):
@@ -338,6 +340,11 @@ def validate(data: dict, source: str = "<experiment>") -> Experiment:
 
     exp["dynamics"] = validate_dynamics(exp["dynamics"], topo, c, source)
     exp["faults"] = validate_faults(exp["faults"], topo, c)
+    for i, v in enumerate([exp["scheme"], *(v["scheme"] for v in exp["variants"])]):
+        if exp["faults"] and (v.get("groups") or {}).get("blocking") is False:
+            c.fail("scheme.groups.blocking" if i == 0 else f"variants[{i - 1}].scheme.groups.blocking",
+                   "non-blocking scatter has no failover (its early scatter would wait on a lost worker): "
+                   "not with faults")
     sweep = expand_sweep(c, data, source) if data.get("sweep") is not None else None
     return Experiment(
         name=exp["name"], source=source, topology=topo.scaled(exp["scale"]), scale=exp["scale"], seed=exp["seed"],
@@ -449,6 +456,11 @@ def _groups(c: Checker, spec, key: str, nodes: list[str], scheme: dict) -> dict:
     c.number(out["link_timeout_s"], f"{key}.link_timeout_s", minimum=0)
     if not 0 <= c.number(out["noise"], f"{key}.noise") < 1:
         c.fail(f"{key}.noise", f"must be in [0, 1), got {out['noise']!r}")
+    if not isinstance(out["blocking"], bool):
+        c.fail(f"{key}.blocking", f"expected true or false, got {out['blocking']!r}")
+    if not out["blocking"] and (scheme["name"] != "crew" or scheme.get("aggregators") != "all"):
+        c.fail(f"{key}.blocking", "non-blocking scatter needs crew with every worker aggregating "
+                                  "(the receivers of the early scatter must be known before P)")
     return out
 
 

@@ -136,8 +136,11 @@ def group_runtime(exp: Experiment, scheme: dict) -> dict | None:
     graph, w = noisy_rates(exp.topology.graph(), g.get("noise", 0.0), exp.seed), exp.workload
     params = {k: v for k, v in scheme.items() if k not in ("name", *RUN_TIME_KEYS)}
 
+    blocking = g.get("blocking", True)
+
     def plan_for(members: list[str], **failover):  # failover: crew's exclude / reassign
-        return make_plan(scheme["name"], graph, w.length, {**params, "active": list(members), **failover},
+        return make_plan(scheme["name"], graph, w.length, {**params, "active": list(members), **failover,
+                                                          **({} if blocking else {"prescattered": True})},
                          elem_bytes=w.elem_bytes)
     rate = None
     if scheme["name"] == "crew":  # Eq. (3)'s b_{i,j}: the rates of the paths as the controller sees them
@@ -145,7 +148,16 @@ def group_runtime(exp: Experiment, scheme: dict) -> dict | None:
         b = pair_rates(graph)
         rate = lambda i, j: b[(i, j)]  # noqa: E731
     return {"p": g["p"], "window_s": g["window_s"], "plan_for": plan_for, "rate": rate,
-            "link_timeout_s": g.get("link_timeout_s", 0.0)}
+            "link_timeout_s": g.get("link_timeout_s", 0.0),
+            **({} if blocking else {"prescatter_for": lambda sender: prescatter_for(scheme, graph, w.length, sender)})}
+
+
+def prescatter_for(scheme: dict, graph, length: int, sender: str):
+    """Non-blocking CREW: ``sender``'s early scatter of its default blocks (P = N)."""
+    from testbed.planners.crew import prescatter_plan
+
+    return prescatter_plan(graph, length, sender, split=scheme.get("split", "network-aware"),
+                           chunks=scheme.get("chunks", 0), rounding=scheme.get("rounding", "floor"))
 
 
 def noisy_rates(graph, lam: float, seed: int):

@@ -83,7 +83,7 @@ def test_rounds_in_window_counts_correct_rounds_done_before_its_end():
 def test_groups_key_is_validated():
     base = {"name": "g", "topology": "small-3", "scheme": {"name": "crew", "groups": {"p": 2, "window_s": 5}}}
     exp = config.validate(base)
-    assert exp.scheme["groups"] == {"p": 2, "window_s": 5, "link_timeout_s": 2.0, "noise": 0.0}
+    assert exp.scheme["groups"] == {"p": 2, "window_s": 5, "link_timeout_s": 2.0, "noise": 0.0, "blocking": True}
     for bad, key in (({"p": 4}, "scheme.groups.p"), ({"window_s": 0}, "scheme.groups.window_s"),
                      ({"q": 1}, "scheme.groups.q")):
         with pytest.raises(ConfigError) as e:
@@ -92,6 +92,15 @@ def test_groups_key_is_validated():
     with pytest.raises(ConfigError) as e:  # a scheme that cannot reduce a group
         config.validate({**base, "scheme": {"name": "mst", "groups": {"p": 2}}})
     assert e.value.key == "scheme.groups"
+    for scheme, extra, key in (({"name": "crew", "groups": {"blocking": "no"}}, {}, "scheme.groups.blocking"),
+                               ({"name": "ring", "groups": {"blocking": False}}, {}, "scheme.groups.blocking"),
+                               ({"name": "crew", "aggregators": "members", "groups": {"blocking": False}}, {},
+                                "scheme.groups.blocking"),
+                               ({"name": "crew", "groups": {"blocking": False}},
+                                {"faults": [{"at_s": 1, "crash": "h1"}]}, "scheme.groups.blocking")):
+        with pytest.raises(ConfigError) as e:
+            config.validate({**base, "scheme": scheme, **extra})
+        assert e.value.key == key, (scheme, e.value)
 
 
 # -- real agents over loopback -----------------------------------------------------------
@@ -349,3 +358,26 @@ def test_bandwidth_noise_is_the_controllers_view_only():
     with pytest.raises(ConfigError) as e:
         config.validate({"name": "g", "topology": "small-3", "scheme": {"name": "crew", "groups": {"noise": 1.0}}})
     assert e.value.key == "scheme.groups.noise"
+
+
+def test_loopback_non_blocking_scatter_is_exact():
+    """Non-blocking scatter (§IV-A2) on real agents: each ready worker sends its default
+    blocks at once, the groups' plans (Alg. 2 blocks) send only the moved chunks, and every
+    member of every group ends with the exact sum of P's inputs of its round."""
+    from agents.local import LocalCluster
+    from testbed.planners.crew import prescatter_plan
+
+    g = topogen.crew_mesh(5, 1).graph()
+    length = 40_009
+    plan0 = make_plan("crew", g, length, {})
+    nodes = list(plan0.nodes)
+    compute = {n: [0.04] if i < 3 else [0.25, 0.3] for i, n in enumerate(nodes)}
+    with LocalCluster(plan0, timeout_s=20, compute_s=compute, seed=6) as cl:
+        cl.coordinator.tasks = {"p": 3, "window_s": 3.0,
+                                "plan_for": lambda m: make_plan("crew", g, length, {"active": list(m),
+                                                                                    "prescattered": True}),
+                                "prescatter_for": lambda s: prescatter_plan(g, length, s)}
+        res = cl.run()
+    tm = check_groups_run(res, nodes, nodes[:3], nodes[3:], 3)
+    assert all(gr["meta"].get("prescattered") for gr in tm["groups"])
+    assert sum(tm["rounds"].values()) >= 3 * 4, tm["rounds"]
