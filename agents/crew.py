@@ -205,14 +205,14 @@ class TaskRun:
         self.reassign: dict[int, dict] = {}  # pid -> {j: k} of a repair task
         self.link_timeout_s = float(opts.get("link_timeout_s") or 0.0)
         self.broken: dict[frozenset, dict] = {}  # {a, b} -> its fault record, while the link is down
-        self.later: list[tuple[float, str, int]] = []
+        self.later: list[tuple[float, str, int]] = []  # (monotonic, worker, round): re-queued after a pause
         self._pair_cache: dict[int, set] = {}
         self.prescatter_for = opts.get("prescatter_for")  # non-blocking scatter: sender -> its early plan
         self.pre_v: dict[str, int] = {}  # worker -> version of its early scatter
         self.seq: dict[str, int] = {}  # worker -> number of its latest early scatter
         self.pre_wait: dict[str, set] = {}  # worker -> receivers not yet armed for it
         self.end = float("inf")
-        self.enq_round: dict[str, int] = {}  # (monotonic, worker, round): re-queued after a pause
+        self.enq_round: dict[str, int] = {}  # worker -> round of its latest ENQUEUE
 
     def run(self) -> dict:
         c = self.c
@@ -751,16 +751,30 @@ def worker_loop(agent, Aborted: type[Exception]) -> int:
         except Exception as e:
             agent.abort_soon(f"installing plan version {v}: {type(e).__name__}: {e}")
 
-    def pre_recv(sender: str, seq: int, ex, done: threading.Event) -> None:
+    def after(prev: threading.Event | None, what: str) -> None:
+        """An early-scatter executor runs one scatter at a time: wait for the previous one
+        (a member's task may end before a node that keeps none of its chunks got them all)."""
+        if prev is not None and not prev.wait(job.timeout_s):
+            raise TimeoutError(f"{what}: the previous early scatter not done within {job.timeout_s:g} s")
+
+    def pre_recv(sender: str, seq: int, ex, prev, done: threading.Event) -> None:
         try:
+            after(prev, f"early scatter {seq} of {sender}")
+            ex.advance(seq)
+            ex.prepare(None)
+            agent.send({"msg": "pre_armed", "of": sender, "seq": seq})
             ex.run(seq)
             done.set()
         except Exception as e:
             agent.abort_soon(f"early scatter {seq} of {sender}: {type(e).__name__}: {e}")
 
-    def pre_send(seq: int, ex) -> None:
+    def pre_send(seq: int, rnd_: int, ex, prev, done: threading.Event) -> None:
         try:
+            after(prev, f"early scatter {seq}")
+            ex.advance(seq)
+            ex.prepare(make_input(job.seed, job.nodes.index(me), rnd_, job.length, job.dtype))
             ex.run(seq)
+            done.set()
         except Exception as e:
             agent.abort_soon(f"early scatter {seq}: {type(e).__name__}: {e}")
 
@@ -845,20 +859,14 @@ def worker_loop(agent, Aborted: type[Exception]) -> int:
                 spawn(arm, pid, agent.execs[v], rounds, msg["pre"])
             else:
                 arm(pid, agent.execs[v], rounds, None)
-        elif kind == "pre":  # receive an early scatter (non-blocking, §IV-A2)
+        elif kind == "pre":  # receive an early scatter (non-blocking, §IV-A2); PRE_ARMED once ready
             sender, v, seq = str(msg["of"]), int(msg["version"]), int(msg["seq"])
-            ex = agent.execs[v]
-            ex.advance(seq)
-            ex.prepare(None)
             early[(sender, seq)] = threading.Event()
-            spawn(pre_recv, sender, seq, ex, early[(sender, seq)])
-            agent.send({"msg": "pre_armed", "of": sender, "seq": seq})
+            spawn(pre_recv, sender, seq, agent.execs[v], early.get((sender, seq - 1)), early[(sender, seq)])
         elif kind == "pre_go":  # every receiver is armed: send this round's default blocks now
             v, seq = int(msg["version"]), int(msg["seq"])
-            ex = agent.execs[v]
-            ex.advance(seq)
-            ex.prepare(make_input(job.seed, job.nodes.index(me), int(msg["round"]), job.length, job.dtype))
-            spawn(pre_send, seq, ex)
+            early[(me, seq)] = threading.Event()
+            spawn(pre_send, seq, int(msg["round"]), agent.execs[v], early.get((me, seq - 1)), early[(me, seq)])
         elif kind == "start":
             ex, rounds = armed.pop(int(msg["pid"]))
             running[int(msg["pid"])] = ex
