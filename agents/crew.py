@@ -736,6 +736,7 @@ def worker_loop(agent, Aborted: type[Exception]) -> int:
     running: dict[int, object] = {}  # pid -> executor
     abandoned: set[int] = set()
     threads: list[threading.Thread] = []
+    dropped: set[int] = set()  # versions the controller abandoned
     early: dict[tuple, threading.Event] = {}  # (sender, seq) -> its early blocks arrived here
 
     def spawn(fn, *args) -> None:
@@ -749,6 +750,9 @@ def worker_loop(agent, Aborted: type[Exception]) -> int:
                            {p: (str(a[0]), int(a[1])) for p, a in msg["peers"].items()}, {})
             agent.send({"msg": "installed", "version": v})
         except Exception as e:
+            if v in dropped:  # given up on meanwhile (e.g. a link it needs broke): no error
+                log.warning("plan version %d not installed (abandoned): %s", v, e)
+                return
             agent.abort_soon(f"installing plan version {v}: {type(e).__name__}: {e}")
 
     def after(prev: threading.Event | None, what: str) -> None:
@@ -874,6 +878,8 @@ def worker_loop(agent, Aborted: type[Exception]) -> int:
         elif kind == "abandon":  # §IV-B: stop this task; its version is not used again
             pid = int(msg["pid"])
             abandoned.add(pid)
+            if isinstance(msg.get("version"), int):
+                dropped.add(msg["version"])
             if pid in running:
                 running[pid].abort(f"task {pid} abandoned by the controller")
             elif isinstance(msg.get("version"), int) and msg["version"] in agent.execs:
