@@ -381,3 +381,83 @@ def test_loopback_non_blocking_scatter_is_exact():
     tm = check_groups_run(res, nodes, nodes[:3], nodes[3:], 3)
     assert all(gr["meta"].get("prescattered") for gr in tm["groups"])
     assert sum(tm["rounds"].values()) >= 3 * 4, tm["rounds"]
+
+
+class _FakeCoordinator:
+    """What TaskRun uses of the coordinator, recording the messages it sends."""
+
+    def __init__(self, plan):
+        self.plan, self.sent, self.limit_s, self.silence_s = plan, [], 10.0, 2.0
+        self.data_port, self._addresses, self._idents, self._errors = 7000, {}, {}, []
+
+    def _send(self, node, msg):
+        self.sent.append((node, msg))
+
+    def _part(self, node, plan):
+        return plan.programs.get(node, []), {}, {}
+
+    def _diagnose(self, ev):
+        raise AssertionError(f"run failed: {ev}")
+
+    def progress(self, s):
+        pass
+
+    def ready_limit(self):
+        return 5.0
+
+
+def test_controller_repairs_around_a_broken_link_between_members():
+    """§IV-B on the controller alone (no sockets): a link between two members of a running
+    task breaks -> the task is stopped (ABANDON to its nodes) and re-placed with both cut-off
+    aggregators' blocks at Eq. (3) replacements that have live links to all of P; a group
+    formed while it is down gets such a plan from the start; once it is back, plain plans."""
+    from agents.crew import TaskRun, _pairs
+    from testbed.planners.crew import pair_rates
+
+    g = topogen.crew_mesh(5, 1).graph()
+    length = 5000
+    plan0 = make_plan("crew", g, length, {})
+    b = pair_rates(g)
+    c = _FakeCoordinator(plan0)
+    tr = TaskRun(c, {"p": 2, "window_s": 10, "rate": lambda i, j: b[(i, j)],
+                     "plan_for": lambda m, **kw: make_plan("crew", g, length, {"active": list(m), **kw})})
+    tr.ctl.ready("n0", 0)
+    tr.ctl.ready("n1", 0)
+    t, = tr.ctl.form()
+    assert tr._place(t) and t.state == "installing"
+    assert frozenset(("n0", "n1")) in _pairs(tr.plans[t.version])
+    c.sent.clear()
+    tr._link("n1", "n0", True)
+    tr._link("n0", "n1", True)  # the other end's report: the same fault
+    fault, = tr.faults
+    assert fault["link"] == ["n0", "n1"] and t.state == "repaired"
+    assert sorted(n for n, m in c.sent if m["msg"] == "abandon") == sorted(t.involved)
+    rec, = [r for r in tr.records if r["pid"] == t.pid]
+    new = tr.ctl.tasks[rec["repair"]]
+    swap = tr.reassign[new.pid]
+    assert set(swap) == {"n0", "n1"} and not set(swap.values()) & {"n0", "n1"}
+    assert frozenset(("n0", "n1")) not in _pairs(tr.plans[new.version])
+    assert new.members == ["n0", "n1"] and new.rounds == {"n0": 0, "n1": 0}
+    # a group with n1 and a third worker: only n0 (not a member, cut off from n1) moves
+    tr.ctl.member_done(new.pid, "n1")
+    tr.ctl.ready("n1", 1)
+    tr.ctl.ready("n2", 0)
+    t2, = tr.ctl.form()
+    assert tr._place(t2) and set(tr.reassign[t2.pid]) == {"n0"}
+    assert frozenset(("n0", "n1")) not in _pairs(tr.plans[t2.version])
+    tr._link("n0", "n1", False)
+    assert "back_ns" in fault and not tr.broken
+    tr.ctl.member_done(t2.pid, "n2")
+    tr.ctl.member_done(new.pid, "n0")
+    tr.ctl.ready("n0", 1)
+    tr.ctl.ready("n2", 1)
+    t3, = tr.ctl.form()
+    assert tr._place(t3) and not tr.reassign.get(t3.pid)
+    # a scheme without per-block aggregators cannot avoid the link: the group is given up
+    tr2 = TaskRun(_FakeCoordinator(make_plan("alltoall", g, length, {})), {
+        "p": 2, "window_s": 10, "plan_for": lambda m, **kw: make_plan("alltoall", g, length, {"active": list(m)})})
+    tr2._link("n0", "n1", True)
+    tr2.ctl.ready("n0", 0)
+    tr2.ctl.ready("n1", 0)
+    t4, = tr2.ctl.form()
+    assert not tr2._place(t4)
