@@ -212,7 +212,8 @@ class TaskRun:
         self.seq: dict[str, int] = {}  # worker -> number of its latest early scatter
         self.pre_wait: dict[str, set] = {}  # worker -> receivers not yet armed for it
         self.end = float("inf")
-        self.enq_round: dict[str, int] = {}  # worker -> round of its latest ENQUEUE
+        self.enq_round: dict[str, int] = {}
+        self.finishing = False  # worker -> round of its latest ENQUEUE
 
     def run(self) -> dict:
         c = self.c
@@ -258,6 +259,7 @@ class TaskRun:
     def _finish(self) -> None:
         """FINISH to every agent, BYE from each (an ENQUEUE sent meanwhile is no error)."""
         c, got = self.c, set()
+        self.finishing = True
         alive = [n for n in self.nodes if n not in self.lost]
         for n in alive:
             c._send(n, {"msg": "finish"})
@@ -291,7 +293,7 @@ class TaskRun:
             node = problem.split(":", 1)[0]
             if node not in self.nodes:
                 c._diagnose(("lost", None, problem))
-            if node not in self.lost:
+            if node not in self.lost and not self.finishing:  # after FINISH an agent exits: BYE or not counts
                 self._lose(node, problem)
         return ev
 
