@@ -393,12 +393,14 @@ class TaskRun:
                          key=self.nodes.index)
             if not self.rate or not bad or any(not (set(pair) & set(bad)) for pair in cut):
                 return False
+            load = self._load(t)
             for a in bad:
                 cands = self._candidates(t.members, set(bad) | set(swap))
-                k = replacement([c for c in cands if c in weights], t.members, self._load(t), weights[a], self.rate)
+                k = replacement([c for c in cands if c in weights], t.members, load, weights[a], self.rate)
                 if k is None:
                     return False
                 swap = _redirect(swap, a, k)
+                load[k] = load.get(k, 0.0) + weights[a]  # l_k now includes the block it took
             self.reassign[t.pid] = swap
         if key not in self.by_group:
             v = len(self.plans)
