@@ -213,7 +213,8 @@ class TaskRun:
         self.pre_wait: dict[str, set] = {}  # worker -> receivers not yet armed for it
         self.end = float("inf")
         self.enq_round: dict[str, int] = {}
-        self.finishing = False  # worker -> round of its latest ENQUEUE
+        self.finishing = False
+        self.late: set[str] = set()  # non-blocking: workers whose queued round was not scattered early  # worker -> round of its latest ENQUEUE
 
     def run(self) -> dict:
         c = self.c
@@ -315,7 +316,10 @@ class TaskRun:
             self.enqueued.append([node, data.get("round"), time.time_ns()])
             self.enq_round[node] = int(data["round"])
             self.ctl.ready(node, int(data["round"]))
-            if self.prescatter_for and time.monotonic() < self.end and node in self.ctl.alive:
+            self.late.discard(node)
+            if self.prescatter_for and len(self.ctl.queue) >= self.p:
+                self.late.add(node)  # it completes a group now: no early scatter, its chunks go in the task
+            elif self.prescatter_for and time.monotonic() < self.end and node in self.ctl.alive:
                 v, seq = self.pre_v[node], self.seq.get(node, -1) + 1
                 self.seq[node] = seq
                 self.pre_wait[node] = {n for n in self.nodes if n != node and self.plans[v].programs.get(n)}
@@ -373,13 +377,15 @@ class TaskRun:
         when the plan still needs a broken link (no candidate, or a scheme without per-block
         aggregators: the task cannot run)."""
         swap = dict(self.reassign.get(t.pid, {}))
+        late = sorted(self.late & set(t.members), key=self.nodes.index) if self.prescatter_for else []
         while True:
             exclude = [n for n in self.lost if n not in swap]
-            key = (frozenset(t.members), tuple(exclude), tuple(sorted(swap.items())))
+            key = (frozenset(t.members), tuple(exclude), tuple(sorted(swap.items())), tuple(late))
             if key in self.by_group:
                 plan = self.plans[self.by_group[key]]
             else:
-                extra = {**({"exclude": exclude} if exclude else {}), **({"reassign": swap} if swap else {})}
+                extra = {**({"exclude": exclude} if exclude else {}), **({"reassign": swap} if swap else {}),
+                         **({"late": late} if late else {})}
                 plan = self.plan_for(sorted(t.members, key=self.nodes.index), **extra)
                 if list(plan.nodes) != self.nodes or plan.length != self.plans[0].length:
                     raise ValueError(f"plan for group {t.members} differs in nodes or length")
@@ -463,7 +469,8 @@ class TaskRun:
         kept = self.plans[t.version].meta.get("kept") if self.prescatter_for else None
         for n in t.involved:
             self.c._send(n, {"msg": "task", "pid": t.pid, "version": t.version, "rounds": t.rounds,
-                             **({"pre": {"from": {k: [self.pre_v[k], self.seq[k]] for k in t.members},
+                             **({"pre": {"from": {k: [self.pre_v[k], self.seq[k]] for k in t.members
+                                                  if k not in self.plans[t.version].meta.get("late", ())},
                                          "kept": kept.get(n, [])}} if kept is not None else {})})
 
     def _start(self, t: Task) -> None:
@@ -508,7 +515,7 @@ class TaskRun:
                                "rounds": {n: rounds.get(n, 0) for n in self.nodes},
                                "tasks": self.records, "enqueued": self.enqueued,
                                "groups": [{"version": v, "members": sorted(g, key=self.nodes.index),
-                                           "meta": self.plans[v].meta} for (g, _, _), v in self.by_group.items()],
+                                           "meta": self.plans[v].meta} for (g, *_), v in self.by_group.items()],
                                "faults": self.faults, "lost": self.lost,
                                "repaired": sum(r.get("outcome") == "repaired" for r in self.records),
                                "abandoned": sum(r.get("outcome") == "abandoned" for r in self.records)}}

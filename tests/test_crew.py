@@ -209,23 +209,26 @@ def test_alg2_moves_each_chunk_at_most_once_and_only_the_largest(seed):
     assert gone == taken and len(gone) == moved
 
 
+@pytest.mark.parametrize("late", [False, True])
 @pytest.mark.parametrize("members", [["n0", "n3", "n5"], ["n1", "n2", "n4", "n6", "n7"]])
-def test_prescattered_plan_completes_the_early_scatter_exactly(members):
+def test_prescattered_plan_completes_the_early_scatter_exactly(members, late):
     """Non-blocking: each member's prescatter plan sends its default blocks to every other
     aggregator; the task's plan (Alg. 2 blocks) sends only moved chunks.  Interpreting the
     task plan from x = own input + the early copies each aggregator keeps gives every member
-    the exact sum; the task moves fewer bytes than the blocking plan."""
+    the exact sum; the task moves fewer bytes than the blocking plan.  A ``late`` member (the
+    one that completed P did not scatter early) sends all its chunks in the task."""
     from testbed.plan import Plan, interpret
     from testbed.planners.crew import prescatter_plan
 
     g = crew_mesh(8, 1)
     length = 10_007
     nodes = list(g.nodes)
-    plan = make_plan("crew", g, length, {"active": members, "prescattered": True})
+    lates = members[-1:] if late else []
+    plan = make_plan("crew", g, length, {"active": members, "prescattered": True, "late": lates})
     plan.validate()
     inputs = {n: np.random.default_rng(i).integers(-99, 99, length).astype(np.float64) for i, n in enumerate(nodes)}
     early = {}
-    for m in members:
+    for m in [m for m in members if m not in lates]:
         pre = prescatter_plan(g, length, m)
         pre.validate()
         early[m] = interpret(pre, {**{n: np.zeros(length) for n in nodes}, m: inputs[m]})
@@ -233,7 +236,7 @@ def test_prescattered_plan_completes_the_early_scatter_exactly(members):
     for j in nodes:
         x = inputs[j].copy() if j in members else np.zeros(length)
         for lo, hi in plan.meta["kept"].get(j, []):
-            for m in members:
+            for m in early:
                 if m != j:
                     x[lo:hi] += early[m][j][lo:hi]
         start[j] = x

@@ -374,12 +374,14 @@ def test_loopback_non_blocking_scatter_is_exact():
     compute = {n: [0.04] if i < 3 else [0.25, 0.3] for i, n in enumerate(nodes)}
     with LocalCluster(plan0, timeout_s=20, compute_s=compute, seed=6) as cl:
         cl.coordinator.tasks = {"p": 3, "window_s": 3.0,
-                                "plan_for": lambda m: make_plan("crew", g, length, {"active": list(m),
-                                                                                    "prescattered": True}),
+                                "plan_for": lambda m, **kw: make_plan("crew", g, length, {
+                                    "active": list(m), "prescattered": True, **kw}),
                                 "prescatter_for": lambda s: prescatter_plan(g, length, s)}
         res = cl.run()
     tm = check_groups_run(res, nodes, nodes[:3], nodes[3:], 3)
     assert all(gr["meta"].get("prescattered") for gr in tm["groups"])
+    # the worker completing a group did not scatter early: it is late in its group's plan
+    assert all(len(gr["meta"]["late"]) == 1 for gr in tm["groups"]), [gr["meta"]["late"] for gr in tm["groups"]]
     assert sum(tm["rounds"].values()) >= 3 * 4, tm["rounds"]
 
 

@@ -198,11 +198,13 @@ def prescatter_plan(graph: nx.DiGraph, length: int, sender: str, *, split: str =
                                   "sharing the link (FS)", choices=("fcfs", "fs")),
     prescattered=Param(bool, False, "non-blocking scatter (§IV-A2): members sent their default blocks (P = N) "
                                     "before P formed; blocks by Alg. 2, only moved chunks scattered here"),
+    late=Param(list, [], "with prescattered: members that did not scatter early (the one completing P "
+                         "need not): all their chunks are scattered here", kind="nodes"),
 )
 def plan_crew(graph: nx.DiGraph, length: int, *, elem_bytes: int = 4, active=None, aggregators: str = "all",
               split: str = "network-aware", chunks: int = 0, pipelined: bool = True,
               scheduling: str = "fcfs", rounding: str = "floor", exclude=(), reassign=None,
-              prescattered: bool = False) -> Plan:
+              prescattered: bool = False, late=()) -> Plan:
     """CREW (or OPR) partial reduce of group ``active`` (§III, LP (2), Alg. 1, FL-FCFS);
     ``exclude`` and ``reassign``: the run-time failover (agents/crew.py)."""
     nodes = check_graph(graph, "crew")
@@ -253,7 +255,7 @@ def plan_crew(graph: nx.DiGraph, length: int, *, elem_bytes: int = 4, active=Non
         for c in blocks[j]:
             off, size = edges[c], edges[c + 1] - edges[c]
             got = []
-            for i in peers if c not in kept[j] else ():  # a kept chunk's copies are at j already
+            for i in peers if c not in kept[j] else [i for i in peers if i in late]:  # kept: early copies at j
                 sent[(i, c)], r = bld.transfer(i, j, off, size, reduce=True, flow=f, chunk=c, phase="scatter")
                 got.append(r)
             reduced += got
@@ -280,7 +282,7 @@ def plan_crew(graph: nx.DiGraph, length: int, *, elem_bytes: int = 4, active=Non
         "rounding": rounding,
         "blocks": {j: [r.start, r.stop] for j, r in blocks.items()} if not prescattered
         else {j: _ranges(c, list(range(k + 1))) for j, c in blocks.items()},  # chunk index ranges
-        **({"prescattered": True, "moved_chunks": moved,
+        **({"prescattered": True, "moved_chunks": moved, "late": sorted(late or (), key=nodes.index),
             "kept": {j: _ranges(sorted(kept[j]), edges) for j in aggs}} if prescattered else {}),
         "pipelined": pipelined,
         "scheduling": scheduling,
