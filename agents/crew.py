@@ -26,6 +26,8 @@ installs one (:mod:`agents.coordinator`), then reused whenever the same group fo
     coordinator -> involved: start {pid}
     involved -> coordinator: task_done {pid, timing, check} | task_failed {pid, message}
     agent -> coordinator:  link_lost {peer} | link_back {peer}   (heartbeats over the data network)
+    coordinator -> involved: abandon {pid, version}      (failover: the task is stopped)
+    coordinator -> agents: finish (after T, once the tasks in flight ended)
 
 Non-blocking scatter (``prescatter_for``, §IV-A2): one more plan version per worker i, its
 early scatter of the default blocks (installed before BEGIN); at i's ENQUEUE of round r::
@@ -36,11 +38,11 @@ early scatter of the default blocks (installed before BEGIN); at i's ENQUEUE of 
 
 and TASK carries ``pre`` {from: {k: [version, seq]}, kept: element ranges}: the node waits
 until it received every member's early blocks, adds the chunks it keeps into its input, then
-answers ARMED.  A worker's early scatter is not cut short when P forms (a choice: the
-executor runs a plan to its end); chunks Alg. 2 moved were sent in vain and go again to
-their new owner in the task's plan (Alg. 2 moves the fewest, the last-sent ones).
-    coordinator -> involved: abandon {pid, version}      (failover: the task is stopped)
-    coordinator -> agents: finish (after T, once the tasks in flight ended)
+answers ARMED.  The worker whose ENQUEUE completes a group scatters nothing early (P is known
+at once; it is ``late`` in the group's plan, which sends all its chunks).  An early scatter
+is not cut short when P forms (a choice: the executor runs a plan to its end); chunks Alg. 2
+moved were sent in vain and go again to their new owner in the task's plan (Alg. 2 moves the
+fewest, the last-sent ones).
 
 ARMED before START is the one message more than the iteration barrier: a member may send
 chunks of task ``pid`` to an aggregator only once that aggregator's executor accepts
