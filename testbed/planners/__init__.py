@@ -32,7 +32,7 @@ from testbed.checks import Checker
 from testbed.errors import ConfigError
 from testbed.plan import Plan
 
-NODE, NODES = "node", "nodes"
+NODE, NODES, NODE_MAP = "node", "nodes", "node_map"
 _BOUNDS = {"ge": (">=", operator.ge), "gt": (">", operator.gt), "le": ("<=", operator.le), "lt": ("<", operator.lt)}
 
 
@@ -50,7 +50,8 @@ class ParamError(ConfigError):
 class Param:
     """One scheme parameter: its type(s), default and meaning, and the values it takes:
     ``choices``; ``kind`` ``"node"`` (a datacenter name; empty = the planner chooses) or
-    ``"nodes"`` (a list of datacenter names; null = every node); numeric bounds ``ge``,
+    ``"nodes"`` (a list of datacenter names; null = every node) or ``"node_map"`` (a mapping
+    of datacenter names to datacenter names); numeric bounds ``ge``,
     ``gt``, ``le``, ``lt`` (>=, >, <=, <)."""
 
     type: type | tuple
@@ -85,6 +86,10 @@ class Param:
             c.node(value, key, nodes)
         if self.kind == NODES and value is not None:
             c.nodes(value, key, nodes)
+        if self.kind == NODE_MAP:
+            for a, b in (value or {}).items():
+                if a not in nodes or b not in nodes:
+                    c.fail(key, f"expected datacenter: datacenter, got {a!r}: {b!r}")
         return value
 
 

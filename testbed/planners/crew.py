@@ -192,7 +192,8 @@ def prescatter_plan(graph: nx.DiGraph, length: int, sender: str, *, split: str =
                                  "(each block within half a chunk of its weight)", choices=("floor", "nearest")),
     exclude=Param(list, [], "workers that aggregate nothing (lost ones, §IV-B: G rebuilt without them; LP (2) "
                             "over the rest)", kind="nodes"),
-    reassign=Param(dict, {}, "failover, Eq. (3): {j: k} aggregator j's block (its LP (2) weight) goes to k",),
+    reassign=Param(dict, {}, "failover, Eq. (3): {j: k} aggregator j's block (its LP (2) weight) goes to k",
+                   kind="node_map"),
     scheduling=Param(str, "fcfs", "fcfs = one ordered connection per pair, flows served in the order they became "
                                   "ready (FL-FCFS, §IV-C); fs = scatter and multicast on separate connections "
                                   "sharing the link (FS)", choices=("fcfs", "fs")),
