@@ -439,6 +439,16 @@ def _run_section(entry: dict, out: Path, n: int, table: bool = True) -> tuple[st
                      _table(cold, ["variant", "repetition", "warmup_cct_s"]))
     if figs["rounds"]:  # a groups run has no iterations (no timeline of one)
         parts.append(_img(figs["rounds"], "Rounds per worker in the window T"))
+        faults = [{"variant": r["variant"], "repetition": r["repetition"],
+                   "fault": f"worker {f['node']} lost" if f.get("node") else f"link {'-'.join(f['link'])} broken",
+                   "why": f.get("why", f"reported by {f.get('reported_by')}"),
+                   "back_after_s": (f["back_ns"] - f["t_ns"]) / 1e9 if f.get("back_ns") else None,
+                   "tasks": ", ".join(f"{t['pid']} {t['outcome']}" + (f" to {t['replacement']}" if t.get("replacement")
+                                                                     else "") for t in f.get("tasks", []))}
+                  for r in res.get("runs", []) for f in (r.get("groups") or {}).get("faults", [])]
+        if faults:
+            parts.append("<h3>Faults during the groups runs (§IV-B failover)</h3>" +
+                         _table(faults, ["variant", "repetition", "fault", "why", "back_after_s", "tasks"]))
     else:
         parts.append(_img(figs["gantt"], "Timeline of one iteration"))
     parts.append(_img(figs["links"], "Goodput per link vs configured rate"))
