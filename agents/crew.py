@@ -687,7 +687,12 @@ class LinkWatch:
         self.agent, self.timeout_s = agent, float(timeout_s)
         self.peers = {p: (str(a[0]), int(a[1])) for p, a in peers.items()}
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-        self.sock.bind((agent.listener.getsockname()[0], agent.data_port))
+        try:
+            self.sock.bind((agent.listener.getsockname()[0], agent.data_port))
+        except OSError as e:
+            self.sock.close()
+            raise RuntimeError(f"link heartbeats: cannot bind UDP port {agent.data_port} (the data port; "
+                               f"groups.link_timeout_s: 0 turns them off): {e}") from None
         self.heard = {p: time.monotonic() for p in self.peers}  # a peer never heard is lost too
         self.down: set[str] = set()
         self.stopped = False
