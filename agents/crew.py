@@ -25,7 +25,24 @@ installs one (:mod:`agents.coordinator`), then reused whenever the same group fo
     involved -> coordinator: armed {pid}                  (executor moved to iteration pid, inputs set)
     coordinator -> involved: start {pid}
     involved -> coordinator: task_done {pid, timing, check} | task_failed {pid, message}
+    agent -> coordinator:  link_lost {peer} | link_back {peer}   (heartbeats over the data network)
+    coordinator -> involved: abandon {pid, version}      (failover: the task is stopped)
     coordinator -> agents: finish (after T, once the tasks in flight ended)
+
+Non-blocking scatter (``prescatter_for``, §IV-A2): one more plan version per worker i, its
+early scatter of the default blocks (installed before BEGIN); at i's ENQUEUE of round r::
+
+    coordinator -> receivers: pre {of: i, version, seq}   (armed for i's early scatter number seq)
+    receivers -> coordinator: pre_armed {of, seq}
+    coordinator -> i:         pre_go {version, seq, round} (i sends its round-r blocks at once)
+
+and TASK carries ``pre`` {from: {k: [version, seq]}, kept: element ranges}: the node waits
+until it received every member's early blocks, adds the chunks it keeps into its input, then
+answers ARMED.  The worker whose ENQUEUE completes a group scatters nothing early (P is known
+at once; it is ``late`` in the group's plan, which sends all its chunks).  An early scatter
+is not cut short when P forms (a choice: the executor runs a plan to its end); chunks Alg. 2
+moved were sent in vain and go again to their new owner in the task's plan (Alg. 2 moves the
+fewest, the last-sent ones).
 
 ARMED before START is the one message more than the iteration barrier: a member may send
 chunks of task ``pid`` to an aggregator only once that aggregator's executor accepts
@@ -45,6 +62,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import queue
+import socket
 import threading
 import time
 from collections import deque
@@ -187,14 +205,29 @@ class TaskRun:
         self.lost: list[str] = []
         self.faults: list[dict] = []
         self.reassign: dict[int, dict] = {}  # pid -> {j: k} of a repair task
+        self.link_timeout_s = float(opts.get("link_timeout_s") or 0.0)
+        self.broken: dict[frozenset, dict] = {}  # {a, b} -> its fault record, while the link is down
+        self.later: list[tuple[float, str, int]] = []  # (monotonic, worker, round): re-queued after a pause
+        self._pair_cache: dict[int, set] = {}
+        self.prescatter_for = opts.get("prescatter_for")  # non-blocking scatter: sender -> its early plan
+        self.pre_v: dict[str, int] = {}  # worker -> version of its early scatter
+        self.seq: dict[str, int] = {}  # worker -> number of its latest early scatter
+        self.pre_wait: dict[str, set] = {}  # worker -> receivers not yet armed for it
+        self.end = float("inf")
+        self.enq_round: dict[str, int] = {}
+        self.finishing = False
+        self.late: set[str] = set()  # non-blocking: workers whose queued round was not scattered early  # worker -> round of its latest ENQUEUE
 
     def run(self) -> dict:
         c = self.c
         task_limit = c.ready_limit() + c.limit_s
+        if self.prescatter_for:
+            self._install_prescatter(task_limit)
         for n in self.nodes:
-            c._send(n, {"msg": "begin"})
+            c._send(n, {"msg": "begin", **({"watch": self._watch_peers(n), "link_timeout_s": self.link_timeout_s}
+                                           if self.link_timeout_s else {})})
         self.t0_ns = time.time_ns()
-        end = time.monotonic() + self.window_s
+        end = self.end = time.monotonic() + self.window_s
         c.progress(f"window of {self.window_s:g} s started: groups of {self.p} from the ready queue")
         while True:
             now = time.monotonic()
@@ -214,17 +247,22 @@ class TaskRun:
             if len(self.nodes) - len(self.lost) < self.p:
                 c._diagnose(("lost", self.lost[-1], f"{len(self.nodes) - len(self.lost)} workers left (lost: "
                              f"{', '.join(self.lost)}), fewer than a group of {self.p}: no group can form"))
+            for item in [x for x in self.later if x[0] <= time.monotonic()]:
+                self.later.remove(item)
+                self.ctl.ready(item[1], item[2])
             if time.monotonic() < end:
                 for t in self.ctl.form():
                     t.deadline = time.monotonic() + task_limit
                     t.times["formed_ns"] = time.time_ns()
-                    self._place(t)
+                    if not self._place(t):
+                        self._unplaceable(t, "no plan of the group avoids the broken links")
         self._finish()
         return self.results()
 
     def _finish(self) -> None:
         """FINISH to every agent, BYE from each (an ENQUEUE sent meanwhile is no error)."""
         c, got = self.c, set()
+        self.finishing = True
         alive = [n for n in self.nodes if n not in self.lost]
         for n in alive:
             c._send(n, {"msg": "finish"})
@@ -237,7 +275,8 @@ class TaskRun:
             if ev is None or ev[0] == "registered" or ev[1] in self.lost or (ev[0] in ("lost", "silent")
                                                                               and ev[1] in got):
                 continue
-            if ev[0] != "msg" or ev[2].get("msg") not in ("bye", "enqueue", "status"):
+            if ev[0] != "msg" or ev[2].get("msg") not in ("bye", "enqueue", "status", "link_lost", "link_back",
+                                                          "pre_armed"):
                 c._diagnose(ev)
             if ev[2].get("msg") == "bye":
                 got.add(ev[1])
@@ -257,7 +296,7 @@ class TaskRun:
             node = problem.split(":", 1)[0]
             if node not in self.nodes:
                 c._diagnose(("lost", None, problem))
-            if node not in self.lost:
+            if node not in self.lost and not self.finishing:  # after FINISH an agent exits: BYE or not counts
                 self._lose(node, problem)
         return ev
 
@@ -277,7 +316,28 @@ class TaskRun:
             self.c._diagnose(ev)
         if kind == "enqueue":
             self.enqueued.append([node, data.get("round"), time.time_ns()])
+            self.enq_round[node] = int(data["round"])
             self.ctl.ready(node, int(data["round"]))
+            self.late.discard(node)
+            if self.prescatter_for and len(self.ctl.queue) >= self.p:
+                self.late.add(node)  # it completes a group now: no early scatter, its chunks go in the task
+            elif self.prescatter_for and time.monotonic() < self.end and node in self.ctl.alive:
+                v, seq = self.pre_v[node], self.seq.get(node, -1) + 1
+                self.seq[node] = seq
+                self.pre_wait[node] = {n for n in self.nodes if n != node and self.plans[v].programs.get(n)}
+                for n in self.pre_wait[node]:
+                    self.c._send(n, {"msg": "pre", "of": node, "version": v, "seq": seq})
+        elif kind == "pre_armed":
+            left = self.pre_wait.get(data.get("of"))
+            if left is None or node not in left or data.get("seq") != self.seq.get(data.get("of")):
+                self.c._diagnose(("protocol", node, f"unexpected PRE_ARMED for {data.get('of')}"))
+            left.discard(node)
+            if not left:
+                w = data["of"]
+                self.c._send(w, {"msg": "pre_go", "version": self.pre_v[w], "seq": self.seq[w],
+                                 "round": data.get("round", self.enq_round.get(w))})
+        elif kind in ("link_lost", "link_back"):
+            self._link(node, str(data.get("peer")), kind == "link_lost")
         elif kind == "installed":
             v = data.get("version")
             left = self.installing.get(v)
@@ -311,18 +371,46 @@ class TaskRun:
         else:
             self.c._diagnose(("protocol", node, f"unexpected {kind!r} message in a task run"))
 
-    def _place(self, t: Task) -> None:
+    def _place(self, t: Task) -> bool:
         """Find (or install) the version of t's group (without the lost workers as
-        aggregators; with a repair's Eq. (3) replacement); hold it while that version runs."""
-        swap = self.reassign.get(t.pid, {})
-        exclude = [n for n in self.lost if n not in swap]
-        key = (frozenset(t.members), tuple(exclude), tuple(sorted(swap.items())))
+        aggregators; with a repair's Eq. (3) replacements); hold it while that version runs.
+        While links are down (:meth:`_link`), every aggregator cut off from a member of P
+        hands its block to an Eq. (3) replacement with live links to all of P (§IV-B); False
+        when the plan still needs a broken link (no candidate, or a scheme without per-block
+        aggregators: the task cannot run)."""
+        swap = dict(self.reassign.get(t.pid, {}))
+        late = sorted(self.late & set(t.members), key=self.nodes.index) if self.prescatter_for else []
+        while True:
+            exclude = [n for n in self.lost if n not in swap]
+            key = (frozenset(t.members), tuple(exclude), tuple(sorted(swap.items())), tuple(late))
+            if key in self.by_group:
+                plan = self.plans[self.by_group[key]]
+            else:
+                extra = {**({"exclude": exclude} if exclude else {}), **({"reassign": swap} if swap else {}),
+                         **({"late": late} if late else {})}
+                plan = self.plan_for(sorted(t.members, key=self.nodes.index), **extra)
+                if list(plan.nodes) != self.nodes or plan.length != self.plans[0].length:
+                    raise ValueError(f"plan for group {t.members} differs in nodes or length")
+                plan.validate()
+            pairs = self._vpairs(self.by_group[key]) if key in self.by_group else _pairs(plan)
+            cut = [pair for pair in self.broken if pair in pairs]
+            if not cut:
+                break
+            weights = plan.meta.get("weights") or {}
+            bad = sorted({e for pair in cut for e in pair if e in weights and (set(pair) - {e}) <= set(t.members)},
+                         key=self.nodes.index)
+            if not self.rate or not bad or any(not (set(pair) & set(bad)) for pair in cut):
+                return False
+            load = self._load(t)
+            for a in bad:
+                cands = self._candidates(t.members, set(bad) | set(swap))
+                k = replacement([c for c in cands if c in weights], t.members, load, weights[a], self.rate)
+                if k is None:
+                    return False
+                swap = _redirect(swap, a, k)
+                load[k] = load.get(k, 0.0) + weights[a]  # l_k now includes the block it took
+            self.reassign[t.pid] = swap
         if key not in self.by_group:
-            extra = {**({"exclude": exclude} if exclude else {}), **({"reassign": swap} if swap else {})}
-            plan = self.plan_for(sorted(t.members, key=self.nodes.index), **extra)
-            if list(plan.nodes) != self.nodes or plan.length != self.plans[0].length:
-                raise ValueError(f"plan for group {t.members} differs in nodes or length")
-            plan.validate()
             v = len(self.plans)
             self.plans.append(plan)
             self.by_group[key] = v
@@ -341,6 +429,37 @@ class TaskRun:
             t.state = "held"
         else:
             self._arm(t)
+        return True
+
+    def _vpairs(self, v: int) -> set:
+        if v not in self._pair_cache:
+            self._pair_cache[v] = _pairs(self.plans[v])
+        return self._pair_cache[v]
+
+    def _candidates(self, members: list[str], out: set) -> list[str]:
+        """§IV-B's S: workers alive, not in P, not in ``out``, with no broken link to a member."""
+        return [k for k in self.nodes if k not in self.lost and k not in members and k not in out
+                and not any(frozenset((k, m)) in self.broken for m in members)]
+
+    def _load(self, t: Task) -> dict[str, float]:
+        """Eq. (3)'s l_k: the block volume (model fractions) each worker aggregates in the
+        other tasks in flight."""
+        load: dict[str, float] = {}
+        for r in self.ctl.running():
+            if r is not t and r.version is not None:
+                for a, x in (self.plans[r.version].meta.get("weights") or {}).items():
+                    load[a] = load.get(a, 0.0) + x
+        return load
+
+    def _unplaceable(self, t: Task, why: str) -> None:
+        """A group no plan can serve now: abandoned, its members queued again after a pause
+        (at once they would form the same group again)."""
+        t.state = "abandoned"
+        self.records.append({"pid": t.pid, "members": t.members, "version": None, "outcome": "abandoned",
+                             "why": why, **t.times, "correct": True, "members_done": {}})
+        for m in t.members:
+            self.ctl.member_done(t.pid, m)
+            self.later.append((time.monotonic() + 1.0, m, t.rounds[m]))
 
     def _arm(self, t: Task) -> None:
         if t.version in self.busy:
@@ -349,8 +468,12 @@ class TaskRun:
         self.busy[t.version] = t.pid
         t.state, t.waiting = "arming", set(t.involved)
         t.times["arm_ns"] = time.time_ns()
+        kept = self.plans[t.version].meta.get("kept") if self.prescatter_for else None
         for n in t.involved:
-            self.c._send(n, {"msg": "task", "pid": t.pid, "version": t.version, "rounds": t.rounds})
+            self.c._send(n, {"msg": "task", "pid": t.pid, "version": t.version, "rounds": t.rounds,
+                             **({"pre": {"from": {k: [self.pre_v[k], self.seq[k]] for k in t.members
+                                                  if k not in self.plans[t.version].meta.get("late", ())},
+                                         "kept": kept.get(n, [])}} if kept is not None else {})})
 
     def _start(self, t: Task) -> None:
         t.state, t.waiting = "running", set(t.involved)
@@ -384,7 +507,8 @@ class TaskRun:
         start = min(d["comm_start_ns"] for d in t.done.values())
         end = max(t.done[m]["comm_done_ns"] for m in t.members)
         return {"pid": t.pid, "members": t.members, "version": t.version, "aggregators": len(t.involved),
-                "outcome": "repair" if "repair_of" in t.times else "done", **t.times, "cct_s": (end - start) / 1e9, "correct": not wrong, "members_done": members}
+                "outcome": "repair" if "repair_of" in t.times else "done", **t.times,
+                **({"reassign": self.reassign[t.pid]} if self.reassign.get(t.pid) else {}), "cct_s": (end - start) / 1e9, "correct": not wrong, "members_done": members}
 
     def results(self) -> dict:
         rounds = rounds_in_window(self.records, self.t0_ns, self.window_s)
@@ -393,12 +517,48 @@ class TaskRun:
                                "rounds": {n: rounds.get(n, 0) for n in self.nodes},
                                "tasks": self.records, "enqueued": self.enqueued,
                                "groups": [{"version": v, "members": sorted(g, key=self.nodes.index),
-                                           "meta": self.plans[v].meta} for (g, _, _), v in self.by_group.items()],
+                                           "meta": self.plans[v].meta} for (g, *_), v in self.by_group.items()],
                                "faults": self.faults, "lost": self.lost,
                                "repaired": sum(r.get("outcome") == "repaired" for r in self.records),
                                "abandoned": sum(r.get("outcome") == "abandoned" for r in self.records)}}
 
+    def _install_prescatter(self, limit: float) -> None:
+        """Non-blocking scatter: every worker's early-scatter version, installed before BEGIN."""
+        for w in self.nodes:
+            plan = self.prescatter_for(w)
+            if list(plan.nodes) != self.nodes or plan.length != self.plans[0].length:
+                raise ValueError(f"early-scatter plan of {w} differs in nodes or length")
+            plan.validate()
+            v = self.pre_v[w] = len(self.plans)
+            self.plans.append(plan)
+            involved = [n for n in self.nodes if plan.programs.get(n)]
+            self.installing[v] = set(involved)
+            for n in involved:
+                program, peers, scratch = self.c._part(n, plan)
+                self.c._send(n, {"msg": "plan", "version": v, "program": [op.to_dict() for op in program],
+                                 "peers": {p: list(a) for p, a in peers.items()}, "scratch": scratch})
+        deadline = time.monotonic() + limit
+        while any(v in self.installing for v in self.pre_v.values()):
+            if time.monotonic() > deadline:
+                left = sorted({n for v in self.pre_v.values() for n in self.installing.get(v, ())})
+                self.c._diagnose(("deadline", left[0], f"early-scatter plans not installed within {limit:g} s "
+                                  f"at {', '.join(left)}"))
+            ev = self._next(deadline)
+            if ev is not None:
+                self._on(ev)
+
     # failover (§IV-B)
+    def _watch_peers(self, n: str) -> dict[str, list]:
+        """Where ``n`` reaches every other worker's data port (its heartbeats go there)."""
+        c = self.c
+        view = c._addresses.get(n) if isinstance(c._addresses.get(n), dict) else c._addresses
+        out = {}
+        for d in self.nodes:
+            port = c.data_port or int(c._idents.get(d, {}).get("data_port") or 0)
+            if d != n and isinstance(view.get(d), str) and port:
+                out[d] = [view[d], port]
+        return out
+
     def _lose(self, w: str, why: str) -> None:
         """Worker ``w`` is gone: out of the queue and of every future group (its aggregator
         share goes to the others: LP (2) over the rest); every task in flight that involves
@@ -412,51 +572,177 @@ class TaskRun:
         self.faults.append(fault)
         self.c.progress(f"worker {w} lost ({why}): failover")
         for t in self.ctl.lose(w):
-            for n in t.involved:
-                if n not in self.lost:
-                    self.c._send(n, {"msg": "abandon", "pid": t.pid, "version": t.version})
-            if self.busy.get(t.version) == t.pid:
-                del self.busy[t.version]
-            self.installing.pop(t.version, None)
-            pending = [m for m in t.members if m not in t.done and m != w]
-            weights = (self.plans[t.version].meta.get("weights") or {}) if t.version is not None else {}
+            self._stop(t, fault, w)
+
+    def _link(self, node: str, peer: str, lost: bool) -> None:
+        """§IV-B, a link between two workers breaks (both ends' heartbeats stop; the first
+        report counts, FCFS) or comes back.  Every task in flight whose plan sends over it
+        is stopped and run again with the cut-off aggregators' blocks at Eq. (3)
+        replacements (:meth:`_place`), or ABANDONed; groups formed while it is down get such
+        plans from the start.  A report about a lost worker is that loss, not a link."""
+        pair = frozenset((node, peer))
+        if peer not in self.nodes or peer == node or node in self.lost or peer in self.lost:
+            return
+        if not lost:
+            fault = self.broken.pop(pair, None)
+            if fault is not None:
+                fault["back_ns"] = time.time_ns()
+                self.c.progress(f"link {'-'.join(fault['link'])} back (reported by {node})")
+            return
+        if pair in self.broken:
+            return
+        fault = {"t_ns": time.time_ns(), "link": sorted(pair, key=self.nodes.index), "reported_by": node,
+                 "tasks": []}
+        self.broken[pair] = fault
+        self.faults.append(fault)
+        self.c.progress(f"link {'-'.join(fault['link'])} broken (reported by {node}): failover")
+        for t in self.ctl.running():
+            if t.version is not None and pair in self._vpairs(t.version):
+                self._stop(t, fault, None)
+
+    def _stop(self, t: Task, fault: dict, w: str | None) -> None:
+        """Stop task ``t`` (ABANDON to its nodes, its version retired) after worker ``w`` was
+        lost (None: a link broke) and repair it as a new task with the same members and
+        rounds (:meth:`_retry`) or abandon it."""
+        for n in t.involved:
+            if n not in self.lost:
+                self.c._send(n, {"msg": "abandon", "pid": t.pid, "version": t.version})
+        if self.busy.get(t.version) == t.pid:
+            del self.busy[t.version]
+        self.installing.pop(t.version, None)
+        for key in [k for k, v in self.by_group.items() if v == t.version]:
+            del self.by_group[key]  # retired on the agents
+        pending = [m for m in t.members if m not in t.done and m != w]
+        swap = dict(self.reassign.get(t.pid, {}))
+        weights = (self.plans[t.version].meta.get("weights") or {}) if t.version is not None else {}
+        repair = len(pending) == len(t.members) and bool(self.rate)
+        if repair and w is not None:  # Eq. (3) for the lost aggregator's block
             k = None
-            if w not in t.members and len(pending) == len(t.members) and self.rate and w in weights:
-                load = {}
-                for r in self.ctl.running():
-                    if r is not t and r.version is not None:
-                        for a, x in (self.plans[r.version].meta.get("weights") or {}).items():
-                            load[a] = load.get(a, 0.0) + x
-                cands = [a for a in weights if a not in self.lost and a not in t.members
-                         and a not in self.reassign.get(t.pid, {})]
-                k = replacement(cands, t.members, load, weights[w], self.rate)
-            t.state = "repaired" if k else "abandoned"
-            rec = {"pid": t.pid, "members": t.members, "version": t.version, "outcome": t.state, "lost": w,
-                   **t.times, "correct": True,
-                   "members_done": {m: {"round": t.rounds[m], "done_ns": t.done[m]["comm_done_ns"],
-                                        "correct": bool(t.done[m].get("correct"))} for m in t.members if m in t.done}}
-            fault["tasks"].append({"pid": t.pid, "outcome": t.state, **({"replacement": k} if k else {})})
+            if w not in t.members and w in weights:
+                k = replacement([c for c in self._candidates(t.members, set(swap) | {w}) if c in weights],
+                                t.members, self._load(t), weights[w], self.rate)
+            repair = k is not None
             if k:
-                nt = Task(self.ctl.next_pid, list(t.members), dict(t.rounds))
-                self.ctl.next_pid += 1
-                self.ctl.tasks[nt.pid] = nt
-                for m in nt.members:
-                    self.ctl.member_of[m] = nt.pid
-                self.reassign[nt.pid] = {**self.reassign.get(t.pid, {}), w: k}
-                rec["repair"] = nt.pid
-                nt.times = {"formed_ns": time.time_ns(), "repair_of": t.pid}
-                nt.deadline = time.monotonic() + self.c.ready_limit() + self.c.limit_s
-                self._place(nt)
-            else:
-                for m in pending:
-                    self.ctl.member_done(t.pid, m)
-                    self.ctl.ready(m, t.rounds[m])
-            self.records.append(rec)
+                swap = _redirect(swap, w, k)
+        new = self._retry(t, swap) if repair else None
+        t.state = "repaired" if new is not None else "abandoned"
+        rec = {"pid": t.pid, "members": t.members, "version": t.version, "outcome": t.state,
+               **({"lost": w} if w else {"link": fault["link"]}), **t.times, "correct": True,
+               "members_done": {m: {"round": t.rounds[m], "done_ns": t.done[m]["comm_done_ns"],
+                                    "correct": bool(t.done[m].get("correct"))} for m in t.members if m in t.done}}
+        fix = self.reassign.get(new, {}) if new is not None else {}
+        fault["tasks"].append({"pid": t.pid, "outcome": t.state,
+                               **({"replacement": fix.get(w) if w else fix} if new is not None else {})})
+        if new is not None:
+            rec["repair"] = new
+        else:
+            for m in pending:
+                self.ctl.member_done(t.pid, m)
+                self.ctl.ready(m, t.rounds[m])
+        self.records.append(rec)
+
+    def _retry(self, t: Task, swap: dict) -> int | None:
+        """A repair of ``t``: a new pid, the same members and rounds, aggregators moved by
+        ``swap`` (and around broken links); None if it cannot be placed."""
+        nt = Task(self.ctl.next_pid, list(t.members), dict(t.rounds))
+        self.ctl.next_pid += 1
+        self.ctl.tasks[nt.pid] = nt
+        for m in nt.members:
+            self.ctl.member_of[m] = nt.pid
+        self.reassign[nt.pid] = swap
+        nt.times = {"formed_ns": time.time_ns(), "repair_of": t.pid}
+        nt.deadline = time.monotonic() + self.c.ready_limit() + self.c.limit_s
+        if self._place(nt):
+            return nt.pid
+        del self.ctl.tasks[nt.pid]
+        self.reassign.pop(nt.pid, None)
+        for m in nt.members:
+            self.ctl.member_of[m] = t.pid
+        return None
+
+
+def _redirect(swap: dict, a: str, k: str) -> dict:
+    """``swap`` with aggregator ``a``'s block (and what it inherited) moved to ``k``."""
+    return {**{j: (k if r == a else r) for j, r in swap.items()}, a: k}
+
+
+def _pairs(plan) -> set:
+    """The worker pairs a plan sends data between (either direction)."""
+    return {frozenset((n, op.peer)) for n, prog in plan.programs.items() for op in prog}
 
 
 # -- agent side ------------------------------------------------------------------------------
+class LinkWatch:
+    """§IV-B's outage detection ("heartbeat and timeout", both ends of a connection get the
+    same view): a UDP heartbeat to every other worker's data address every ``timeout_s``/8,
+    over the data network (the path its chunks take); a peer silent for
+    ``timeout_s`` (or never heard within ``timeout_s`` of the start) is reported ``link_lost``,
+    heard again ``link_back``.  The UDP port is the
+    agent's TCP data port.  A heartbeat is the sender's name, unauthenticated (a forged one
+    can only make a broken link look alive)."""
+
+    MAGIC = b"crew-hb "
+
+    def __init__(self, agent, peers: dict, timeout_s: float):
+        self.agent, self.timeout_s = agent, float(timeout_s)
+        self.peers = {p: (str(a[0]), int(a[1])) for p, a in peers.items()}
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        try:
+            self.sock.bind((agent.listener.getsockname()[0], agent.data_port))
+        except OSError as e:
+            self.sock.close()
+            raise RuntimeError(f"link heartbeats: cannot bind UDP port {agent.data_port} (the data port; "
+                               f"groups.link_timeout_s: 0 turns them off): {e}") from None
+        self.heard = {p: time.monotonic() for p in self.peers}  # a peer never heard is lost too
+        self.down: set[str] = set()
+        self.stopped = False
+        self.thread = threading.Thread(target=self._run, daemon=True, name="crew-linkwatch")
+        self.thread.start()
+
+    def _run(self) -> None:
+        every, me, nxt = self.timeout_s / 8, self.MAGIC + self.agent.name.encode(), 0.0
+        while not self.stopped:
+            now = time.monotonic()
+            if now >= nxt:
+                for addr in self.peers.values():
+                    try:
+                        self.sock.sendto(me, addr)
+                    except OSError:  # e.g. no route: the link is down
+                        pass
+                nxt = now + every
+            self.sock.settimeout(max(0.01, nxt - time.monotonic()))
+            try:
+                data, _ = self.sock.recvfrom(512)
+                name = data[len(self.MAGIC):].decode(errors="replace") if data.startswith(self.MAGIC) else ""
+                if name in self.peers:
+                    self.heard[name] = time.monotonic()
+                    if name in self.down:
+                        self.down.discard(name)
+                        self._report("link_back", name)
+            except (socket.timeout, OSError):
+                pass
+            now = time.monotonic()
+            for name, t in self.heard.items():
+                if now - t > self.timeout_s and name not in self.down:
+                    self.down.add(name)
+                    self._report("link_lost", name)
+
+    def _report(self, kind: str, peer: str) -> None:
+        log.warning("%s: %s", kind, peer)
+        try:
+            self.agent.send({"msg": kind, "peer": peer})
+        except Exception as e:  # the control connection's own loss is handled elsewhere
+            log.error("cannot report %s %s: %s", kind, peer, e)
+
+    def close(self) -> None:
+        self.stopped = True
+        self.thread.join(timeout=1.0)
+        self.sock.close()
+
+
 def worker_loop(agent, Aborted: type[Exception]) -> int:
-    """The agent in ``tasks`` mode, after READY: wait for BEGIN; then compute round r (sleep
+    """The agent in ``tasks`` mode, after READY: wait for BEGIN (installing PLANs meanwhile:
+    non-blocking scatter's early versions); then compute round r (sleep
     its compute time), ENQUEUE, and serve the controller's messages: PLAN (install a version,
     in a thread: other tasks run meanwhile), TASK (arm), START (run the task in a thread;
     a member verifies its result and computes its next round), FINISH.  ``Aborted``: the
@@ -464,12 +750,12 @@ def worker_loop(agent, Aborted: type[Exception]) -> int:
     from testbed.plan import Op
 
     job, me = agent.job, agent.name
-    agent.next_msg("begin", job.wait_s)
-    rnd, computing_until = 0, time.monotonic() + job.compute_for(0)
     armed: dict[int, tuple] = {}
     running: dict[int, object] = {}  # pid -> executor
     abandoned: set[int] = set()
     threads: list[threading.Thread] = []
+    dropped: set[int] = set()  # versions the controller abandoned
+    early: dict[tuple, threading.Event] = {}  # (sender, seq) -> its early blocks arrived here
 
     def spawn(fn, *args) -> None:
         th = threading.Thread(target=fn, args=args, daemon=True, name=f"crew-{fn.__name__}")
@@ -482,7 +768,61 @@ def worker_loop(agent, Aborted: type[Exception]) -> int:
                            {p: (str(a[0]), int(a[1])) for p, a in msg["peers"].items()}, {})
             agent.send({"msg": "installed", "version": v})
         except Exception as e:
+            if v in dropped:  # given up on meanwhile (e.g. a link it needs broke): no error
+                log.warning("plan version %d not installed (abandoned): %s", v, e)
+                return
             agent.abort_soon(f"installing plan version {v}: {type(e).__name__}: {e}")
+
+    def after(prev: threading.Event | None, what: str) -> None:
+        """An early-scatter executor runs one scatter at a time: wait for the previous one
+        (a member's task may end before a node that keeps none of its chunks got them all)."""
+        if prev is not None and not prev.wait(job.timeout_s):
+            raise TimeoutError(f"{what}: the previous early scatter not done within {job.timeout_s:g} s")
+
+    def pre_recv(sender: str, seq: int, ex, prev, done: threading.Event) -> None:
+        try:
+            after(prev, f"early scatter {seq} of {sender}")
+            ex.advance(seq)
+            ex.prepare(None)
+            agent.send({"msg": "pre_armed", "of": sender, "seq": seq})
+            ex.run(seq)
+            done.set()
+        except Exception as e:
+            agent.abort_soon(f"early scatter {seq} of {sender}: {type(e).__name__}: {e}")
+
+    def pre_send(seq: int, rnd_: int, ex, prev, done: threading.Event) -> None:
+        try:
+            after(prev, f"early scatter {seq}")
+            ex.advance(seq)
+            ex.prepare(make_input(job.seed, job.nodes.index(me), rnd_, job.length, job.dtype))
+            ex.run(seq)
+            done.set()
+        except Exception as e:
+            agent.abort_soon(f"early scatter {seq}: {type(e).__name__}: {e}")
+
+    def arm(pid: int, ex, rounds: dict, pre: dict | None) -> None:
+        """TASK: the executor moves to iteration ``pid`` with this node's input; with early
+        blocks (``pre``), once every member's arrived, the kept chunks added in."""
+        try:
+            x = make_input(job.seed, job.nodes.index(me), rounds[me], job.length, job.dtype) if me in rounds \
+                else None
+            if pre is not None and pre["kept"]:
+                x = np.zeros(job.length, job.dtype) if x is None else x
+                deadline = time.monotonic() + job.timeout_s
+                for k, (v, seq) in pre["from"].items():
+                    if k == me:
+                        continue
+                    if not early[(k, seq)].wait(max(0.0, deadline - time.monotonic())):
+                        raise TimeoutError(f"early blocks of {k} (scatter {seq}) not here within {job.timeout_s:g} s")
+                    got = agent.execs[v].bufs["x"]
+                    for lo, hi in pre["kept"]:
+                        np.add(x[lo:hi], got[lo:hi], out=x[lo:hi])
+            ex.advance(pid)
+            ex.prepare(x)
+            armed[pid] = (ex, rounds)
+            agent.send({"msg": "armed", "pid": pid})
+        except Exception as e:
+            agent.abort_soon(f"arming task {pid}: {type(e).__name__}: {e}")
 
     def retire(ex) -> None:  # a version given up on: its threads and connections go
         for v, e in list(agent.execs.items()):
@@ -513,6 +853,10 @@ def worker_loop(agent, Aborted: type[Exception]) -> int:
                 retire(ex)
             agent.send({"msg": "task_failed", "pid": pid, "message": f"{type(e).__name__}: {e}"})
 
+    while (begin := agent.next_msg(("begin", "plan"), job.wait_s))["msg"] == "plan":
+        install(int(begin["version"]), begin)  # non-blocking: the early-scatter versions, before BEGIN
+    watch = LinkWatch(agent, begin["watch"], begin["link_timeout_s"]) if begin.get("watch") else None
+    rnd, computing_until = 0, time.monotonic() + job.compute_for(0)
     while True:
         wait = computing_until - time.monotonic() if computing_until is not None else job.wait_s
         try:
@@ -533,12 +877,18 @@ def worker_loop(agent, Aborted: type[Exception]) -> int:
             spawn(install, v, msg)
         elif kind == "task":
             pid, v, rounds = int(msg["pid"]), int(msg["version"]), dict(msg["rounds"])
-            ex = agent.execs[v]
-            ex.advance(pid)
-            ex.prepare(make_input(job.seed, job.nodes.index(me), rounds[me], job.length, job.dtype)
-                       if me in rounds else None)
-            armed[pid] = (ex, rounds)
-            agent.send({"msg": "armed", "pid": pid})
+            if msg.get("pre") is not None:  # waits for early blocks: in a thread
+                spawn(arm, pid, agent.execs[v], rounds, msg["pre"])
+            else:
+                arm(pid, agent.execs[v], rounds, None)
+        elif kind == "pre":  # receive an early scatter (non-blocking, §IV-A2); PRE_ARMED once ready
+            sender, v, seq = str(msg["of"]), int(msg["version"]), int(msg["seq"])
+            early[(sender, seq)] = threading.Event()
+            spawn(pre_recv, sender, seq, agent.execs[v], early.get((sender, seq - 1)), early[(sender, seq)])
+        elif kind == "pre_go":  # every receiver is armed: send this round's default blocks now
+            v, seq = int(msg["version"]), int(msg["seq"])
+            early[(me, seq)] = threading.Event()
+            spawn(pre_send, seq, int(msg["round"]), agent.execs[v], early.get((me, seq - 1)), early[(me, seq)])
         elif kind == "start":
             ex, rounds = armed.pop(int(msg["pid"]))
             running[int(msg["pid"])] = ex
@@ -546,6 +896,8 @@ def worker_loop(agent, Aborted: type[Exception]) -> int:
         elif kind == "abandon":  # §IV-B: stop this task; its version is not used again
             pid = int(msg["pid"])
             abandoned.add(pid)
+            if isinstance(msg.get("version"), int):
+                dropped.add(msg["version"])
             if pid in running:
                 running[pid].abort(f"task {pid} abandoned by the controller")
             elif isinstance(msg.get("version"), int) and msg["version"] in agent.execs:
@@ -558,6 +910,8 @@ def worker_loop(agent, Aborted: type[Exception]) -> int:
             break
         else:
             raise ValueError(f"unexpected {kind!r} message in tasks mode")
+    if watch:
+        watch.close()
     late = [e for ex in agent.execs.values() for e in ex.late_errors()]
     agent.send({"msg": "bye", "errors": late})
     return 1 if late else 0

@@ -24,7 +24,8 @@ Format (YAML; every key but ``name``, ``topology`` and ``scheme.name`` is option
                                  # (the first one is dominated by TCP's start); their times
                                  # are kept apart in results.json (runs[].warmup_cct_s)
       compute_s: 0               # seconds per iteration: a number, {uniform: [lo, hi]},
-                                 # {normal: [mean, std]}, or {per_worker: {dc: s or [s per iteration]}}
+                                 # {normal: [mean, std]}, {per_worker: {dc: s or [s per iteration]}},
+                                 # or CREW's {T1: factor} / {T2: factor} (seeded per worker)
     emulator: {method: auto, relay_procs: 0, max_late_ms: 2, tcp_cc: cubic}
                                  # max_late_ms: relay p99 lateness above which results.json
                                  # says the emulation did not keep up; tcp_cc: congestion
@@ -84,8 +85,14 @@ TOP_KEYS = {"name", "topology", "scheme", *DEFAULTS}
 # on those rates beats the current plan's by min_gain.  Chunk size and count: NetStorm Table II.
 # scheme.groups (CREW §III, §V): no iterations; the controller forms groups P of the first p
 # ready workers, each runs the scheme over P (its ``active``) while the others compute; each
-# worker's completed rounds in a window of window_s seconds are counted.
-GROUPS_DEFAULTS = {"p": 2, "window_s": 30.0}
+# worker's completed rounds in a window of window_s seconds are counted.  link_timeout_s: a
+# member pair whose UDP heartbeats (every link_timeout_s / 8, over the data network) stop for
+# this long is a broken link (§IV-B: detected by heartbeat and timeout); 0 = not watched.
+# noise: lambda of §V-H: the controller plans on b(1+x), x ~ U[-lambda, lambda] per link direction
+# (drawn once per run from the seed), while the emulator shapes the true b.
+# blocking: false = CREW's non-blocking scatter (§IV-A2, Alg. 2): a ready worker sends its
+# default blocks (P = N) at once, before P forms (crew with every worker aggregating; no faults).
+GROUPS_DEFAULTS = {"p": 2, "window_s": 30.0, "link_timeout_s": 2.0, "noise": 0.0, "blocking": True}
 ADAPTIVE_DEFAULTS = {"update_s": 5.0, "probe_chunk_bytes": 2_000_000, "probe_chunk_num": 4,
                      "estimator": "busy", "mode": "estimated", "min_gain": 0.1}
 # scheme.aux (NetStorm §VI, multipath auxiliary transmission; NetStorm-pro = netstorm with aux):
@@ -333,6 +340,11 @@ def validate(data: dict, source: str = "<experiment>") -> Experiment:
 
     exp["dynamics"] = validate_dynamics(exp["dynamics"], topo, c, source)
     exp["faults"] = validate_faults(exp["faults"], topo, c)
+    for i, v in enumerate([exp["scheme"], *(v["scheme"] for v in exp["variants"])]):
+        if exp["faults"] and (v.get("groups") or {}).get("blocking") is False:
+            c.fail("scheme.groups.blocking" if i == 0 else f"variants[{i - 1}].scheme.groups.blocking",
+                   "non-blocking scatter has no failover (its early scatter would wait on a lost worker): "
+                   "not with faults")
     sweep = expand_sweep(c, data, source) if data.get("sweep") is not None else None
     return Experiment(
         name=exp["name"], source=source, topology=topo.scaled(exp["scale"]), scale=exp["scale"], seed=exp["seed"],
@@ -441,6 +453,14 @@ def _groups(c: Checker, spec, key: str, nodes: list[str], scheme: dict) -> dict:
         c.fail(f"{key}.p", f"must be at most the number of datacenters ({len(nodes)}), got {out['p']!r}")
     if c.number(out["window_s"], f"{key}.window_s") <= 0:
         c.fail(f"{key}.window_s", f"must be positive, got {out['window_s']!r}")
+    c.number(out["link_timeout_s"], f"{key}.link_timeout_s", minimum=0)
+    if not 0 <= c.number(out["noise"], f"{key}.noise") < 1:
+        c.fail(f"{key}.noise", f"must be in [0, 1), got {out['noise']!r}")
+    if not isinstance(out["blocking"], bool):
+        c.fail(f"{key}.blocking", f"expected true or false, got {out['blocking']!r}")
+    if not out["blocking"] and (scheme["name"] != "crew" or scheme.get("aggregators") != "all"):
+        c.fail(f"{key}.blocking", "non-blocking scatter needs crew with every worker aggregating "
+                                  "(the receivers of the early scatter must be known before P)")
     return out
 
 
@@ -467,11 +487,13 @@ def _check_compute(c: Checker, spec, nodes: list[str]) -> None:
     if isinstance(spec, (int, float)) and not isinstance(spec, bool):
         c.number(spec, key, minimum=0)
         return
-    c.mapping(spec, key, {"uniform", "normal", "per_worker"})
+    c.mapping(spec, key, {"uniform", "normal", "per_worker", "T1", "T2"})
     if len(spec) != 1:
-        c.fail(key, "give exactly one of uniform, normal, per_worker")
+        c.fail(key, "give exactly one of uniform, normal, per_worker, T1, T2")
     (kind, arg), = spec.items()
-    if kind == "per_worker":
+    if kind in ("T1", "T2"):  # CREW §V-A's distributions on [0.05, 0.2] s, times a factor
+        c.number(arg, f"{key}.{kind}", positive=True)
+    elif kind == "per_worker":
         c.mapping(arg, f"{key}.per_worker")
         for dc, s in arg.items():
             c.node(dc, f"{key}.per_worker", nodes)

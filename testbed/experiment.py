@@ -19,6 +19,13 @@ from testbed.results import STEAL_MAX, CpuMeter, environment, stats
 CPU_BUSY = 0.95  # whole-machine utilisation above which the emulator may not keep up
 
 
+# CREW §V-A's per-iteration compute times: T1 (LSTM on UCF101) and T2 (Transformer on
+# WMT16), from Eager-SGD (Li et al., PPoPP 2020), "rescaled to [0.05, 0.2] s".  The paper
+# gives no shape; both are long-tailed (input lengths vary), so: 0.05 + 0.15 * Beta(a, b),
+# right-skewed, T2 with the heavier tail (a choice; Beta parameters below).
+CREW_TIMES = {"T1": (2.0, 5.0), "T2": (1.2, 2.5)}
+
+
 def compute_times(spec, nodes: list[str], iterations: int, seed: int) -> dict[str, list[float]]:
     """Per-worker compute seconds per iteration from the ``workload.compute_s`` spec; each
     worker draws from its own seeded generator, so the order of ``nodes`` does not matter."""
@@ -33,6 +40,10 @@ def compute_times(spec, nodes: list[str], iterations: int, seed: int) -> dict[st
         elif "uniform" in spec:
             lo, hi = spec["uniform"]
             out[n] = [rng.uniform(lo, hi) for _ in range(iterations)]
+        elif set(spec) & set(CREW_TIMES):  # CREW §V-A's T1 / T2, times a factor (Fig. 9: x2..6)
+            (kind, factor), = spec.items()
+            a, b = CREW_TIMES[kind]
+            out[n] = [factor * (0.05 + 0.15 * rng.betavariate(a, b)) for _ in range(iterations)]
         else:
             mean, std = spec["normal"]
             out[n] = [max(0.0, rng.gauss(mean, std)) for _ in range(iterations)]
@@ -129,18 +140,42 @@ def group_runtime(exp: Experiment, scheme: dict) -> dict | None:
     g = scheme.get("groups")
     if not g:
         return None
-    graph, w = exp.topology.graph(), exp.workload
+    graph, w = noisy_rates(exp.topology.graph(), g.get("noise", 0.0), exp.seed), exp.workload
     params = {k: v for k, v in scheme.items() if k not in ("name", *RUN_TIME_KEYS)}
 
+    blocking = g.get("blocking", True)
+
     def plan_for(members: list[str], **failover):  # failover: crew's exclude / reassign
-        return make_plan(scheme["name"], graph, w.length, {**params, "active": list(members), **failover},
+        return make_plan(scheme["name"], graph, w.length, {**params, "active": list(members), **failover,
+                                                          **({} if blocking else {"prescattered": True})},
                          elem_bytes=w.elem_bytes)
     rate = None
-    if scheme["name"] == "crew":  # Eq. (3)'s b_{i,j}: the configured rates of the paths
+    if scheme["name"] == "crew":  # Eq. (3)'s b_{i,j}: the rates of the paths as the controller sees them
         from testbed.planners.crew import pair_rates
         b = pair_rates(graph)
         rate = lambda i, j: b[(i, j)]  # noqa: E731
-    return {"p": g["p"], "window_s": g["window_s"], "plan_for": plan_for, "rate": rate}
+    return {"p": g["p"], "window_s": g["window_s"], "plan_for": plan_for, "rate": rate,
+            "link_timeout_s": g.get("link_timeout_s", 0.0),
+            **({} if blocking else {"prescatter_for": lambda sender: prescatter_for(scheme, graph, w.length, sender)})}
+
+
+def prescatter_for(scheme: dict, graph, length: int, sender: str):
+    """Non-blocking CREW: ``sender``'s early scatter of its default blocks (P = N)."""
+    from testbed.planners.crew import prescatter_plan
+
+    return prescatter_plan(graph, length, sender, split=scheme.get("split", "network-aware"),
+                           chunks=scheme.get("chunks", 0), rounding=scheme.get("rounding", "floor"))
+
+
+def noisy_rates(graph, lam: float, seed: int):
+    """CREW §V-H: the rates the controller plans with, b(1+x), x ~ U[-lam, lam] drawn once per
+    link direction from ``seed`` (the emulator keeps the true b); ``graph`` itself if lam = 0."""
+    if not lam:
+        return graph
+    g = graph.copy()
+    for u, v in sorted(g.edges):
+        g[u][v]["rate_mbps"] *= 1 + random.Random(f"{seed}:noise:{u}:{v}").uniform(-lam, lam)
+    return g
 
 
 def probe_options(scheme: dict, warmup: int = 0) -> dict | None:
@@ -173,7 +208,7 @@ def replanner(exp: Experiment, scheme: dict, plan, truth: Callable[[str, str], d
     if a["mode"] == "oracle" and truth is None:
         raise ConfigError("mode oracle re-plans from the emulator's true rates: not available here",
                           key="scheme.adaptive.mode")
-    graph, w = exp.topology.graph(), exp.workload
+    graph, w = noisy_rates(exp.topology.graph(), g.get("noise", 0.0), exp.seed), exp.workload
     params = {k: v for k, v in scheme.items() if k not in ("name", *RUN_TIME_KEYS)}
     seen = [plan]
     state = {"t": clock(), "plan": plan}
@@ -332,7 +367,8 @@ def _summarise_run(rep: int, label: str, result: dict, warmup: int = 0) -> dict:
         tm = result["tasks_mode"]
         tasks = tm["tasks"]
         incorrect = sorted({m for t in tasks for m, d in t["members_done"].items() if not d["correct"]})
-        return {"variant": label, "repetition": rep, "cct_s": stats([t["cct_s"] for t in tasks])["mean"],
+        return {"variant": label, "repetition": rep,  # CCT over completed tasks (not stopped ones)
+                "cct_s": stats([t["cct_s"] for t in tasks if "cct_s" in t])["mean"],
                 "warmup_cct_s": [], "iterations": [], "rounds": tm["rounds"],
                 "rounds_total": sum(tm["rounds"].values()), "groups": tm,
                 "correct": bool(tasks) and all(t["correct"] for t in tasks) and not result.get("errors"),

@@ -14,6 +14,8 @@ Figures (matplotlib, no pyplot state, so it works in threads and without a displ
   (:func:`testbed.routing.data_paths`, the emulator's routes); bytes are spread evenly over
   a transfer's receive start .. end (application-level: a receiver draining its socket
   buffer shows short peaks above the rate); light lines: where each variant's run starts;
+* ``rounds-N.png`` — groups runs (CREW at run time, no iterations): rounds each worker
+  completed in the window T, one bar per variant (mean over repetitions, min..max spread);
 * ``sweep.png`` — for sweeps: the first swept parameter on x, mean CCT on y, one line per
   scheme (and per value of the other swept parameters).
 """
@@ -55,7 +57,8 @@ def load(folder: Path) -> dict:
 
 # -- tables ----------------------------------------------------------------------------
 VARIANT_COLUMNS = ["experiment", "variant", "scheme", "repetitions", "cct_mean_s", "cct_min_s", "cct_max_s",
-                   "cct_stdev_s", "predicted_cct_s", "bound_cct_s", "efficiency", "correct", "error"]
+                   "cct_stdev_s", "predicted_cct_s", "bound_cct_s", "efficiency", "rounds_total_mean", "correct",
+                   "error"]
 
 
 def variant_rows(results: dict) -> list[dict]:
@@ -67,7 +70,8 @@ def variant_rows(results: dict) -> list[dict]:
                      "repetitions": c.get("n"), "cct_mean_s": c.get("mean"), "cct_min_s": c.get("min"),
                      "cct_max_s": c.get("max"), "cct_stdev_s": c.get("stdev"),
                      "predicted_cct_s": s.get("predicted_cct_s"), "bound_cct_s": s.get("bound_cct_s"),
-                     "efficiency": s.get("efficiency"), "correct": s.get("correct"), "error": v.get("error")})
+                     "efficiency": s.get("efficiency"), "rounds_total_mean": (s.get("rounds_total") or {}).get("mean"),
+                     "correct": s.get("correct"), "error": v.get("error")})
     return rows
 
 
@@ -128,6 +132,34 @@ def cct_figure(entries: list[tuple[str, dict]], path: Path) -> Path:
     ax.margins(y=0.1)
     ax.set_title("Collective completion time per variant (efficiency = bound / measured)")
     ax.legend(fontsize=8, loc="upper left")
+    return _save(fig, path)
+
+
+def rounds_figure(results: dict, path: Path) -> Path | None:
+    """Groups runs: rounds each worker completed in the window T, grouped bars per worker,
+    one colour per variant (mean over its repetitions, min..max whiskers); None if the
+    results hold no groups run."""
+    runs = [r for r in results.get("runs", []) if r.get("rounds")]
+    if not runs:
+        return None
+    labels = list(dict.fromkeys(r["variant"] for r in runs))
+    nodes = list(dict.fromkeys(n for r in runs for n in r["rounds"]))
+    fig = _figure(4.5)
+    ax = fig.add_subplot()
+    width = 0.8 / len(labels)
+    for i, lbl in enumerate(labels):
+        per = [[r["rounds"].get(n, 0) for r in runs if r["variant"] == lbl] for n in nodes]
+        mean = [sum(v) / len(v) for v in per]
+        xs = [j - 0.4 + width * (i + 0.5) for j in range(len(nodes))]
+        total = sum(mean)
+        ax.bar(xs, mean, width=width * 0.9, label=f"{lbl} (total {total:.3g})")
+        ax.errorbar(xs, mean, yerr=[[m - min(v) for m, v in zip(mean, per)], [max(v) - m for m, v in zip(mean, per)]],
+                    fmt="none", ecolor="black", capsize=2, lw=0.8)
+    ax.set_xticks(range(len(nodes)), nodes)
+    g = runs[0].get("groups") or {}
+    ax.set_ylabel(f"rounds in T = {g.get('window_s', '?')} s")
+    ax.set_title(f"Rounds each worker completed in the window T (groups of p = {g.get('p', '?')} from the ready queue)")
+    ax.legend(fontsize=8)
     return _save(fig, path)
 
 
@@ -386,13 +418,16 @@ def _run_section(entry: dict, out: Path, n: int, table: bool = True) -> tuple[st
     exp = res["experiment"]
     figs["gantt"] = gantt_figure(res, out / f"gantt-{n}.png")
     figs["links"] = links_figure(res, out / f"links-{n}.png")
+    figs["rounds"] = rounds_figure(res, out / f"rounds-{n}.png")
     parts = [f"<h2>{html.escape(exp['name'])} <small>({html.escape(str(entry['dir']))})</small></h2>"]
     parts += [f"<div class='warn'>WARNING: {html.escape(w)}</div>" for w in _warnings(res)]
     topo = exp.get("topology", {})
     parts.append(f"<p>topology {html.escape(str(topo.get('name')))} ({len(topo.get('datacenters', []))} datacenters, "
                  f"{len(topo.get('links', []))} links), scale {exp.get('scale')}, "
                  f"{exp['workload'].get('bytes')} bytes, {exp.get('repetitions')} repetition(s), "
-                 f"{exp['workload'].get('iterations')} iteration(s) + {exp['workload'].get('warmup')} warm-up</p>")
+                 + (f"groups of p = {g['p']} from the ready queue in a window T = {g['window_s']:g} s</p>"
+                    if (g := (exp.get("scheme") or {}).get("groups")) else
+                    f"{exp['workload'].get('iterations')} iteration(s) + {exp['workload'].get('warmup')} warm-up</p>"))
     if table and res.get("variants"):
         parts.append(_table(variant_rows(res), VARIANT_COLUMNS))
     if res.get("processes"):  # an `exec` run
@@ -404,7 +439,20 @@ def _run_section(entry: dict, out: Path, n: int, table: bool = True) -> tuple[st
     if cold:
         parts.append("<h3>Cold (warm-up) iterations, left out of the CCT</h3>" +
                      _table(cold, ["variant", "repetition", "warmup_cct_s"]))
-    parts.append(_img(figs["gantt"], "Timeline of one iteration"))
+    if figs["rounds"]:  # a groups run has no iterations (no timeline of one)
+        parts.append(_img(figs["rounds"], "Rounds per worker in the window T"))
+        faults = [{"variant": r["variant"], "repetition": r["repetition"],
+                   "fault": f"worker {f['node']} lost" if f.get("node") else f"link {'-'.join(f['link'])} broken",
+                   "why": f.get("why", f"reported by {f.get('reported_by')}"),
+                   "back_after_s": (f["back_ns"] - f["t_ns"]) / 1e9 if f.get("back_ns") else None,
+                   "tasks": ", ".join(f"{t['pid']} {t['outcome']}" + (f" to {t['replacement']}" if t.get("replacement")
+                                                                     else "") for t in f.get("tasks", []))}
+                  for r in res.get("runs", []) for f in (r.get("groups") or {}).get("faults", [])]
+        if faults:
+            parts.append("<h3>Faults during the groups runs (§IV-B failover)</h3>" +
+                         _table(faults, ["variant", "repetition", "fault", "why", "back_after_s", "tasks"]))
+    else:
+        parts.append(_img(figs["gantt"], "Timeline of one iteration"))
     parts.append(_img(figs["links"], "Goodput per link vs configured rate"))
     if res.get("events"):
         parts.append("<h3>Dynamics and faults</h3>" + _table(

@@ -181,3 +181,72 @@ def test_partial_reduce_on_a_real_network(netenv, tmp_path):
             assert {n for n, w in it["workers"].items() if w["receiver"]} == set(members)
             senders = {row[2] for row in res["transfers"]["rows"]}
             assert senders == (set(topo.nodes) if rule == "all" else set(members))
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_alg2_moves_each_chunk_at_most_once_and_only_the_largest(seed):
+    """Alg. 2: new block sizes are Alg. 1's for the new weights; a shrinking block gives up
+    its largest indexes (not sent yet), a growing one takes the smallest of those; the
+    number moved is the least any re-split can do (sum of the shrinkages)."""
+    from testbed.planners.crew import rearrange
+
+    rnd = random.Random(seed)
+    n, k = rnd.randint(2, 10), rnd.randint(20, 300)
+    old = [list(r) for r in split_model([rnd.random() for _ in range(n)], k)]
+    w = [rnd.random() if rnd.random() > 0.2 else 0.0 for _ in range(n)]
+    w[0] += 0.1
+    new, moved = rearrange(old, w)
+    assert sorted(c for b in new for c in b) == list(range(k))
+    assert [len(b) for b in new] == [len(r) for r in split_model(w, k)]
+    assert moved == sum(max(0, len(o) - len(b)) for o, b in zip(old, new))
+    for o, b in zip(old, new):
+        if len(b) <= len(o):  # shrunk: kept its smallest indexes
+            assert b == o[:len(b)]
+        else:  # grew: kept all of its own
+            assert set(o) <= set(b)
+    gone = sorted(c for o, b in zip(old, new) for c in o if c not in b)
+    taken = sorted(c for o, b in zip(old, new) for c in b if c not in o)
+    assert gone == taken and len(gone) == moved
+
+
+@pytest.mark.parametrize("late", [False, True])
+@pytest.mark.parametrize("members", [["n0", "n3", "n5"], ["n1", "n2", "n4", "n6", "n7"]])
+def test_prescattered_plan_completes_the_early_scatter_exactly(members, late):
+    """Non-blocking: each member's prescatter plan sends its default blocks to every other
+    aggregator; the task's plan (Alg. 2 blocks) sends only moved chunks.  Interpreting the
+    task plan from x = own input + the early copies each aggregator keeps gives every member
+    the exact sum; the task moves fewer bytes than the blocking plan.  A ``late`` member (the
+    one that completed P did not scatter early) sends all its chunks in the task."""
+    from testbed.plan import Plan, interpret
+    from testbed.planners.crew import prescatter_plan
+
+    g = crew_mesh(8, 1)
+    length = 10_007
+    nodes = list(g.nodes)
+    lates = members[-1:] if late else []
+    plan = make_plan("crew", g, length, {"active": members, "prescattered": True, "late": lates})
+    plan.validate()
+    inputs = {n: np.random.default_rng(i).integers(-99, 99, length).astype(np.float64) for i, n in enumerate(nodes)}
+    early = {}
+    for m in [m for m in members if m not in lates]:
+        pre = prescatter_plan(g, length, m)
+        pre.validate()
+        early[m] = interpret(pre, {**{n: np.zeros(length) for n in nodes}, m: inputs[m]})
+    start = {}
+    for j in nodes:
+        x = inputs[j].copy() if j in members else np.zeros(length)
+        for lo, hi in plan.meta["kept"].get(j, []):
+            for m in early:
+                if m != j:
+                    x[lo:hi] += early[m][j][lo:hi]
+        start[j] = x
+    whole = Plan(plan.scheme, plan.nodes, length, plan.programs, scratch=plan.scratch)  # every x as given
+    out = interpret(whole, start)
+    want = sum(inputs[m] for m in members)
+    for m in members:
+        assert np.array_equal(out[m], want), m
+    blocking = make_plan("crew", g, length, {"active": members})
+    assert plan.bytes_sent(4) < blocking.bytes_sent(4)
+    assert 0 <= plan.meta["moved_chunks"] < plan.meta["chunks"]
+    with pytest.raises(ConfigError):
+        make_plan("crew", g, length, {"active": members, "prescattered": True, "aggregators": "members"})

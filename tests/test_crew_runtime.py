@@ -83,7 +83,7 @@ def test_rounds_in_window_counts_correct_rounds_done_before_its_end():
 def test_groups_key_is_validated():
     base = {"name": "g", "topology": "small-3", "scheme": {"name": "crew", "groups": {"p": 2, "window_s": 5}}}
     exp = config.validate(base)
-    assert exp.scheme["groups"] == {"p": 2, "window_s": 5}
+    assert exp.scheme["groups"] == {"p": 2, "window_s": 5, "link_timeout_s": 2.0, "noise": 0.0, "blocking": True}
     for bad, key in (({"p": 4}, "scheme.groups.p"), ({"window_s": 0}, "scheme.groups.window_s"),
                      ({"q": 1}, "scheme.groups.q")):
         with pytest.raises(ConfigError) as e:
@@ -92,6 +92,15 @@ def test_groups_key_is_validated():
     with pytest.raises(ConfigError) as e:  # a scheme that cannot reduce a group
         config.validate({**base, "scheme": {"name": "mst", "groups": {"p": 2}}})
     assert e.value.key == "scheme.groups"
+    for scheme, extra, key in (({"name": "crew", "groups": {"blocking": "no"}}, {}, "scheme.groups.blocking"),
+                               ({"name": "ring", "groups": {"blocking": False}}, {}, "scheme.groups.blocking"),
+                               ({"name": "crew", "aggregators": "members", "groups": {"blocking": False}}, {},
+                                "scheme.groups.blocking"),
+                               ({"name": "crew", "groups": {"blocking": False}},
+                                {"faults": [{"at_s": 1, "crash": "h1"}]}, "scheme.groups.blocking")):
+        with pytest.raises(ConfigError) as e:
+            config.validate({**base, "scheme": scheme, **extra})
+        assert e.value.key == key, (scheme, e.value)
 
 
 # -- real agents over loopback -----------------------------------------------------------
@@ -129,7 +138,7 @@ def test_loopback_stragglers_complete_fewer_rounds_and_tasks_overlap():
     nodes = list(plan0.nodes)
     compute = {n: [0.04] if i < 2 else [0.25, 0.3] for i, n in enumerate(nodes)}
     with LocalCluster(plan0, timeout_s=20, compute_s=compute, seed=5) as cl:
-        cl.coordinator.tasks = {"p": 2, "window_s": 3.0,
+        cl.coordinator.tasks = {"p": 2, "window_s": 3.0, "link_timeout_s": 1.0,  # heartbeats: no false outage
                                 "plan_for": lambda m: make_plan("crew", g, length, {"active": list(m)})}
         res = cl.run()
     tm = check_groups_run(res, nodes, nodes[:2], nodes[2:], 2)
@@ -218,3 +227,239 @@ def test_emulated_crash_mid_run_repairs_or_abandons_and_the_run_goes_on(netenv, 
         mine = sorted(t["members_done"][n]["round"] for t in done if n in t["members"])
         assert mine == list(range(len(mine))), (n, mine)
     print("faults:", g["faults"], "rounds:", g["rounds"], "repaired", g["repaired"], "abandoned", g["abandoned"])
+
+
+LINK_EXP = EMU_EXP.replace("name: crew-runtime", "name: crew-link").replace("window_s: 8}}\n", "window_s: 10}}\n").replace(
+    "variants: [{label: opr, scheme: {name: crew, aggregators: members, groups: {p: 2, window_s: 8}}}]\n",
+    "faults: [{at_s: 3, link_down: [n0, n1]}, {at_s: 6, link_up: [n0, n1]}]\n")
+
+
+@pytest.mark.net
+def test_emulated_link_break_between_members_is_repaired_and_the_run_goes_on(netenv, tmp_path):
+    """The link n0-n1 between the two fast workers (a group of them every few hundred ms)
+    goes down mid-run and comes back: the agents' heartbeats report it, the task in flight
+    over it is stopped and run again with n0's and n1's blocks at Eq. (3) replacements
+    (§IV-B), groups formed while it is down avoid it from the start, and every round is
+    exact; results.json records the fault and the repairs."""
+    exp = tmp_path / "exp.yaml"
+    exp.write_text(LINK_EXP)
+    res = subprocess.run([sys.executable, "-m", "testbed", "run", str(exp), "--out", str(tmp_path), "--no-report"],
+                         cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    results = json.loads((tmp_path / "results.json").read_text())
+    run, = results["runs"]
+    g = run["groups"]
+    assert run["correct"], run["errors"]
+    assert not g["lost"], g["lost"]
+    fault, = [f for f in g["faults"] if f.get("link")]
+    assert fault["link"] == ["n0", "n1"] and fault.get("back_ns", 0) > fault["t_ns"], fault
+    done = [t for t in g["tasks"] if t.get("outcome") in ("done", "repair")]
+    assert all(t["correct"] for t in done)
+    # while the link was down, every group of n0 and n1 ran with both blocks elsewhere
+    during = [t for t in done if fault["t_ns"] < t["start_ns"] < fault["back_ns"]
+              and {"n0", "n1"} <= set(t["members"])]
+    assert during, "no group of n0 and n1 ran while the link was down"
+    for t in during:
+        assert set(t.get("reassign", {})) >= {"n0", "n1"}, t
+        assert not {"n0", "n1"} & set(t["reassign"].values()), t
+    for t in fault["tasks"]:  # stopped in flight: repaired (a new pid, same members) or abandoned
+        if t["outcome"] == "repaired":
+            fix = next(r for r in g["tasks"] if r.get("repair_of") == t["pid"])
+            assert fix["correct"] and set(fix["reassign"]) >= {"n0", "n1"}, fix
+    for n in ("n0", "n1", "n2", "n3"):  # rounds consecutive per worker, each once
+        mine = sorted(t["members_done"][n]["round"] for t in done if n in t["members"])
+        assert mine == list(range(len(mine))), (n, mine)
+    after = [t for t in done if t["start_ns"] > fault["back_ns"] + 1e9 and {"n0", "n1"} <= set(t["members"])]
+    assert after and all(not t.get("reassign") for t in after), "groups after the link came back still avoid it"
+    print("faults:", g["faults"], "rounds:", g["rounds"])
+
+
+def test_link_watch_reports_a_silent_peer_and_its_return():
+    """Heartbeats over real UDP sockets: a peer that stops is reported link_lost within the
+    timeout (one report), and link_back once it beats again."""
+    import socket
+    import time as _time
+
+    from agents.crew import LinkWatch
+
+    class Fake:
+        def __init__(self, name):
+            self.name, self.sent = name, []
+            self.listener = socket.create_server(("127.0.0.1", 0))
+            self.data_port = self.listener.getsockname()[1]
+
+        def send(self, obj):
+            self.sent.append((_time.monotonic(), obj))
+
+    a, b = Fake("a"), Fake("b")
+    wa = LinkWatch(a, {"b": ["127.0.0.1", b.data_port]}, 0.8)
+    wb = LinkWatch(b, {"a": ["127.0.0.1", a.data_port]}, 0.8)
+    try:
+        _time.sleep(1.5)
+        assert a.sent == [] and b.sent == []  # both beat: no outage
+        wb.close()
+        t0 = _time.monotonic()
+        _time.sleep(1.5)
+        assert [m for _, m in a.sent] == [{"msg": "link_lost", "peer": "b"}]
+        assert a.sent[0][0] - t0 < 0.8 + 0.3
+        wb = LinkWatch(b, {"a": ["127.0.0.1", a.data_port]}, 0.8)
+        _time.sleep(0.6)
+        assert [m for _, m in a.sent][1:] == [{"msg": "link_back", "peer": "b"}]
+    finally:
+        wa.close()
+        wb.close()
+
+
+def test_crew_compute_time_distributions_are_seeded_skewed_and_scaled():
+    """CREW §V-A's T1/T2 on [0.05, 0.2] s (times a factor, Fig. 9), drawn per worker from the seed."""
+    from testbed.experiment import compute_times
+
+    nodes = ["n0", "n1", "n2"]
+    t1 = compute_times({"T1": 1}, nodes, 4000, seed=4)
+    assert t1 == compute_times({"T1": 1}, nodes[::-1], 4000, seed=4)  # per worker, order-free
+    assert t1["n0"] != t1["n1"] and t1 != compute_times({"T1": 1}, nodes, 4000, seed=5)
+    t2 = compute_times({"T2": 1}, nodes, 4000, seed=4)
+    for d in (t1, t2):
+        v = sorted(x for xs in d.values() for x in xs)
+        assert 0.05 <= v[0] and v[-1] <= 0.2
+        assert np.median(v) < np.mean(v) < 0.125  # right-skewed: the tail is slow
+    assert np.percentile(t2["n0"], 95) > np.percentile(t1["n0"], 95)  # T2's heavier tail
+    t3 = compute_times({"T2": 3}, nodes, 50, seed=4)
+    assert t3["n1"] == pytest.approx([3 * x for x in t2["n1"][:50]])
+    base = {"name": "g", "topology": "small-3", "scheme": {"name": "ring"}}
+    assert config.validate({**base, "workload": {"compute_s": {"T2": 2}}}).workload.compute_s == {"T2": 2}
+    for bad in ({"T1": 0}, {"T3": 1}, {"T1": 1, "T2": 1}):
+        with pytest.raises(ConfigError) as e:
+            config.validate({**base, "workload": {"compute_s": bad}})
+        assert e.value.key.startswith("workload.compute_s"), e.value
+
+
+def test_bandwidth_noise_is_the_controllers_view_only():
+    """§V-H: groups.noise = lambda plans on b(1+x), x ~ U[-lambda, lambda] per direction,
+    seeded; the topology (what the emulator shapes) keeps b."""
+    from testbed.experiment import group_runtime, noisy_rates
+
+    exp = config.validate({"name": "g", "topology": "crew-mesh-8", "seed": 2,
+                           "scheme": {"name": "crew", "groups": {"p": 3, "noise": 0.5}}})
+    g = exp.topology.graph()
+    noisy = noisy_rates(g, 0.5, 2)
+    ratios = [noisy[u][v]["rate_mbps"] / d["rate_mbps"] for u, v, d in g.edges(data=True)]
+    assert all(0.5 <= r <= 1.5 for r in ratios) and np.std(ratios) > 0.1
+    assert noisy_rates(g, 0.5, 2)["n0"]["n1"] == noisy["n0"]["n1"] != noisy_rates(g, 0.5, 3)["n0"]["n1"]
+    assert noisy_rates(g, 0.0, 2) is g
+    rt = group_runtime(exp, exp.scheme)
+    clean_exp = config.validate({"name": "g", "topology": "crew-mesh-8", "seed": 2,
+                                 "scheme": {"name": "crew", "groups": {"p": 3}}})
+    clean = group_runtime(clean_exp, clean_exp.scheme)
+    members = ["n0", "n3", "n5"]
+    w_noisy, w_clean = rt["plan_for"](members).meta["weights"], clean["plan_for"](members).meta["weights"]
+    assert w_noisy != pytest.approx(w_clean, abs=1e-3)
+    assert exp.topology.graph()["n0"]["n1"]["rate_mbps"] == g["n0"]["n1"]["rate_mbps"]  # true b unchanged
+    with pytest.raises(ConfigError) as e:
+        config.validate({"name": "g", "topology": "small-3", "scheme": {"name": "crew", "groups": {"noise": 1.0}}})
+    assert e.value.key == "scheme.groups.noise"
+
+
+def test_loopback_non_blocking_scatter_is_exact():
+    """Non-blocking scatter (§IV-A2) on real agents: each ready worker sends its default
+    blocks at once, the groups' plans (Alg. 2 blocks) send only the moved chunks, and every
+    member of every group ends with the exact sum of P's inputs of its round."""
+    from agents.local import LocalCluster
+    from testbed.planners.crew import prescatter_plan
+
+    g = topogen.crew_mesh(5, 1).graph()
+    length = 40_009
+    plan0 = make_plan("crew", g, length, {})
+    nodes = list(plan0.nodes)
+    compute = {n: [0.04] if i < 3 else [0.25, 0.3] for i, n in enumerate(nodes)}
+    with LocalCluster(plan0, timeout_s=20, compute_s=compute, seed=6) as cl:
+        cl.coordinator.tasks = {"p": 3, "window_s": 3.0,
+                                "plan_for": lambda m, **kw: make_plan("crew", g, length, {
+                                    "active": list(m), "prescattered": True, **kw}),
+                                "prescatter_for": lambda s: prescatter_plan(g, length, s)}
+        res = cl.run()
+    tm = check_groups_run(res, nodes, nodes[:3], nodes[3:], 3)
+    assert all(gr["meta"].get("prescattered") for gr in tm["groups"])
+    # the worker completing a group did not scatter early: it is late in its group's plan
+    assert all(len(gr["meta"]["late"]) == 1 for gr in tm["groups"]), [gr["meta"]["late"] for gr in tm["groups"]]
+    assert sum(tm["rounds"].values()) >= 3 * 4, tm["rounds"]
+
+
+class _FakeCoordinator:
+    """What TaskRun uses of the coordinator, recording the messages it sends."""
+
+    def __init__(self, plan):
+        self.plan, self.sent, self.limit_s, self.silence_s = plan, [], 10.0, 2.0
+        self.data_port, self._addresses, self._idents, self._errors = 7000, {}, {}, []
+
+    def _send(self, node, msg):
+        self.sent.append((node, msg))
+
+    def _part(self, node, plan):
+        return plan.programs.get(node, []), {}, {}
+
+    def _diagnose(self, ev):
+        raise AssertionError(f"run failed: {ev}")
+
+    def progress(self, s):
+        pass
+
+    def ready_limit(self):
+        return 5.0
+
+
+def test_controller_repairs_around_a_broken_link_between_members():
+    """§IV-B on the controller alone (no sockets): a link between two members of a running
+    task breaks -> the task is stopped (ABANDON to its nodes) and re-placed with both cut-off
+    aggregators' blocks at Eq. (3) replacements that have live links to all of P; a group
+    formed while it is down gets such a plan from the start; once it is back, plain plans."""
+    from agents.crew import TaskRun, _pairs
+    from testbed.planners.crew import pair_rates
+
+    g = topogen.crew_mesh(5, 1).graph()
+    length = 5000
+    plan0 = make_plan("crew", g, length, {})
+    b = pair_rates(g)
+    c = _FakeCoordinator(plan0)
+    tr = TaskRun(c, {"p": 2, "window_s": 10, "rate": lambda i, j: b[(i, j)],
+                     "plan_for": lambda m, **kw: make_plan("crew", g, length, {"active": list(m), **kw})})
+    tr.ctl.ready("n0", 0)
+    tr.ctl.ready("n1", 0)
+    t, = tr.ctl.form()
+    assert tr._place(t) and t.state == "installing"
+    assert frozenset(("n0", "n1")) in _pairs(tr.plans[t.version])
+    c.sent.clear()
+    tr._link("n1", "n0", True)
+    tr._link("n0", "n1", True)  # the other end's report: the same fault
+    fault, = tr.faults
+    assert fault["link"] == ["n0", "n1"] and t.state == "repaired"
+    assert sorted(n for n, m in c.sent if m["msg"] == "abandon") == sorted(t.involved)
+    rec, = [r for r in tr.records if r["pid"] == t.pid]
+    new = tr.ctl.tasks[rec["repair"]]
+    swap = tr.reassign[new.pid]
+    assert set(swap) == {"n0", "n1"} and not set(swap.values()) & {"n0", "n1"}
+    assert frozenset(("n0", "n1")) not in _pairs(tr.plans[new.version])
+    assert new.members == ["n0", "n1"] and new.rounds == {"n0": 0, "n1": 0}
+    # a group with n1 and a third worker: only n0 (not a member, cut off from n1) moves
+    tr.ctl.member_done(new.pid, "n1")
+    tr.ctl.ready("n1", 1)
+    tr.ctl.ready("n2", 0)
+    t2, = tr.ctl.form()
+    assert tr._place(t2) and set(tr.reassign[t2.pid]) == {"n0"}
+    assert frozenset(("n0", "n1")) not in _pairs(tr.plans[t2.version])
+    tr._link("n0", "n1", False)
+    assert "back_ns" in fault and not tr.broken
+    tr.ctl.member_done(t2.pid, "n2")
+    tr.ctl.member_done(new.pid, "n0")
+    tr.ctl.ready("n0", 1)
+    tr.ctl.ready("n2", 1)
+    t3, = tr.ctl.form()
+    assert tr._place(t3) and not tr.reassign.get(t3.pid)
+    # a scheme without per-block aggregators cannot avoid the link: the group is given up
+    tr2 = TaskRun(_FakeCoordinator(make_plan("alltoall", g, length, {})), {
+        "p": 2, "window_s": 10, "plan_for": lambda m, **kw: make_plan("alltoall", g, length, {"active": list(m)})})
+    tr2._link("n0", "n1", True)
+    tr2.ctl.ready("n0", 0)
+    tr2.ctl.ready("n1", 0)
+    t4, = tr2.ctl.form()
+    assert not tr2._place(t4)

@@ -146,3 +146,32 @@ def test_sweep_expands_grid_and_points_and_validates_each():
         with pytest.raises(ConfigError) as e:
             config.validate({**BASE, "sweep": bad}, "x.yaml")
         assert where in str(e.value), str(e.value)
+
+
+def test_report_of_a_groups_run_shows_rounds_per_worker(tmp_path):
+    """A groups run (CREW at run time) has no iterations: the report does not fail on it and
+    shows the rounds each worker completed in T, one bar per variant and worker."""
+    from testbed.report import write_report
+
+    runs = [{"variant": lbl, "repetition": rep, "cct_s": 0.5, "warmup_cct_s": [], "iterations": [],
+             "rounds": {f"n{i}": base + rep - i for i in range(4)}, "rounds_total": 4 * base,
+             "groups": {"p": 2, "window_s": 10, "tasks": [], "faults": [
+                 {"t_ns": 1, "link": ["n0", "n1"], "reported_by": "n1", "back_ns": 2_000_000_001,
+                  "tasks": [{"pid": 7, "outcome": "repaired", "replacement": {"n0": "n3"}}]}] if rep else []},
+             "correct": True, "incorrect": [], "errors": [], "transfers": None, "links": []}
+            for lbl, base in (("crew", 12), ("alltoall", 5)) for rep in (0, 1)]
+    res = {"experiment": {"name": "g", "topology": {"name": "m4"}, "workload": {"bytes": 8},
+                          "scheme": {"name": "crew", "groups": {"p": 2, "window_s": 10}}},
+           "runs": runs, "events": [], "summary": {"correct": True},
+           "variants": [{"label": lbl, "scheme": {"name": lbl}, "summary": {
+               "cct_s": {"mean": 0.5, "min": 0.5, "max": 0.5, "n": 2}, "rounds_total": {"mean": 4.0 * base},
+               "correct": True}} for lbl, base in (("crew", 12), ("alltoall", 5))]}
+    (tmp_path / "results.json").write_text(json.dumps(res))
+    page = write_report([tmp_path])
+    html = page.read_text()
+    assert "Rounds per worker in the window T" in html and "Timeline of one iteration" not in html
+    assert "groups of p = 2 from the ready queue in a window T = 10 s" in html
+    assert "link n0-n1 broken" in html and "7 repaired to" in html and "<td>2</td>" in html
+    rows = list(csv.DictReader(open(tmp_path / "variants.csv")))
+    assert [float(r["rounds_total_mean"]) for r in rows] == [48.0, 20.0]
+    check_page(page, ["rounds-0.png", "cct.png"])

@@ -50,7 +50,8 @@ class ParamError(ConfigError):
 class Param:
     """One scheme parameter: its type(s), default and meaning, and the values it takes:
     ``choices``; ``kind`` ``"node"`` (a datacenter name; empty = the planner chooses) or
-    ``"nodes"`` (a list of datacenter names; null = every node); numeric bounds ``ge``,
+    ``"nodes"`` (a list of datacenter names; null = every node) or ``"node-map"`` (a mapping
+    of datacenter names to datacenter names); numeric bounds ``ge``,
     ``gt``, ``le``, ``lt`` (>=, >, <=, <)."""
 
     type: type | tuple

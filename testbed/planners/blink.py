@@ -39,8 +39,8 @@ from scipy.optimize import linprog
 from testbed.plan import Plan, Tree, split_lengths, trees_plan
 from testbed.planners import Param, planner
 from testbed.planners.bound import mwu_packing, simple_bound
-from testbed.planners.common import (WanView, check_graph, parents_from_edges, tree_centre, tree_pacing, tree_roundtrip_s,
-                                     wan_view)
+from testbed.planners.common import (ACTIVE, WanView, check_graph, group_view, members, parents_from_edges,
+                                     tree_centre, tree_pacing, tree_roundtrip_s, wan_view, widen)
 from testbed.planners.mtree import chunk_time, select_trees, tree_paths
 
 REFERENCE = ("BLINK-style packing after G. Wang et al., MLSys 2020, as described by the MTREE "
@@ -80,15 +80,23 @@ def select_subset(wv: WanView, flow: dict[tuple[int, ...], float], max_trees: in
     pace=Param(bool, True, "pace each tree's transfers at its packed rate; false = TCP sharing"),
     pacing=Param(str, "contended", "with pace: 'all' paces every transfer at its tree's rate; 'contended' only the "
                  "trees sharing a link direction, scaled to fill it (plan.contended_pacing)", ("all", "contended")),
+    active=ACTIVE,
 )
 def blink(graph: nx.DiGraph, length: int, *, elem_bytes: int, max_trees: int = 5,
           epsilon: float = 0.2, candidates: int = 20, chunks: int = 1, chunk_bytes: int = 0,
-          milp_time_limit: float = 5.0, pace: bool = True, pacing: str = "contended") -> Plan:
+          milp_time_limit: float = 5.0, pace: bool = True, pacing: str = "contended", active=None) -> Plan:
     """BLINK-style: MWU fractional spanning-tree packing, best subset of <= max_trees
     trees with re-solved rates, shares by rate, no height limit (approximation of BLINK
-    from the MTREE/CREW descriptions)."""
-    t0 = time.perf_counter()
+    from the MTREE/CREW descriptions).  With ``active`` the trees span the group P only
+    (CREW §V-A's BLINK baseline of a partial reduce), packed on :func:`group_view`."""
     check_graph(graph, "blink", min_nodes=2)
+    if active is not None:
+        group = members(graph, active)
+        sub = blink(group_view(graph, group), length, elem_bytes=elem_bytes, max_trees=max_trees, epsilon=epsilon,
+                    candidates=candidates, chunks=chunks, chunk_bytes=chunk_bytes, milp_time_limit=milp_time_limit,
+                    pace=pace, pacing=pacing)
+        return widen(sub, list(wan_view(graph).nodes), group)
+    t0 = time.perf_counter()
     wv = wan_view(graph)
     flow, pack_info = mwu_packing(wv, epsilon)
     pack_s = time.perf_counter() - t0

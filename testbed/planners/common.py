@@ -49,6 +49,36 @@ def members(graph: nx.DiGraph, active) -> list[str]:
     return [n for n in graph.nodes if n in set(active)]
 
 
+def group_view(graph: nx.DiGraph, group: list[str]) -> nx.DiGraph:
+    """The WAN as the workers of a group P see it (CREW §V-A: BLINK and ToA build their trees
+    "for P"): a full mesh over P whose edge i->j is the routed path data takes in the
+    emulator (:func:`testbed.routing.data_paths`), at its bottleneck rate and summed delay.
+    A tree edge between non-neighbours is then a routed transfer, as in ``ps`` and ``ring``."""
+    from testbed.routing import data_paths
+
+    paths = data_paths(graph)
+    g = nx.DiGraph()
+    g.add_nodes_from((n, graph.nodes[n]) for n in group)
+    for i in group:
+        for j in group:
+            if i != j:
+                path = paths[(i, j)]
+                attrs = dict(graph[i][j]) if graph.has_edge(i, j) else {}
+                g.add_edge(i, j, **{**attrs, "rate_mbps": path_rate(graph, path),
+                                    "delay_ms": path_delay_ms(graph, path), "hops": len(path) - 1})
+    return g
+
+
+def widen(plan, nodes: list[str], group: list[str]):
+    """A plan made on :func:`group_view` as a plan of every node (those outside P have no
+    program) with P its participants and receivers."""
+    from testbed.plan import Plan
+
+    return Plan(plan.scheme, list(nodes), plan.length, {n: plan.programs.get(n, []) for n in nodes},
+                participants=list(group), receivers=list(group), scratch=plan.scratch,
+                meta={**plan.meta, "active": list(group)}, aux=plan.aux)
+
+
 def partial(nodes: list[str], workers: list[str]) -> list[str] | None:
     """Plan participants/receivers: None (every node) unless only some nodes take part."""
     return None if len(workers) == len(nodes) else workers

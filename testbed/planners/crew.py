@@ -11,8 +11,14 @@ the only aggregators (``aggregators: members``).  The reduce is the sum (the pap
 
 The controller's FIFO ready queue that forms P at run time and its failover are in
 agents/crew.py (``scheme.groups``); it calls this planner per group, with ``exclude``
-(lost workers) and ``reassign`` (Eq. (3)'s replacement).  Non-blocking scatter (Alg. 2)
-is not built.
+(lost workers) and ``reassign`` (Eq. (3)'s replacement).
+
+Non-blocking scatter (§IV-A2, Alg. 2; ``prescattered``): before P is known, every ready
+worker sends its *default* blocks (LP (2) with P = N, Alg. 1) to every aggregator
+(:func:`prescatter_plan`, one plan per sender); the task's plan then uses Alg. 2's
+rearrangement of the default split for P's weights (:func:`rearrange`): the chunks an
+aggregator keeps are in its ``x`` at the task's start (the agent adds the early-sent copies,
+agents/crew.py), and only the chunks Alg. 2 moved are scattered again, to their new owner.
 """
 
 from __future__ import annotations
@@ -101,6 +107,76 @@ def split_model(weights: list[float], k: int, rounding: str = "floor") -> list[r
     return [range(lo, hi) for lo, hi in zip(bounds, bounds[1:])]
 
 
+def rearrange(blocks: list[list[int]], weights: list[float], rounding: str = "floor") -> tuple[list[list[int]], int]:
+    """Alg. 2 (§IV-A2): the split ``blocks`` (chunk indexes per aggregator, k in all)
+    adjusted to new ``weights``: block i gives up its d_i largest indexes when it holds
+    d_i more chunks than its new share, and blocks short of chunks take the smallest of
+    those (the largest indexes are the ones not sent yet: workers send in increasing order).
+    New sizes are Alg. 1's (:func:`split_model`, same rounding; the paper's (u - l) is
+    fractional), so each chunk moves at most once.  Returns (new blocks, chunks moved)."""
+    k = sum(len(b) for b in blocks)
+    target = [len(r) for r in split_model(weights, k, rounding)]
+    out = [sorted(b) for b in blocks]
+    spare: list[int] = []
+    for i, t in enumerate(target):
+        if len(out[i]) > t:
+            spare += out[i][t:]
+            out[i] = out[i][:t]
+    spare.sort()
+    moved = len(spare)
+    for i, t in enumerate(target):
+        if len(out[i]) < t:
+            need = t - len(out[i])
+            out[i] = sorted(out[i] + spare[:need])
+            spare = spare[need:]
+    return out, moved
+
+
+def _ranges(chunks: list[int], edges: list[int]) -> list[list[int]]:
+    """Element ranges [lo, hi) of chunk indexes (adjacent chunks merged)."""
+    out: list[list[int]] = []
+    for c in sorted(chunks):
+        if out and out[-1][1] == edges[c]:
+            out[-1][1] = edges[c + 1]
+        else:
+            out.append([edges[c], edges[c + 1]])
+    return out
+
+
+def default_split(graph: nx.DiGraph, length: int, aggs: list[str], split: str, chunks: int,
+                  rounding: str) -> tuple[int, list[int], dict[str, list[int]]]:
+    """§IV-A2's default plan, P = N: (k, chunk edges in elements, aggregator -> chunk indexes)."""
+    b = pair_rates(graph)
+    if split == "network-aware":
+        x, _, _ = scatter_weights(b, list(graph.nodes), aggs)
+    else:
+        x = {j: 1.0 / len(aggs) for j in aggs}
+    k = min(chunks or 8 * len(aggs), length)
+    return k, [c * length // k for c in range(k + 1)], \
+        {j: list(r) for j, r in zip(aggs, split_model([x[j] for j in aggs], k, rounding))}
+
+
+def prescatter_plan(graph: nx.DiGraph, length: int, sender: str, *, split: str = "network-aware",
+                    chunks: int = 0, rounding: str = "floor", exclude=()) -> Plan:
+    """Non-blocking scatter (§IV-A2) of one ready worker before P is known: ``sender`` sends
+    default block j (:func:`default_split`) to every other aggregator j, one transfer per
+    chunk in increasing index order (on one connection per pair: they leave in that order);
+    each j receives into its ``x`` (overwrite), from where the agent takes the chunks j keeps
+    once P is formed."""
+    nodes = check_graph(graph, "crew")
+    aggs = [j for j in nodes if j not in set(exclude or ())]
+    k, edges, blocks = default_split(graph, length, aggs, split, chunks, rounding)
+    bld = ProgramBuilder(nodes)
+    for f, j in enumerate(aggs):
+        if j != sender:
+            for c in blocks[j]:
+                bld.transfer(sender, j, edges[c], edges[c + 1] - edges[c], reduce=False, flow=f, chunk=c,
+                             phase="prescatter")
+    return Plan("crew-prescatter", nodes, length, bld.programs, participants=[sender],
+                receivers=[j for j in aggs if j != sender], meta={"sender": sender, "chunks": k,
+                                                                "blocks": blocks})
+
+
 @planner(
     "crew", CREW_REF,
     active=ACTIVE,  # the group P of this partial reduce; null = every node (CREW is then an AllReduce)
@@ -121,10 +197,15 @@ def split_model(weights: list[float], k: int, rounding: str = "floor") -> list[r
     scheduling=Param(str, "fcfs", "fcfs = one ordered connection per pair, flows served in the order they became "
                                   "ready (FL-FCFS, §IV-C); fs = scatter and multicast on separate connections "
                                   "sharing the link (FS)", choices=("fcfs", "fs")),
+    prescattered=Param(bool, False, "non-blocking scatter (§IV-A2): members sent their default blocks (P = N) "
+                                    "before P formed; blocks by Alg. 2, only moved chunks scattered here"),
+    late=Param(list, [], "with prescattered: members that did not scatter early (the one completing P "
+                         "need not): all their chunks are scattered here", kind=NODES),
 )
 def plan_crew(graph: nx.DiGraph, length: int, *, elem_bytes: int = 4, active=None, aggregators: str = "all",
               split: str = "network-aware", chunks: int = 0, pipelined: bool = True,
-              scheduling: str = "fcfs", rounding: str = "floor", exclude=(), reassign=None) -> Plan:
+              scheduling: str = "fcfs", rounding: str = "floor", exclude=(), reassign=None,
+              prescattered: bool = False, late=()) -> Plan:
     """CREW (or OPR) partial reduce of group ``active`` (§III, LP (2), Alg. 1, FL-FCFS);
     ``exclude`` and ``reassign``: the run-time failover (agents/crew.py)."""
     nodes = check_graph(graph, "crew")
@@ -148,9 +229,24 @@ def plan_crew(graph: nx.DiGraph, length: int, *, elem_bytes: int = 4, active=Non
             x[r] += x.pop(j)
         aggs = [j for j in aggs if j not in reassign]
         t_s, t_m = phase_times(b, x, members)
-    k = min(chunks or 8 * len(aggs), length)
-    blocks = dict(zip(aggs, split_model([x[j] for j in aggs], k, rounding)))
-    edges = [c * length // k for c in range(k + 1)]  # chunk c = elements [edges[c], edges[c + 1])
+    kept: dict[str, set] = {j: set() for j in aggs}  # chunks already at j (non-blocking)
+    moved = 0
+    if prescattered:
+        if aggregators != "all":
+            raise ParamError("prescattered", "needs every worker as an aggregator (CREW): OPR's aggregators "
+                                             "are P, unknown before P forms")
+        default_aggs = [j for j in nodes if j not in set(exclude or ())]
+        k, edges, default = default_split(graph, length, default_aggs, split, chunks, rounding)
+        new, moved = rearrange([default[j] for j in default_aggs], [x.get(j, 0.0) for j in default_aggs], rounding)
+        start = dict(zip(default_aggs, new))
+        for j, r in reassign.items():  # Eq. (3): j's chunks to r, none of them at r yet
+            start[r] = sorted(start[r] + start.pop(j))
+        blocks = {j: start[j] for j in aggs}
+        kept = {j: set(blocks[j]) & set(default[j]) for j in aggs}
+    else:
+        k = min(chunks or 8 * len(aggs), length)
+        blocks = dict(zip(aggs, split_model([x[j] for j in aggs], k, rounding)))
+        edges = [c * length // k for c in range(k + 1)]  # chunk c = elements [edges[c], edges[c + 1])
 
     bld = ProgramBuilder(nodes)
     mc_channel = 0 if scheduling == "fcfs" else 1
@@ -161,20 +257,20 @@ def plan_crew(graph: nx.DiGraph, length: int, *, elem_bytes: int = 4, active=Non
         for c in blocks[j]:
             off, size = edges[c], edges[c + 1] - edges[c]
             got = []
-            for i in peers:
+            for i in peers if c not in kept[j] else [i for i in peers if i in late]:  # kept: early copies at j
                 sent[(i, c)], r = bld.transfer(i, j, off, size, reduce=True, flow=f, chunk=c, phase="scatter")
                 got.append(r)
             reduced += got
             if pipelined:
                 for i in peers:
-                    bld.transfer(j, i, off, size, reduce=False, send_deps=got, recv_deps=[sent[(i, c)]],
-                                 channel=mc_channel, flow=f, chunk=c, phase="multicast")
+                    bld.transfer(j, i, off, size, reduce=False, send_deps=got, recv_deps=[sent[(i, c)]]
+                                 if (i, c) in sent else [], channel=mc_channel, flow=f, chunk=c, phase="multicast")
         if not pipelined:
             for c in blocks[j]:
                 off, size = edges[c], edges[c + 1] - edges[c]
                 for i in peers:
-                    bld.transfer(j, i, off, size, reduce=False, send_deps=reduced, recv_deps=[sent[(i, c)]],
-                                 channel=mc_channel, flow=f, chunk=c, phase="multicast")
+                    bld.transfer(j, i, off, size, reduce=False, send_deps=reduced, recv_deps=[sent[(i, c)]]
+                                 if (i, c) in sent else [], channel=mc_channel, flow=f, chunk=c, phase="multicast")
     model_mbit = length * elem_bytes * 8 / 1e6
     meta = {
         "members": members,
@@ -186,7 +282,10 @@ def plan_crew(graph: nx.DiGraph, length: int, *, elem_bytes: int = 4, active=Non
         "weights": x,
         "chunks": k,
         "rounding": rounding,
-        "blocks": {j: [r.start, r.stop] for j, r in blocks.items()},
+        "blocks": {j: [r.start, r.stop] for j, r in blocks.items()} if not prescattered
+        else {j: _ranges(c, list(range(k + 1))) for j, c in blocks.items()},  # chunk index ranges
+        **({"prescattered": True, "moved_chunks": moved, "late": sorted(late or (), key=nodes.index),
+            "kept": {j: _ranges(sorted(kept[j]), edges) for j in aggs}} if prescattered else {}),
         "pipelined": pipelined,
         "scheduling": scheduling,
         "t_scatter_s": t_s * model_mbit,

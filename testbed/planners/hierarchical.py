@@ -68,7 +68,7 @@ from scipy.spatial.distance import squareform
 from testbed.plan import Plan, Tree, trees_plan
 from testbed.planners import Param, planner
 from testbed.planners.bound import simple_bound
-from testbed.planners.common import check_graph, path_delay_s, tree_roundtrip_s
+from testbed.planners.common import ACTIVE, check_graph, group_view, members, path_delay_s, tree_roundtrip_s, widen
 from testbed.routing import shortest_paths
 
 REFERENCES = {
@@ -345,13 +345,21 @@ def anneal_trees(graph: nx.DiGraph, S: float, k: int, iters: int, seed: int, t0_
     iters=Param(int, 3000, "simulated-annealing iterations", ge=0),
     t0=Param(float, 0.05, "initial temperature as a fraction of the initial cost", gt=0),
     seed=Param(int, 0, "random seed of the annealing"),
+    active=ACTIVE,
 )
 def topoadopt(graph: nx.DiGraph, length: int, *, elem_bytes: int, trees: int = 4,
-              iters: int = 3000, t0: float = 0.05, seed: int = 0) -> Plan:
+              iters: int = 3000, t0: float = 0.05, seed: int = 0, active=None) -> Plan:
     """TOPOADOPT-style (approximation): simulated annealing over aggregator trees and
-    their parameter shares; unpipelined (one chunk per tree)."""
+    their parameter shares; unpipelined (one chunk per tree).  With ``active`` the trees
+    span the group P only (CREW §V-A: ToA "extended to support the all reduce requirement
+    of P"), annealed on :func:`group_view`."""
     start = time.perf_counter()
     check_graph(graph, "topoadopt", min_nodes=2)
+    if active is not None:
+        group = members(graph, active)
+        sub = topoadopt(group_view(graph, group), length, elem_bytes=elem_bytes, trees=trees, iters=iters, t0=t0,
+                        seed=seed)
+        return widen(sub, sorted(graph.nodes), group)
     S = float(length * elem_bytes)
     k = min(trees, graph.number_of_nodes())
     parents, x, info = anneal_trees(graph, S, k, iters, seed, t0)
