@@ -411,15 +411,7 @@ class TaskRun:
                 load[k] = load.get(k, 0.0) + weights[a]  # l_k now includes the block it took
             self.reassign[t.pid] = swap
         if key not in self.by_group:
-            v = len(self.plans)
-            self.plans.append(plan)
-            self.by_group[key] = v
-            involved = [n for n in self.nodes if plan.programs.get(n)]
-            self.installing[v] = set(involved)
-            for n in involved:
-                program, peers, scratch = self.c._part(n, plan)
-                self.c._send(n, {"msg": "plan", "version": v, "program": [op.to_dict() for op in program],
-                                 "peers": {p: list(a) for p, a in peers.items()}, "scratch": scratch})
+            self.by_group[key] = self._install(plan)
         t.version = self.by_group[key]
         t.involved = [n for n in self.nodes if self.plans[t.version].programs.get(n)]
         if t.version in self.installing:
@@ -510,6 +502,19 @@ class TaskRun:
                 "outcome": "repair" if "repair_of" in t.times else "done", **t.times,
                 **({"reassign": self.reassign[t.pid]} if self.reassign.get(t.pid) else {}), "cct_s": (end - start) / 1e9, "correct": not wrong, "members_done": members}
 
+    def _install(self, plan) -> int:
+        """``plan`` as a new version on the nodes that have a program in it (PLAN; their
+        INSTALLED answers are awaited through ``installing``); its version."""
+        v = len(self.plans)
+        self.plans.append(plan)
+        involved = [n for n in self.nodes if plan.programs.get(n)]
+        self.installing[v] = set(involved)
+        for n in involved:
+            program, peers, scratch = self.c._part(n, plan)
+            self.c._send(n, {"msg": "plan", "version": v, "program": [op.to_dict() for op in program],
+                             "peers": {p: list(a) for p, a in peers.items()}, "scratch": scratch})
+        return v
+
     def results(self) -> dict:
         rounds = rounds_in_window(self.records, self.t0_ns, self.window_s)
         return {**self.c.results(),
@@ -529,14 +534,7 @@ class TaskRun:
             if list(plan.nodes) != self.nodes or plan.length != self.plans[0].length:
                 raise ValueError(f"early-scatter plan of {w} differs in nodes or length")
             plan.validate()
-            v = self.pre_v[w] = len(self.plans)
-            self.plans.append(plan)
-            involved = [n for n in self.nodes if plan.programs.get(n)]
-            self.installing[v] = set(involved)
-            for n in involved:
-                program, peers, scratch = self.c._part(n, plan)
-                self.c._send(n, {"msg": "plan", "version": v, "program": [op.to_dict() for op in program],
-                                 "peers": {p: list(a) for p, a in peers.items()}, "scratch": scratch})
+            self.pre_v[w] = self._install(plan)
         deadline = time.monotonic() + limit
         while any(v in self.installing for v in self.pre_v.values()):
             if time.monotonic() > deadline:
