@@ -208,7 +208,7 @@ def replanner(exp: Experiment, scheme: dict, plan, truth: Callable[[str, str], d
     if a["mode"] == "oracle" and truth is None:
         raise ConfigError("mode oracle re-plans from the emulator's true rates: not available here",
                           key="scheme.adaptive.mode")
-    graph, w = noisy_rates(exp.topology.graph(), g.get("noise", 0.0), exp.seed), exp.workload
+    graph, w = exp.topology.graph(), exp.workload
     params = {k: v for k, v in scheme.items() if k not in ("name", *RUN_TIME_KEYS)}
     seen = [plan]
     state = {"t": clock(), "plan": plan}
