@@ -106,10 +106,17 @@ class Controller:
         self.queue: deque[tuple[str, int]] = deque()  # (worker, round) in ready order
         self.tasks: dict[int, Task] = {}
         self.member_of: dict[str, int] = {}  # worker -> pid of the task it initiates
+        self.deferred: dict[str, int] = {}  # worker -> round it reported ready while still in a task
         self.next_pid = 0
 
     def ready(self, worker: str, rnd: int) -> None:
         if worker not in self.alive:
+            return
+        t = self.tasks.get(self.member_of.get(worker, -1))
+        if t is not None and rnd > t.rounds[worker]:
+            # its result of that round came in before a failover re-ran the task (a DONE that
+            # crossed the repair): it joins the repair with that round and is queued after it
+            self.deferred[worker] = rnd
             return
         if worker in self.member_of or any(w == worker for w, _ in self.queue):
             raise ValueError(f"{worker} is ready while queued or in task {self.member_of.get(worker)}")
@@ -132,6 +139,8 @@ class Controller:
         """``worker`` has its result of task ``pid``: it may be queued again."""
         if self.member_of.get(worker) == pid:
             del self.member_of[worker]
+            if worker in self.deferred:
+                self.ready(worker, self.deferred.pop(worker))
 
     def running(self) -> list[Task]:
         return [t for t in self.tasks.values() if t.state not in ("done", "abandoned", "repaired")]
@@ -750,6 +759,7 @@ def worker_loop(agent, Aborted: type[Exception]) -> int:
     job, me = agent.job, agent.name
     armed: dict[int, tuple] = {}
     running: dict[int, object] = {}  # pid -> executor
+    done_round = [0]  # the round whose task this worker finishes next (a repair of an earlier one does not count)
     abandoned: set[int] = set()
     threads: list[threading.Thread] = []
     dropped: set[int] = set()  # versions the controller abandoned
@@ -842,7 +852,8 @@ def worker_loop(agent, Aborted: type[Exception]) -> int:
                          "digest": hashlib.sha256(memoryview(x).cast("B")).hexdigest()}
             agent.send({"msg": "task_done", "pid": pid, "comm_start_ns": timing["comm_start_ns"],
                         "comm_done_ns": timing["comm_done_ns"], **check})
-            if me in rounds:
+            if me in rounds and rounds[me] == done_round[0]:  # not a repair of a round already done
+                done_round[0] += 1
                 agent.inbox.put({"msg": "_round_done"})
         except Exception as e:
             running.pop(pid, None)
