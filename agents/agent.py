@@ -56,7 +56,7 @@ import numpy as np
 from testbed.plan import Op
 
 from . import clock, wire
-from .executor import Executor, Stalled
+from .executor import Executor, LinkGate, Stalled
 from .inputs import expected_sum, make_input
 from .probe import Prober, Sample
 
@@ -132,6 +132,7 @@ class Agent:
         self.ex: Executor | None = None  # the version running (or last run)
         self.execs: dict[int, Executor] = {}  # every installed plan version
         self._installed = threading.Condition()
+        self._gates: dict[str, LinkGate] = {}
         self.stopping = False
         self.silence_s = self.handshake_s  # until the coordinator's WELCOME says otherwise
 
@@ -250,15 +251,24 @@ class Agent:
             log.warning("refused connection from %s: %s", who, wire.sanitize(e))
             wire.close_quietly(sock)
 
-    def _install(self, version: int, program: list[Op], scratch: dict, peers: dict, aux: dict) -> None:
-        """One executor for plan ``version``, its outgoing data connections open."""
+    def gate(self, peer: str) -> LinkGate:
+        """The link to ``peer``'s FL-FCFS gate, shared by every version installed with
+        ``link_fifo`` (CREW §IV-C: concurrent tasks' flows in the order they became ready)."""
+        with self._installed:
+            return self._gates.setdefault(peer, LinkGate())
+
+    def _install(self, version: int, program: list[Op], scratch: dict, peers: dict, aux: dict,
+                 link_fifo: bool = False) -> None:
+        """One executor for plan ``version``, its outgoing data connections open;
+        ``link_fifo``: its sends take turns with the other such versions' (:meth:`gate`)."""
         job = self.job
         ex = Executor(self.name, program, length=job.length, scratch=scratch, dtype=job.dtype,
                       stop_and_wait=job.stop_and_wait, timeout_s=job.timeout_s, limit_s=job.limit_s,
                       on_chunk=self._on_chunk if self.prober else None, nodes=job.nodes, aux=aux,
                       connect=lambda peer, ch: self._data_connection(version, peers, peer, ch),
                       on_missing=lambda it, xfers: self.send({"msg": "missing", "version": version,
-                                                             "iteration": it, "xfers": xfers}))
+                                                             "iteration": it, "xfers": xfers}),
+                      gate=self.gate if link_fifo else None)
         if self.ex is not None:
             ex.advance(self.ex.iteration)
         with self._installed:

@@ -52,9 +52,13 @@ task are checked exactly: the result equals the sum over P of every member's inp
 round it entered with (:func:`group_sum`).
 
 Concurrent tasks run in their own executors (one per version, each with its own
-connections): on a shared link two tasks' flows share the rate like TCP flows do, i.e. the
-paper's FS across tasks; the ``scheduling`` parameter orders the flows *within* a task.
-FL-FCFS across tasks (one ordered queue per link shared by every task) is not built.
+connections).  The scheme's ``scheduling`` (§IV-C) decides how they share a link: ``fs``,
+every flow on its own connection, sharing the rate as TCP flows do; ``fcfs`` (FL-FCFS, flow
+level: the paper's choice), the PLAN says ``link_fifo`` and every version's sends to a peer
+take turns through the agent's one :class:`agents.executor.LinkGate` for that peer, in the
+order they became ready (a scatter's chunks all at START, a multicast chunk once reduced),
+one at a time, no preemption.  Per-chunk arrival times go into the task records with the
+``chunk_times`` option (tests measure the sharing from them).
 """
 
 from __future__ import annotations
@@ -218,6 +222,7 @@ class TaskRun:
         self.broken: dict[frozenset, dict] = {}  # {a, b} -> its fault record, while the link is down
         self.later: list[tuple[float, str, int]] = []  # (monotonic, worker, round): re-queued after a pause
         self._pair_cache: dict[int, set] = {}
+        self.chunk_times = bool(opts.get("chunk_times"))  # per-chunk arrival times in the records
         self.prescatter_for = opts.get("prescatter_for")  # non-blocking scatter: sender -> its early plan
         self.pre_v: dict[str, int] = {}  # worker -> version of its early scatter
         self.seq: dict[str, int] = {}  # worker -> number of its latest early scatter
@@ -472,6 +477,7 @@ class TaskRun:
         kept = self.plans[t.version].meta.get("kept") if self.prescatter_for else None
         for n in t.involved:
             self.c._send(n, {"msg": "task", "pid": t.pid, "version": t.version, "rounds": t.rounds,
+                             **({"chunk_times": True} if self.chunk_times else {}),
                              **({"pre": {"from": {k: [self.pre_v[k], self.seq[k]] for k in t.members
                                                   if k not in self.plans[t.version].meta.get("late", ())},
                                          "kept": kept.get(n, [])}} if kept is not None else {})})
@@ -485,7 +491,7 @@ class TaskRun:
     def _task_done(self, t: Task, node: str, data: dict) -> None:
         t.done[node] = self.c._on_my_clock(node, {k: data.get(k) for k in
                                                    ("comm_start_ns", "comm_done_ns", "correct", "digest",
-                                                    "max_abs_err", "receiver")})
+                                                    "max_abs_err", "receiver", "chunks")})
         if node in t.members:
             self.ctl.member_done(t.pid, node)
         if t.waiting:
@@ -509,7 +515,9 @@ class TaskRun:
         end = max(t.done[m]["comm_done_ns"] for m in t.members)
         return {"pid": t.pid, "members": t.members, "version": t.version, "aggregators": len(t.involved),
                 "outcome": "repair" if "repair_of" in t.times else "done", **t.times,
-                **({"reassign": self.reassign[t.pid]} if self.reassign.get(t.pid) else {}), "cct_s": (end - start) / 1e9, "correct": not wrong, "members_done": members}
+                **({"reassign": self.reassign[t.pid]} if self.reassign.get(t.pid) else {}),
+                **({"chunks": {n: d["chunks"] for n, d in t.done.items() if d.get("chunks")}} if self.chunk_times
+                   else {}), "cct_s": (end - start) / 1e9, "correct": not wrong, "members_done": members}
 
     def _install(self, plan) -> int:
         """``plan`` as a new version on the nodes that have a program in it (PLAN; their
@@ -521,7 +529,8 @@ class TaskRun:
         for n in involved:
             program, peers, scratch = self.c._part(n, plan)
             self.c._send(n, {"msg": "plan", "version": v, "program": [op.to_dict() for op in program],
-                             "peers": {p: list(a) for p, a in peers.items()}, "scratch": scratch})
+                             "peers": {p: list(a) for p, a in peers.items()}, "scratch": scratch,
+                             "link_fifo": plan.meta.get("scheduling") == "fcfs"})
         return v
 
     def results(self) -> dict:
@@ -773,7 +782,8 @@ def worker_loop(agent, Aborted: type[Exception]) -> int:
     def install(v: int, msg: dict) -> None:
         try:
             agent._install(v, [Op.from_dict(o) for o in msg["program"]], msg["scratch"],
-                           {p: (str(a[0]), int(a[1])) for p, a in msg["peers"].items()}, {})
+                           {p: (str(a[0]), int(a[1])) for p, a in msg["peers"].items()}, {},
+                           link_fifo=bool(msg.get("link_fifo")))
             agent.send({"msg": "installed", "version": v})
         except Exception as e:
             if v in dropped:  # given up on meanwhile (e.g. a link it needs broke): no error
@@ -808,7 +818,7 @@ def worker_loop(agent, Aborted: type[Exception]) -> int:
         except Exception as e:
             agent.abort_soon(f"early scatter {seq}: {type(e).__name__}: {e}")
 
-    def arm(pid: int, ex, rounds: dict, pre: dict | None) -> None:
+    def arm(pid: int, ex, rounds: dict, pre: dict | None, chunk_times: bool = False) -> None:
         """TASK: the executor moves to iteration ``pid`` with this node's input; with early
         blocks (``pre``), once every member's arrived, the kept chunks added in."""
         try:
@@ -827,7 +837,7 @@ def worker_loop(agent, Aborted: type[Exception]) -> int:
                         np.add(x[lo:hi], got[lo:hi], out=x[lo:hi])
             ex.advance(pid)
             ex.prepare(x)
-            armed[pid] = (ex, rounds)
+            armed[pid] = (ex, rounds, bool(chunk_times))
             agent.send({"msg": "armed", "pid": pid})
         except Exception as e:
             agent.abort_soon(f"arming task {pid}: {type(e).__name__}: {e}")
@@ -838,9 +848,12 @@ def worker_loop(agent, Aborted: type[Exception]) -> int:
                 del agent.execs[v]
         ex.close()
 
-    def run_task(pid: int, ex, rounds: dict) -> None:
+    def run_task(pid: int, ex, rounds: dict, chunk_times: bool) -> None:
         try:
             timing = ex.run(pid)
+            if chunk_times:  # [sender, first byte, last byte] of every chunk received (agent clock)
+                src = {op.xfer: op.peer for op in ex.prog if op.kind == "recv"}
+                timing["chunks"] = [[src[r[0]], r[2], r[3]] for r in timing["recvs"]]
             running.pop(pid, None)
             check = {"receiver": me in rounds, "correct": True, "max_abs_err": 0.0, "digest": None}
             if me in rounds:
@@ -851,7 +864,8 @@ def worker_loop(agent, Aborted: type[Exception]) -> int:
                          "max_abs_err": 0.0 if ok else float(np.nanmax(np.abs(x.astype(np.float64) - want))),
                          "digest": hashlib.sha256(memoryview(x).cast("B")).hexdigest()}
             agent.send({"msg": "task_done", "pid": pid, "comm_start_ns": timing["comm_start_ns"],
-                        "comm_done_ns": timing["comm_done_ns"], **check})
+                        "comm_done_ns": timing["comm_done_ns"], **check,
+                        **({"chunks": timing["chunks"]} if chunk_times else {})})
             if me in rounds and rounds[me] == done_round[0]:  # not a repair of a round already done
                 done_round[0] += 1
                 agent.inbox.put({"msg": "_round_done"})
@@ -887,9 +901,9 @@ def worker_loop(agent, Aborted: type[Exception]) -> int:
         elif kind == "task":
             pid, v, rounds = int(msg["pid"]), int(msg["version"]), dict(msg["rounds"])
             if msg.get("pre") is not None:  # waits for early blocks: in a thread
-                spawn(arm, pid, agent.execs[v], rounds, msg["pre"])
+                spawn(arm, pid, agent.execs[v], rounds, msg["pre"], msg.get("chunk_times"))
             else:
-                arm(pid, agent.execs[v], rounds, None)
+                arm(pid, agent.execs[v], rounds, None, msg.get("chunk_times"))
         elif kind == "pre":  # receive an early scatter (non-blocking, §IV-A2); PRE_ARMED once ready
             sender, v, seq = str(msg["of"]), int(msg["version"]), int(msg["seq"])
             early[(sender, seq)] = threading.Event()
@@ -899,9 +913,9 @@ def worker_loop(agent, Aborted: type[Exception]) -> int:
             early[(me, seq)] = threading.Event()
             spawn(pre_send, seq, int(msg["round"]), agent.execs[v], early.get((me, seq - 1)), early[(me, seq)])
         elif kind == "start":
-            ex, rounds = armed.pop(int(msg["pid"]))
+            ex, rounds, chunk_times = armed.pop(int(msg["pid"]))
             running[int(msg["pid"])] = ex
-            spawn(run_task, int(msg["pid"]), ex, rounds)
+            spawn(run_task, int(msg["pid"]), ex, rounds, chunk_times)
         elif kind == "abandon":  # §IV-B: stop this task; its version is not used again
             pid = int(msg["pid"])
             abandoned.add(pid)

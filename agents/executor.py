@@ -41,6 +41,12 @@ auxiliary connection is not an error: a send on it that moves no byte for
 go to their primary connections, relayed ones are dropped (their receivers ask for them);
 whichever copy of an asked-for chunk arrives second is dropped.
 
+FL-FCFS across plan versions (CREW §IV-C): executors given the same ``gate(peer)`` (one
+:class:`LinkGate` per peer, shared by every version on an agent: concurrent partial-reduce
+tasks) serve their sends to that peer in the order the sends became ready, whichever version
+they belong to; without a gate each version's connections share the link as TCP flows do
+(FS).
+
 Every field of a DATA header is checked against the recv op it names (transfer,
 iteration, size, phase, flow, chunk): late, duplicate and early frames are refused.
 :meth:`Executor.status` is a snapshot for the coordinator's diagnosis of a stall: which
@@ -50,8 +56,10 @@ not completed.
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import queue
+import struct
 import socket
 import threading
 import time
@@ -72,6 +80,75 @@ RECV_COLUMNS = ["xfer", "send_ts_ns", "recv_start_ns", "recv_end_ns", "apply_ns"
 
 SO_MAX_PACING_RATE = getattr(socket, "SO_MAX_PACING_RATE", 47)  # Linux value
 AUX_CHANNEL = -1  # the data connections that carry auxiliary chunks (plans use channels >= 0)
+
+
+SIOCOUTQNSD = 0x894B  # Linux: bytes in a TCP socket's send queue not yet sent
+
+
+def unsent_bytes(sock: socket.socket) -> int:
+    """Bytes written to ``sock`` that TCP has not sent yet (0 once closed)."""
+    try:
+        return struct.unpack("i", fcntl.ioctl(sock.fileno(), SIOCOUTQNSD, b"\0\0\0\0"))[0]
+    except (OSError, ValueError):
+        return 0
+
+
+class LinkGate:
+    """Flow-level FCFS on one directed link shared by several executors (CREW §IV-C, "FL":
+    flows served in the order they became ready, each with the whole link, no preemption).
+
+    A send takes a :meth:`ticket` when it becomes ready (its executor's main loop, in order)
+    and is written once it holds the oldest ticket still pending; when the link passes to
+    another executor, that one first waits until the previous holder's socket has sent
+    every byte it was given (``SIOCOUTQNSD``), so two tasks' flows never share the link.
+    Work-conserving at chunk granularity: a chunk not yet ready (a multicast chunk still
+    being reduced) does not hold the link.  A ticket whose send will not happen is released
+    (:meth:`release`; a closed executor's are dropped)."""
+
+    def __init__(self):
+        self._cv = threading.Condition()
+        self._next = 0
+        self._pending: dict[int, object] = {}  # ticket -> owner (an executor)
+        self._last: tuple[object, socket.socket] | None = None  # the previous holder and its socket
+
+    def ticket(self, owner) -> int:
+        with self._cv:
+            t = self._next
+            self._next += 1
+            self._pending[t] = owner
+            return t
+
+    def acquire(self, t: int, sock: socket.socket, timeout_s: float, stop) -> None:
+        """Block until ticket ``t`` is the oldest pending and the link's previous holder (another
+        owner) drained its socket; ``stop()`` true or ``timeout_s`` without the gate moving raise
+        ExecError."""
+        with self._cv:
+            head, moved = None, time.monotonic()
+            while True:
+                for k in [k for k, o in self._pending.items() if k != t and getattr(o, "_closing", False)]:
+                    del self._pending[k]  # a closed executor's sends will not happen
+                if min(self._pending) == t:
+                    break
+                if stop():
+                    raise ExecError("closed while waiting for the link")
+                now = min(self._pending)
+                if now != head:
+                    head, moved = now, time.monotonic()
+                elif time.monotonic() - moved > timeout_s:
+                    raise ExecError(f"link gate: the flow ahead (ticket {head}) made no progress for {timeout_s:g} s")
+                self._cv.wait(0.1)
+            prev, me = self._last, self._pending[t]
+        if prev is not None and prev[0] is not me and prev[1] is not sock:
+            deadline = time.monotonic() + timeout_s
+            while unsent_bytes(prev[1]) > 0 and time.monotonic() < deadline and not stop():
+                time.sleep(0.0005)
+
+    def release(self, t: int, sock: socket.socket | None = None) -> None:
+        with self._cv:
+            owner = self._pending.pop(t, None)
+            if sock is not None:
+                self._last = (owner, sock)
+            self._cv.notify_all()
 
 
 class ExecError(Exception):
@@ -96,11 +173,12 @@ class Executor:
     def __init__(self, name: str, program: list[Op], *, length: int, scratch: dict[str, int] | None = None,
                  dtype="float32", stop_and_wait: bool = False, timeout_s: float = 60.0,
                  limit_s: float | None = None, on_chunk=None, nodes: list[str] | None = None,
-                 aux: dict | None = None, connect=None, on_missing=None):
+                 aux: dict | None = None, connect=None, on_missing=None, gate=None):
         """``nodes``: the plan's nodes (route entries index them); ``aux``: {"paths": [[src,
         relays..., dst]] through this node, "primary_busy_bound", "aux_queue_length",
         "resend_after_s"}; ``connect(peer, channel)``: an authenticated data socket (a relay's
-        next hop on first use); ``on_missing(iteration, [[src, xfer], ...])``: ask for re-sends."""
+        next hop on first use); ``on_missing(iteration, [[src, xfer], ...])``: ask for re-sends;
+        ``gate(peer)``: the :class:`LinkGate` of the link to ``peer`` (FL-FCFS across executors)."""
         self.name = name
         # probing hooks, called in the receiver thread: on_chunk(peer, None) when a chunk's header
         # arrived, on_chunk(peer, (bytes, send_ts_ns, first_ns, last_ns, channel, mid_ns, mid_bytes))
@@ -142,6 +220,8 @@ class Executor:
         self._tx_bytes = [0] * len(self.prog)  # bytes sent, per send op
         self._queued: set[int] = set()
         self.iteration = 0  # the iteration whose data receivers accept
+        self._gate = gate
+        self._tickets: dict[int, int] = {}  # send op -> its LinkGate ticket (while queued)
         self._init_aux(nodes or [], aux or {}, connect, on_missing)
 
     def _init_aux(self, nodes: list[str], aux: dict, connect, on_missing) -> None:
@@ -234,9 +314,17 @@ class Executor:
                     continue
                 op, view = self.prog[i], self._views[i] if payload is None else payload
                 self._tx_bytes[i] = 0
-                send_frame(sock, Header(DATA, phase_code(op.phase), flags | (FLAG_AUX if route else 0), it,
-                                        op.xfer, op.flow, op.chunk, view.nbytes, start, route), view,
-                           self._count(self._tx_bytes, i))
+                t = self._tickets.get(i)
+                if t is not None:  # FL-FCFS: this link's turn among every task's flows
+                    self._gate(peer).acquire(t, sock, self.timeout_s, lambda: self._tick() or self._closing)
+                    start = time.time_ns()
+                try:
+                    send_frame(sock, Header(DATA, phase_code(op.phase), flags | (FLAG_AUX if route else 0), it,
+                                            op.xfer, op.flow, op.chunk, view.nbytes, start, route), view,
+                               self._count(self._tx_bytes, i))
+                finally:
+                    if t is not None:
+                        self._gate(peer).release(self._tickets.pop(i), sock)
                 if self.stop_and_wait:
                     a = recv_header(sock, hbuf, 0)
                     if a.type != ACK or a.xfer != op.xfer or a.op_id != it:
@@ -259,6 +347,16 @@ class Executor:
             self._fail(ExecError(f"sender to {peer} (channel {ch}) failed: {type(e).__name__}: {e}"))
         finally:
             close_quietly(sock)
+            if self._gate:  # the sends still queued here will not happen: their turns pass
+                while True:
+                    try:
+                        rest = q.get_nowait()
+                    except queue.Empty:
+                        break
+                    if rest is not None and rest[0] is not None and rest[0] in self._tickets:
+                        self._gate(peer).release(self._tickets.pop(rest[0]))
+                if item is not None and item[0] is not None and item[0] in self._tickets:
+                    self._gate(peer).release(self._tickets.pop(item[0]))
 
     def _recv_loop(self, key: tuple[str, int], sock: socket.socket) -> None:
         peer, ch = key
@@ -515,6 +613,8 @@ class Executor:
                         self._kept[op.xfer] = (iteration, i, copy)
                     else:
                         load[op.peer] += 1
+                        if self._gate:
+                            self._tickets[i] = self._gate(op.peer).ticket(self)
                         self._senders[(op.peer, op.channel)][1].put((i, iteration, (), None))
                 elif i in arrived:
                     apply(i, *arrived.pop(i))

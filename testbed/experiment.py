@@ -164,7 +164,8 @@ def prescatter_for(scheme: dict, graph, length: int, sender: str):
     from testbed.planners.crew import prescatter_plan
 
     return prescatter_plan(graph, length, sender, split=scheme.get("split", "network-aware"),
-                           chunks=scheme.get("chunks", 0), rounding=scheme.get("rounding", "floor"))
+                           chunks=scheme.get("chunks", 0), rounding=scheme.get("rounding", "floor"),
+                           scheduling=scheme.get("scheduling", "fcfs"))
 
 
 def noisy_rates(graph, lam: float, seed: int):

@@ -464,3 +464,78 @@ def test_controller_repairs_around_a_broken_link_between_members():
     tr2.ctl.ready("n1", 0)
     t4, = tr2.ctl.form()
     assert not tr2._place(t4)
+
+
+def _paced(plan, mbps: float):
+    """``plan`` with every send paced at ``mbps`` (SO_MAX_PACING_RATE): loopback links with a rate."""
+    from dataclasses import replace
+
+    plan.programs = {n: [replace(op, rate_mbps=mbps) if op.kind == "send" else op for op in prog]
+                     for n, prog in plan.programs.items()}
+    return plan
+
+
+def link_sharing(tasks: list[dict], min_overlap_ns: int = 1_500_000) -> tuple[int, int]:
+    """(chunk pairs of two different tasks on one directed link whose arrivals overlapped by
+    more than ``min_overlap_ns``, pairs of tasks that used one link at overlapping times) from
+    the records' per-chunk arrival times (receiver side: first and last byte)."""
+    by_link: dict[tuple, list] = {}
+    for t in tasks:
+        for dst, rows in t.get("chunks", {}).items():
+            for src, first, last in rows:
+                by_link.setdefault((src, dst), []).append((first, last, t["pid"]))
+    shared, concurrent = 0, set()
+    for link, rows in by_link.items():
+        spans: dict[int, list] = {}
+        for a, b, pid in rows:
+            s = spans.setdefault(pid, [a, b])
+            s[0], s[1] = min(s[0], a), max(s[1], b)
+        pids = sorted(spans)
+        for i, p in enumerate(pids):
+            for q in pids[i + 1:]:
+                if spans[p][0] < spans[q][1] and spans[q][0] < spans[p][1]:
+                    concurrent.add((link, p, q))
+        rows.sort()
+        for i, (a, b, p) in enumerate(rows):
+            for a2, b2, q in rows[i + 1:]:
+                if a2 >= b:
+                    break
+                if q != p and min(b, b2) - a2 > min_overlap_ns:
+                    shared += 1
+    return shared, len(concurrent)
+
+
+@pytest.mark.parametrize("scheduling", ["fcfs", "fs"])
+def test_loopback_concurrent_tasks_on_a_link_follow_the_scheduling_policy(scheduling):
+    """§IV-C across tasks, on real agents: every worker aggregates for every task, so two
+    groups in flight meet on the same directed links (one's scatter, the other's multicast).
+    Sends are paced (400 Mbit/s per connection) so a chunk takes a few ms.  FL-FCFS: the
+    link serves one task's chunk at a time (the agent's LinkGate), arrivals of two tasks'
+    chunks on a link do not overlap; FS: each task's flow has its own connection and they
+    overlap.  Every round exact either way."""
+    from agents.local import LocalCluster
+
+    g = topogen.crew_mesh(4, 1).graph()
+    length = 1_000_003
+    plan0 = make_plan("crew", g, length, {})
+    nodes = list(plan0.nodes)
+    compute = {n: [0.03 + 0.01 * i] for i, n in enumerate(nodes)}
+    with LocalCluster(plan0, timeout_s=20, compute_s=compute, seed=8) as cl:
+        cl.coordinator.tasks = {"p": 2, "window_s": 4.0, "link_timeout_s": 1.0, "chunk_times": True,
+                                "plan_for": lambda m, **kw: _paced(make_plan("crew", g, length, {
+                                    "active": list(m), "scheduling": scheduling, "split": "even", **kw}), 400)}
+        res = cl.run()
+    tm = res["tasks_mode"]
+    assert not res["errors"], res["errors"]
+    assert tm["tasks"] and all(t["correct"] for t in tm["tasks"])
+    for n in nodes:
+        mine = sorted(t["members_done"][n]["round"] for t in tm["tasks"] if n in t["members"])
+        assert mine == list(range(len(mine))), (n, mine)
+    shared, concurrent = link_sharing(tm["tasks"])
+    print(f"{scheduling}: {len(tm['tasks'])} tasks, {concurrent} (link, task pair) overlaps, "
+          f"{shared} chunk pairs sharing a link")
+    assert concurrent >= 3, "too few tasks met on a link to tell"
+    if scheduling == "fcfs":
+        assert shared <= concurrent // 10, (shared, concurrent)
+    else:
+        assert shared >= concurrent, (shared, concurrent)

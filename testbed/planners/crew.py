@@ -157,12 +157,13 @@ def default_split(graph: nx.DiGraph, length: int, aggs: list[str], split: str, c
 
 
 def prescatter_plan(graph: nx.DiGraph, length: int, sender: str, *, split: str = "network-aware",
-                    chunks: int = 0, rounding: str = "floor", exclude=()) -> Plan:
+                    chunks: int = 0, rounding: str = "floor", exclude=(), scheduling: str = "fcfs") -> Plan:
     """Non-blocking scatter (§IV-A2) of one ready worker before P is known: ``sender`` sends
     default block j (:func:`default_split`) to every other aggregator j, one transfer per
     chunk in increasing index order (on one connection per pair: they leave in that order);
     each j receives into its ``x`` (overwrite), from where the agent takes the chunks j keeps
-    once P is formed."""
+    once P is formed.  ``scheduling``: the scheme's (§IV-C; fcfs: these flows take their turn
+    with the tasks' on every link)."""
     nodes = check_graph(graph, "crew")
     aggs = [j for j in nodes if j not in set(exclude or ())]
     k, edges, blocks = default_split(graph, length, aggs, split, chunks, rounding)
@@ -174,7 +175,7 @@ def prescatter_plan(graph: nx.DiGraph, length: int, sender: str, *, split: str =
                              phase="prescatter")
     return Plan("crew-prescatter", nodes, length, bld.programs, participants=[sender],
                 receivers=[j for j in aggs if j != sender], meta={"sender": sender, "chunks": k,
-                                                                "blocks": blocks})
+                                                                "blocks": blocks, "scheduling": scheduling})
 
 
 @planner(
@@ -194,9 +195,10 @@ def prescatter_plan(graph: nx.DiGraph, length: int, sender: str, *, split: str =
                             "over the rest)", kind=NODES),
     reassign=Param(dict, {}, "failover, Eq. (3): {j: k} aggregator j's block (its LP (2) weight) goes to k",
                    kind=NODE_MAP),
-    scheduling=Param(str, "fcfs", "fcfs = one ordered connection per pair, flows served in the order they became "
-                                  "ready (FL-FCFS, §IV-C); fs = scatter and multicast on separate connections "
-                                  "sharing the link (FS)", choices=("fcfs", "fs")),
+    scheduling=Param(str, "fcfs", "fcfs = flows on a pair served whole in the order they became ready, within a "
+                                  "task (one connection) and across concurrent tasks (one gate per link, "
+                                  "agents.executor.LinkGate) (FL-FCFS, §IV-C); fs = every flow on its own "
+                                  "connection, sharing the link (FS)", choices=("fcfs", "fs")),
     prescattered=Param(bool, False, "non-blocking scatter (§IV-A2): members sent their default blocks (P = N) "
                                     "before P formed; blocks by Alg. 2, only moved chunks scattered here"),
     late=Param(list, [], "with prescattered: members that did not scatter early (the one completing P "
