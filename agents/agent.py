@@ -48,6 +48,7 @@ import socket
 import sys
 import threading
 import time
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -134,13 +135,49 @@ class Agent:
         self._installed = threading.Condition()
         self._gates: dict[str, LinkGate] = {}
         self.stopping = False
+        self.standalone_ok = False  # CREW tasks mode: a lost controller is survived (crew.worker_loop)
+        self.detached: list | None = None  # not None while the controller is gone
+        self.recent: deque = deque(maxlen=32)  # the latest task reports
         self.silence_s = self.handshake_s  # until the coordinator's WELCOME says otherwise
 
     # -- control channel ---------------------------------------------------------
     def send(self, obj: dict, typ: int = wire.CTRL) -> None:
-        """To the coordinator; a send blocked for the silence limit raises socket.timeout."""
+        """To the coordinator; a send blocked for the silence limit raises socket.timeout.
+        Detached from a lost controller (CREW tasks mode, :meth:`detach`): dropped; the
+        latest task reports (sent or not) go again in the REJOIN (:meth:`reattach`)."""
         with self.ctrl_lock:
-            wire.send_json(self.ctrl, obj, typ)
+            if obj.get("msg") in ("task_done", "task_failed"):
+                self.recent.append(obj)
+            if self.detached is not None:
+                return
+            try:
+                wire.send_json(self.ctrl, obj, typ)
+            except OSError as e:
+                if not self.standalone_ok or self.stopping:
+                    raise
+                self._detach_locked(f"cannot send to the {self.coord}: {type(e).__name__}: {e}")
+
+    def detach(self, why: str) -> None:
+        """CREW §IV-B: the controller is gone; the worker goes on standalone (crew.worker_loop)."""
+        with self.ctrl_lock:
+            self._detach_locked(why)
+
+    def _detach_locked(self, why: str) -> None:
+        if self.detached is None:
+            self.detached = []
+            wire.close_quietly(self.ctrl)
+            log.warning("controller lost: %s", why)
+            self.inbox.put({"msg": "_ctrl_lost", "why": why})
+
+    def reattach(self, sock: socket.socket, first: dict) -> None:
+        """Connected to the controller again: ``first`` (with ``reports``, the latest task
+        reports: one sent just before the loss may not have arrived) is the first message on
+        ``sock``; then normal sending."""
+        with self.ctrl_lock:
+            sock.settimeout(self.silence_s)
+            wire.send_json(sock, {**first, "reports": list(self.recent)})
+            self.ctrl, self.detached = sock, None
+        threading.Thread(target=self._ctrl_reader, args=(sock,), daemon=True, name="ctrl-reader").start()
 
     def abort_soon(self, reason: str) -> None:
         """Any thread: make the main thread (and a running iteration) fail with ``reason``."""
@@ -148,12 +185,13 @@ class Agent:
         for ex in list(self.execs.values()):
             ex.abort(reason)
 
-    def _ctrl_reader(self) -> None:
+    def _ctrl_reader(self, sock: socket.socket) -> None:
         """Forward coordinator messages to the inbox; answer STATUS; abort on ABORT, EOF, a
-        malformed message or the coordinator's silence (it sends a heartbeat)."""
+        malformed message or the coordinator's silence (it sends a heartbeat) -- or, with
+        ``standalone_ok``, on the last three :meth:`detach`."""
         try:
             while True:
-                h, msg = wire.recv_json(self.ctrl)
+                h, msg = wire.recv_json(sock)
                 kind = msg.get("msg")
                 if h.type == wire.ERROR or kind == "abort":
                     self.abort_soon(f"aborted by the coordinator: {wire.sanitize(msg.get('reason', '?'))}")
@@ -181,11 +219,13 @@ class Agent:
                     self.ctrl.settimeout(self.silence_s)
                 self.inbox.put(msg)
         except socket.timeout:
-            if not self.stopping:
-                self.abort_soon(f"{self.coord} silent for {self.silence_s:g} s (stopped or unreachable)")
+            if not self.stopping and sock is self.ctrl:  # (an old connection's end is no news)
+                (self.detach if self.standalone_ok else self.abort_soon)(
+                    f"{self.coord} silent for {self.silence_s:g} s (stopped or unreachable)")
         except (wire.ProtocolError, wire.Closed, OSError) as e:
-            if not self.stopping:
-                self.abort_soon(f"lost the connection to the {self.coord}: {type(e).__name__}: {e}")
+            if not self.stopping and sock is self.ctrl:
+                (self.detach if self.standalone_ok else self.abort_soon)(
+                    f"lost the connection to the {self.coord}: {type(e).__name__}: {e}")
         except Exception as e:  # no thread dies silently
             self.abort_soon(f"control reader failed: {type(e).__name__}: {wire.sanitize(e)}")
 
@@ -194,7 +234,7 @@ class Agent:
             while not self.stopping:
                 time.sleep(period)
                 self.send({"msg": "alive"})
-        except Exception as e:
+        except Exception as e:  # (send() does not raise once detached)
             if not self.stopping:
                 self.abort_soon(f"cannot send a heartbeat to the {self.coord}: {type(e).__name__}: {e}")
 
@@ -321,8 +361,8 @@ class Agent:
                 "digest": hashlib.sha256(memoryview(x).cast("B")).hexdigest()}
 
     def run(self) -> int:
-        ident = {"role": "agent", "name": self.name, "data_port": self.data_port, "pid": os.getpid(),
-                 "host": socket.gethostname()}
+        self.ident = ident = {"role": "agent", "name": self.name, "data_port": self.data_port,
+                              "pid": os.getpid(), "host": socket.gethostname()}
         try:
             self.ctrl = wire.connect(self.coord_addr, self.secret, ident, timeout_s=self.handshake_s,
                                      retry_s=self.retry_s)
@@ -332,7 +372,7 @@ class Agent:
         self.silence_s = self.handshake_s  # the WELCOME is part of registering
         self.ctrl.settimeout(self.silence_s)
         log.info("registered with coordinator %s:%d (data port %d)", *self.coord_addr, self.data_port)
-        threading.Thread(target=self._ctrl_reader, daemon=True, name="ctrl-reader").start()
+        threading.Thread(target=self._ctrl_reader, args=(self.ctrl,), daemon=True, name="ctrl-reader").start()
         threading.Thread(target=wire.serve, daemon=True, name="accept",
                          args=(self.listener, wire.Gate(MAX_PENDING), self._handshake,
                                lambda: self.stopping, log)).start()

@@ -226,6 +226,7 @@ class Coordinator:
         self.listener = socket.create_server(tuple(bind), backlog=socket.SOMAXCONN)
         self.address = self.listener.getsockname()[:2]
         self._conns: dict[str, _Conn] = {}
+        self.rejoin_open = False  # CREW: a worker may rejoin (its controller came back)
         self._idents: dict[str, dict] = {}
         self._events: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()
@@ -286,7 +287,11 @@ class Coordinator:
                 raise wire.ProtocolError(f"unknown agent {wire.sanitize(ident.get('name'), 60)!r} "
                                          f"(expected one of {', '.join(self.plan.nodes[:8])})")
             with self._lock:
-                if self._closed or ident["name"] in self._idents or ident["name"] == name:
+                if ident.get("rejoin"):  # CREW: a worker back after its controller was lost (agents.crew)
+                    if self._closed or not self.rejoin_open or ident["name"] not in self._idents \
+                            or ident["name"] in self._conns:
+                        raise wire.ProtocolError(f"agent {ident['name']} cannot rejoin now")
+                elif self._closed or ident["name"] in self._idents or ident["name"] == name:
                     raise wire.ProtocolError(f"agent {ident['name']} is already registered")
                 name = ident["name"]
 
@@ -303,7 +308,7 @@ class Coordinator:
                 wire.close_quietly(sock)
                 return
             conn = self._conns[name] = _Conn(name, sock, who, self._events)
-            self._idents[name] = ident
+            self._idents.setdefault(name, ident)
         conn.put({"msg": "welcome", "heartbeat_s": self.heartbeat_s, "silence_s": self.silence_s,
                   "job_within_s": self.register_timeout_s + self.silence_s})
         log.info("agent %s registered from %s", name, who)
@@ -752,6 +757,17 @@ class Coordinator:
             rows.append([it, op.xfer, src, op.peer, op.channel, op.flow, op.chunk, op.phase, op.length * elem,
                          *sent.get(op.xfer, (None, None)), *recv.get(op.xfer, (None,) * 4), routes.get(op.xfer, "")])
         return rows
+
+    def drop_connections(self) -> None:
+        """CREW's controller lost (agents.crew.TaskRun): every agent's control connection
+        closed at once, as a dead controller's would be; rejoins refused until
+        ``rejoin_open``."""
+        with self._lock:
+            conns = list(self._conns.values())
+            self._conns.clear()
+            self.rejoin_open = False
+        for c in conns:
+            c.close()
 
     def abort(self, reason: str) -> None:
         """Tell every connected agent to abort (best effort, within 1 s) and drop the connections."""

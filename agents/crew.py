@@ -74,6 +74,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from . import wire
 from .inputs import make_input
 
 log = logging.getLogger("agents.crew")
@@ -231,6 +232,15 @@ class TaskRun:
         self.enq_round: dict[str, int] = {}
         self.finishing = False
         self.late: set[str] = set()  # non-blocking: workers whose queued round was not scattered early  # worker -> round of its latest ENQUEUE
+        # controller loss (§IV-B): {"at_s", "for_s"} after the window starts; the workers wait for it
+        self.down = opts.get("controller_down")
+        self.controller_wait_s = float(opts.get("controller_wait_s") or
+                                       max(10.0, 2 * coord.silence_s) + (self.down or {}).get("for_s", 0.0))
+        self.detached: set[str] = set()  # workers not (yet) back with the restarted controller
+        self.orphans: dict[int, Task] = {}  # tasks running when the controller was lost
+        self.still: dict[int, set] = {}  # orphan pid -> workers that say they still run it
+        self.rejoin_ready: set[str] = set()
+        self.up_at = self.rejoin_by = float("inf")
 
     def run(self) -> dict:
         c = self.c
@@ -238,14 +248,27 @@ class TaskRun:
         if self.prescatter_for:
             self._install_prescatter(task_limit)
         for n in self.nodes:
-            c._send(n, {"msg": "begin", **({"watch": self._watch_peers(n), "link_timeout_s": self.link_timeout_s}
+            c._send(n, {"msg": "begin", "controller_wait_s": self.controller_wait_s, **({"watch": self._watch_peers(n), "link_timeout_s": self.link_timeout_s}
                                            if self.link_timeout_s else {})})
         self.t0_ns = time.time_ns()
         end = self.end = time.monotonic() + self.window_s
+        down_at = end - self.window_s + self.down["at_s"] if self.down else float("inf")
         c.progress(f"window of {self.window_s:g} s started: groups of {self.p} from the ready queue")
         while True:
             now = time.monotonic()
-            if now >= end and not self.ctl.running():
+            if now >= down_at:
+                down_at = float("inf")
+                self._controller_lost()
+            if self.detached and now >= self.up_at and not c.rejoin_open:
+                c.rejoin_open, self.rejoin_by = True, now + self.controller_wait_s
+                self.ctl_fault["back_ns"] = time.time_ns()
+                c.progress("controller restarted: workers rejoin")
+            if self.detached and now > self.rejoin_by:
+                for n in sorted(self.detached):
+                    self.detached.discard(n)
+                    self._lose(n, f"did not rejoin the restarted controller within {self.controller_wait_s:g} s")
+                self._settle()
+            if now >= end and not self.ctl.running() and not self.detached:
                 break
             for t in self.ctl.running():
                 if t.failed and now - t.failed[0] > c.silence_s + 1:  # no worker loss explains it
@@ -264,7 +287,7 @@ class TaskRun:
             for item in [x for x in self.later if x[0] <= time.monotonic()]:
                 self.later.remove(item)
                 self.ctl.ready(item[1], item[2])
-            if time.monotonic() < end:
+            if time.monotonic() < end and not self.detached:
                 for t in self.ctl.form():
                     t.deadline = time.monotonic() + task_limit
                     t.times["formed_ns"] = time.time_ns()
@@ -317,6 +340,10 @@ class TaskRun:
     def _on(self, ev) -> None:
         what, node, data = ev
         if what == "registered" or node in self.lost:
+            return
+        if node in self.detached:  # its old connection's end, or its REJOIN to the restarted controller
+            if what == "msg" and data.get("msg") == "rejoin":
+                self._rejoin(node, data)
             return
         if what in ("lost", "silent") and node in self.nodes:
             self._lose(node, data)
@@ -373,6 +400,9 @@ class TaskRun:
             want = {"armed": "arming", "task_done": "running", "task_failed": "running"}[kind]
             if t is None or t.state != want or node not in t.waiting:
                 self.c._diagnose(("protocol", node, f"unexpected {kind.upper()} for task {data.get('pid')}"))
+            if kind == "task_failed" and t.pid in self.orphans:  # a task the controller's loss broke
+                self._drop_orphan(t, f"failed at {node} after the controller was lost: {data.get('message')}")
+                return
             if kind == "task_failed":  # a lost worker (noticed within silence_s) explains it, or it fails the run
                 t.failed = t.failed or (time.monotonic(), node, data.get("message"))
                 return
@@ -562,6 +592,104 @@ class TaskRun:
             ev = self._next(deadline)
             if ev is not None:
                 self._on(ev)
+
+    # controller loss (§IV-B, "failover of the CREW controller")
+    def _controller_lost(self) -> None:
+        """The controller goes down for ``for_s``: every worker's control connection is
+        closed at once (what its death looks like to them) and its state is gone; then a
+        restarted (stateless) controller re-obtains what it needs from the workers' REJOINs
+        (:meth:`_rejoin`).  Emulated in this process: the coordinator also keeps the run's
+        records (results.json), which survive -- the controller's ready queue, groups, plan
+        versions and link view do not.  Tasks not yet started are abandoned (their START
+        cannot come; the workers drop them); tasks running go on at the workers (they hold
+        P, §IV-B: "would not get impacted") and are settled from the REJOINs."""
+        c = self.c
+        while True:  # what the old controller already received is its own
+            try:
+                ev = c._events.get_nowait()
+            except queue.Empty:
+                break
+            self._on(ev)
+        fault = self.ctl_fault = {"t_ns": time.time_ns(), "controller": "lost", "down_s": self.down["for_s"],
+                                  "rejoined": {}, "tasks": []}
+        self.faults.append(fault)
+        c.progress(f"controller lost for {self.down['for_s']:g} s: workers standalone")
+        c.drop_connections()
+        self.detached = {n for n in self.nodes if n not in self.lost}
+        self.up_at = time.monotonic() + self.down["for_s"]
+        orphans = {}
+        for t in self.ctl.running():
+            if t.state == "running":
+                orphans[t.pid] = t
+                t.deadline += self.down["for_s"] + self.controller_wait_s
+            else:
+                t.state = "abandoned"
+                self.records.append({"pid": t.pid, "members": t.members, "version": t.version,
+                                     "outcome": "abandoned", "why": "controller lost before the task started",
+                                     **t.times, "correct": True, "members_done": {}})
+                fault["tasks"].append({"pid": t.pid, "outcome": "abandoned"})
+        new = Controller([n for n in self.nodes if n not in self.lost], self.p)
+        new.tasks, new.next_pid = dict(orphans), self.ctl.next_pid  # (pids never repeat in the records)
+        self.ctl, self.orphans = new, orphans
+        self.still = {pid: set() for pid in orphans}
+        self.by_group, self.installing, self.broken, self.later = {}, {}, {}, []
+        self.busy = {t.version: t.pid for t in orphans.values()}
+        self.rejoin_ready = set()
+
+    def _rejoin(self, n: str, msg: dict) -> None:
+        """REJOIN from worker ``n``: its round and whether it is ready (queued), the tasks it
+        still runs, its recent task reports (one lost in flight with the old connection is
+        here again), the links it sees down."""
+        self.detached.discard(n)
+        self.ctl_fault["rejoined"][n] = time.time_ns()
+        self.ctl.next_pid = max(self.ctl.next_pid, int(msg.get("pid", -1)) + 1)
+        for pid in msg.get("running") or []:
+            if pid in self.still:
+                self.still[pid].add(n)
+        for r in msg.get("reports") or []:
+            t = self.ctl.tasks.get(r.get("pid"))
+            if t is not None and t.pid in self.orphans and t.state == "running" and n in t.waiting:
+                self._on(("msg", n, r))
+        for peer in msg.get("links_down") or []:
+            self._link(n, str(peer), True)
+        if msg.get("ready"):
+            self.rejoin_ready.add(n)
+            self.ctl.ready(n, int(msg["round"]))
+        else:
+            for t in self.orphans.values():
+                if t.state == "running" and n in t.members and n in t.waiting:
+                    self.ctl.member_of[n] = t.pid
+        if not self.detached:
+            self._settle()
+
+    def _settle(self) -> None:
+        """Every worker is back (or lost): a task running at the loss that some node no longer
+        runs (it never got START, or failed) cannot finish: ABANDON."""
+        for t in list(self.orphans.values()):
+            if t.state == "running":
+                gone = sorted(n for n in t.waiting if n not in self.still[t.pid] and n not in self.lost)
+                if gone:
+                    self._drop_orphan(t, f"no longer run at {', '.join(gone)} after the controller was lost")
+
+    def _drop_orphan(self, t: Task, why: str) -> None:
+        """ABANDON a task the controller's loss broke: members that hold its result keep the
+        round; the others are queued again with it (unless their REJOIN queued them)."""
+        t.state = "abandoned"
+        for n in t.involved:
+            if n not in self.lost and n not in self.detached:
+                self.c._send(n, {"msg": "abandon", "pid": t.pid, "version": t.version})
+        self.busy.pop(t.version, None)
+        self.records.append({"pid": t.pid, "members": t.members, "version": t.version, "outcome": "abandoned",
+                             "why": why, **t.times, "correct": True,
+                             "members_done": {m: {"round": t.rounds[m], "done_ns": t.done[m]["comm_done_ns"],
+                                                  "correct": bool(t.done[m].get("correct"))}
+                                              for m in t.members if m in t.done}})
+        self.ctl_fault["tasks"].append({"pid": t.pid, "outcome": "abandoned", "why": why})
+        for m in t.members:
+            if m not in t.done:
+                self.ctl.member_done(t.pid, m)
+                if m not in self.rejoin_ready and m not in self.detached and m not in self.lost:
+                    self.ctl.ready(m, t.rounds[m])
 
     # failover (§IV-B)
     def _watch_peers(self, n: str) -> dict[str, list]:
@@ -767,7 +895,8 @@ def worker_loop(agent, Aborted: type[Exception]) -> int:
 
     job, me = agent.job, agent.name
     armed: dict[int, tuple] = {}
-    running: dict[int, object] = {}  # pid -> executor
+    running: dict[int, tuple] = {}  # pid -> (executor, rounds)
+    seen_pid = [-1]  # the highest task id heard of (a restarted controller continues above it)
     done_round = [0]  # the round whose task this worker finishes next (a repair of an earlier one does not count)
     abandoned: set[int] = set()
     threads: list[threading.Thread] = []
@@ -854,7 +983,6 @@ def worker_loop(agent, Aborted: type[Exception]) -> int:
             if chunk_times:  # [sender, first byte, last byte] of every chunk received (agent clock)
                 src = {op.xfer: op.peer for op in ex.prog if op.kind == "recv"}
                 timing["chunks"] = [[src[r[0]], r[2], r[3]] for r in timing["recvs"]]
-            running.pop(pid, None)
             check = {"receiver": me in rounds, "correct": True, "max_abs_err": 0.0, "digest": None}
             if me in rounds:
                 x = ex.bufs["x"]
@@ -866,19 +994,35 @@ def worker_loop(agent, Aborted: type[Exception]) -> int:
             agent.send({"msg": "task_done", "pid": pid, "comm_start_ns": timing["comm_start_ns"],
                         "comm_done_ns": timing["comm_done_ns"], **check,
                         **({"chunks": timing["chunks"]} if chunk_times else {})})
+            running.pop(pid, None)  # after the report: a REJOIN names it running or carries the report
             if me in rounds and rounds[me] == done_round[0]:  # not a repair of a round already done
                 done_round[0] += 1
                 agent.inbox.put({"msg": "_round_done"})
         except Exception as e:
-            running.pop(pid, None)
             log.error("task %d failed: %s", pid, e)
-            if pid in abandoned:
+            if pid in abandoned or agent.detached is not None:  # (its frames must not meet a later task)
                 retire(ex)
             agent.send({"msg": "task_failed", "pid": pid, "message": f"{type(e).__name__}: {e}"})
+            running.pop(pid, None)
 
     while (begin := agent.next_msg(("begin", "plan"), job.wait_s))["msg"] == "plan":
         install(int(begin["version"]), begin)  # non-blocking: the early-scatter versions, before BEGIN
     watch = LinkWatch(agent, begin["watch"], begin["link_timeout_s"]) if begin.get("watch") else None
+    wait_ctl = float(begin.get("controller_wait_s") or 0)  # 0: a lost controller aborts the worker
+    agent.standalone_ok = wait_ctl > 0
+    ctl_deadline = [0.0]
+
+    def reconnect(deadline: float) -> None:
+        """Standalone (§IV-B): try to reach the controller again until ``deadline``."""
+        while time.monotonic() < deadline and not agent.stopping:
+            try:
+                sock = wire.connect(agent.coord_addr, agent.secret, {**agent.ident, "rejoin": True},
+                                    timeout_s=min(agent.handshake_s, max(0.1, deadline - time.monotonic())))
+                agent.inbox.put({"msg": "_ctrl_back", "sock": sock})
+                return
+            except Exception:  # refused while it is down, or not listening
+                time.sleep(0.2)
+        agent.inbox.put({"msg": "abort", "reason": f"the controller did not come back within {wait_ctl:g} s"})
     rnd, computing_until = 0, time.monotonic() + job.compute_for(0)
     while True:
         wait = computing_until - time.monotonic() if computing_until is not None else job.wait_s
@@ -900,6 +1044,7 @@ def worker_loop(agent, Aborted: type[Exception]) -> int:
             spawn(install, v, msg)
         elif kind == "task":
             pid, v, rounds = int(msg["pid"]), int(msg["version"]), dict(msg["rounds"])
+            seen_pid[0] = max(seen_pid[0], pid)
             if msg.get("pre") is not None:  # waits for early blocks: in a thread
                 spawn(arm, pid, agent.execs[v], rounds, msg["pre"], msg.get("chunk_times"))
             else:
@@ -914,7 +1059,7 @@ def worker_loop(agent, Aborted: type[Exception]) -> int:
             spawn(pre_send, seq, int(msg["round"]), agent.execs[v], early.get((me, seq - 1)), early[(me, seq)])
         elif kind == "start":
             ex, rounds, chunk_times = armed.pop(int(msg["pid"]))
-            running[int(msg["pid"])] = ex
+            running[int(msg["pid"])] = (ex, rounds)
             spawn(run_task, int(msg["pid"]), ex, rounds, chunk_times)
         elif kind == "abandon":  # §IV-B: stop this task; its version is not used again
             pid = int(msg["pid"])
@@ -922,10 +1067,29 @@ def worker_loop(agent, Aborted: type[Exception]) -> int:
             if isinstance(msg.get("version"), int):
                 dropped.add(msg["version"])
             if pid in running:
-                running[pid].abort(f"task {pid} abandoned by the controller")
+                running[pid][0].abort(f"task {pid} abandoned by the controller")
             elif isinstance(msg.get("version"), int) and msg["version"] in agent.execs:
                 armed.pop(pid, None)
                 retire(agent.execs[msg["version"]])
+        elif kind == "_ctrl_lost":  # §IV-B: standalone; tasks not started cannot start (no START comes)
+            for pid, (ex, *_) in list(armed.items()):
+                retire(ex)
+                del armed[pid]
+            ctl_deadline[0] = time.monotonic() + wait_ctl
+            spawn(reconnect, ctl_deadline[0])
+        elif kind == "_ctrl_back":  # the (restarted) controller re-obtains this worker's state
+            member = any(me in r for _, r in list(running.values()))
+            try:
+                agent.reattach(msg["sock"], {
+                    "msg": "rejoin", "round": rnd, "pid": seen_pid[0], "running": sorted(list(running)),
+                    "ready": computing_until is None and rnd == done_round[0] and not member,
+                    "links_down": sorted(watch.down) if watch else []})
+            except OSError as e:
+                log.warning("rejoin failed (%s): trying again", e)
+                wire.close_quietly(msg["sock"])
+                spawn(reconnect, ctl_deadline[0])
+        elif kind == "welcome":  # the controller's answer to a rejoin
+            pass
         elif kind == "_round_done":
             rnd += 1
             computing_until = time.monotonic() + job.compute_for(rnd)

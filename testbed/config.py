@@ -92,6 +92,8 @@ TOP_KEYS = {"name", "topology", "scheme", *DEFAULTS}
 # (drawn once per run from the seed), while the emulator shapes the true b.
 # blocking: false = CREW's non-blocking scatter (§IV-A2, Alg. 2): a ready worker sends its
 # default blocks (P = N) at once, before P forms (crew with every worker aggregating; no faults).
+# controller_down: {at_s, for_s} (optional; blocking only): the controller is lost at_s into the
+# window for for_s (§IV-B: workers go standalone, then rejoin the restarted controller).
 GROUPS_DEFAULTS = {"p": 2, "window_s": 30.0, "link_timeout_s": 2.0, "noise": 0.0, "blocking": True}
 ADAPTIVE_DEFAULTS = {"update_s": 5.0, "probe_chunk_bytes": 2_000_000, "probe_chunk_num": 4,
                      "estimator": "busy", "mode": "estimated", "min_gain": 0.1}
@@ -447,7 +449,7 @@ def _groups(c: Checker, spec, key: str, nodes: list[str], scheme: dict) -> dict:
     """``groups: {p, window_s}`` resolved; the scheme must take a group (``active``)."""
     if "active" not in scheme:
         c.fail(key, f"scheme {scheme['name']!r} has no group parameter 'active'")
-    out = {**GROUPS_DEFAULTS, **c.mapping(spec, key, set(GROUPS_DEFAULTS))}
+    out = {**GROUPS_DEFAULTS, **c.mapping(spec, key, set(GROUPS_DEFAULTS) | {"controller_down"})}
     c.number(out["p"], f"{key}.p", integer=True, minimum=1)
     if out["p"] > len(nodes):
         c.fail(f"{key}.p", f"must be at most the number of datacenters ({len(nodes)}), got {out['p']!r}")
@@ -461,6 +463,17 @@ def _groups(c: Checker, spec, key: str, nodes: list[str], scheme: dict) -> dict:
     if not out["blocking"] and (scheme["name"] != "crew" or scheme.get("aggregators") != "all"):
         c.fail(f"{key}.blocking", "non-blocking scatter needs crew with every worker aggregating "
                                   "(the receivers of the early scatter must be known before P)")
+    if "controller_down" in out:
+        down = c.mapping(out["controller_down"], f"{key}.controller_down", {"at_s", "for_s"})
+        for k in ("at_s", "for_s"):
+            if k not in down or c.number(down[k], f"{key}.controller_down.{k}") <= 0:
+                c.fail(f"{key}.controller_down.{k}", f"a positive number of seconds, got {down.get(k)!r}")
+        if down["at_s"] >= out["window_s"]:
+            c.fail(f"{key}.controller_down.at_s", f"must be within the window ({out['window_s']:g} s)")
+        if not out["blocking"]:
+            c.fail(f"{key}.controller_down", "only with blocking scatter (a restarted controller does not "
+                                             "re-obtain early scatters)")
+        out["controller_down"] = {"at_s": float(down["at_s"]), "for_s": float(down["for_s"])}
     return out
 
 

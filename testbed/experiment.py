@@ -156,6 +156,7 @@ def group_runtime(exp: Experiment, scheme: dict) -> dict | None:
         rate = lambda i, j: b[(i, j)]  # noqa: E731
     return {"p": g["p"], "window_s": g["window_s"], "plan_for": plan_for, "rate": rate,
             "link_timeout_s": g.get("link_timeout_s", 0.0),
+            **({"controller_down": g["controller_down"]} if g.get("controller_down") else {}),
             **({} if blocking else {"prescatter_for": lambda sender: prescatter_for(scheme, graph, w.length, sender)})}
 
 

@@ -442,8 +442,10 @@ def _run_section(entry: dict, out: Path, n: int, table: bool = True) -> tuple[st
     if figs["rounds"]:  # a groups run has no iterations (no timeline of one)
         parts.append(_img(figs["rounds"], "Rounds per worker in the window T"))
         faults = [{"variant": r["variant"], "repetition": r["repetition"],
-                   "fault": f"worker {f['node']} lost" if f.get("node") else f"link {'-'.join(f['link'])} broken",
-                   "why": f.get("why", f"reported by {f.get('reported_by')}"),
+                   "fault": f"worker {f['node']} lost" if f.get("node") else "controller lost" if f.get("controller")
+                   else f"link {'-'.join(f['link'])} broken",
+                   "why": f.get("why", f"down {f['down_s']:g} s, {len(f.get('rejoined', {}))} workers rejoined"
+                                if f.get("controller") else f"reported by {f.get('reported_by')}"),
                    "back_after_s": (f["back_ns"] - f["t_ns"]) / 1e9 if f.get("back_ns") else None,
                    "tasks": ", ".join(f"{t['pid']} {t['outcome']}" + (f" to {t['replacement']}" if t.get("replacement")
                                                                      else "") for t in f.get("tasks", []))}

@@ -539,3 +539,95 @@ def test_loopback_concurrent_tasks_on_a_link_follow_the_scheduling_policy(schedu
         assert shared <= concurrent // 10, (shared, concurrent)
     else:
         assert shared >= concurrent, (shared, concurrent)
+
+
+def test_loopback_controller_lost_mid_run_workers_go_standalone_and_rejoin():
+    """§IV-B, the controller's failure, on real agent processes: 1.5 s into the window every
+    worker's control connection is closed at once and the controller's state dropped; the
+    workers go standalone (tasks they run go on, no new groups, reconnection tried) and
+    rejoin the restarted controller 1 s later, which re-obtains their rounds, readiness and
+    tasks from the REJOINs.  Tasks running across the loss finish or are abandoned; every
+    round any worker holds is exact and counted once; groups form again; every agent exits
+    cleanly."""
+    from agents.local import LocalCluster
+
+    g = topogen.crew_mesh(4, 1).graph()
+    length = 400_003
+    plan0 = make_plan("crew", g, length, {})
+    nodes = list(plan0.nodes)
+    compute = {n: [0.02 + 0.01 * i] for i, n in enumerate(nodes)}
+    with LocalCluster(plan0, timeout_s=20, compute_s=compute, seed=9) as cl:
+        cl.coordinator.tasks = {"p": 2, "window_s": 4.0, "link_timeout_s": 1.0,
+                                "controller_down": {"at_s": 1.5, "for_s": 1.0}, "controller_wait_s": 8.0,
+                                "plan_for": lambda m, **kw: make_plan("crew", g, length, {"active": list(m), **kw})}
+        res = cl.run()
+        codes = {n: p.wait(timeout=15) for n, p in cl.procs.items()}
+    assert codes == {n: 0 for n in nodes}, codes
+    tm = res["tasks_mode"]
+    assert not res["errors"], res["errors"]
+    fault, = tm["faults"]
+    assert fault["controller"] == "lost" and set(fault["rejoined"]) == set(nodes) and not tm["lost"], fault
+    assert fault["t_ns"] < fault["back_ns"] <= min(fault["rejoined"].values())
+    assert fault["back_ns"] - fault["t_ns"] >= 0.9e9
+    held = {n: [] for n in nodes}  # the rounds each worker holds a result of, from every record
+    for t in tm["tasks"]:
+        assert t["correct"], t
+        for m, d in t["members_done"].items():
+            assert d["correct"], (t["pid"], m)
+            held[m].append(d["round"])
+    for n in nodes:
+        assert sorted(held[n]) == list(range(len(held[n]))), (n, held[n])
+    during = [t for t in tm["tasks"] if fault["t_ns"] < t.get("formed_ns", 0) < fault["back_ns"]]
+    assert not during, "a group formed while the controller was down"
+    after = [t for t in tm["tasks"] if t.get("formed_ns", 0) > fault["back_ns"] and t["outcome"] == "done"]
+    assert after and {m for t in after for m in t["members"]} == set(nodes), "groups did not form again"
+    for t in fault["tasks"]:
+        assert t["outcome"] == "abandoned", t
+    print("controller fault:", {k: v for k, v in fault.items() if k != "rejoined"}, "rounds:", tm["rounds"])
+
+
+def test_link_gate_serves_tickets_in_order_across_owners_and_skips_closed_ones():
+    """FL-FCFS's gate alone (threads, no sockets sent on): sends of two executors to one peer
+    are served in ticket (ready) order, one at a time; a closed executor's tickets pass."""
+    import socket
+    import threading
+
+    from agents.executor import LinkGate
+
+    class Owner:
+        _closing = False
+
+    a, b, dead = Owner(), Owner(), Owner()
+    gate, order, lock = LinkGate(), [], threading.Lock()
+    s1, s2 = socket.socketpair()
+    tickets = [(a, gate.ticket(a)), (b, gate.ticket(b)), (dead, gate.ticket(dead)), (a, gate.ticket(a)),
+               (b, gate.ticket(b))]
+    dead._closing = True
+
+    def send(owner, t):
+        gate.acquire(t, s1, 5.0, lambda: False)
+        with lock:
+            order.append(t)
+        gate.release(t, s1)
+    threads = [threading.Thread(target=send, args=x) for x in reversed(tickets) if x[0] is not dead]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(5)
+    s1.close()
+    s2.close()
+    assert order == [0, 1, 3, 4]
+
+
+def test_groups_controller_down_is_validated():
+    base = {"name": "g", "topology": "small-3"}
+    exp = config.validate({**base, "scheme": {"name": "crew", "groups": {
+        "p": 2, "window_s": 5, "controller_down": {"at_s": 1, "for_s": 2}}}})
+    assert exp.scheme["groups"]["controller_down"] == {"at_s": 1.0, "for_s": 2.0}
+    for bad, key in (({"at_s": 6, "for_s": 1}, "scheme.groups.controller_down.at_s"),
+                     ({"at_s": 1}, "scheme.groups.controller_down.for_s"),
+                     ({"at_s": 1, "for_s": 1, "x": 1}, "scheme.groups.controller_down.x")):
+        with pytest.raises(ConfigError) as e:
+            config.validate({**base, "scheme": {"name": "crew", "groups": {"p": 2, "window_s": 5,
+                                                                           "controller_down": bad}}})
+        assert e.value.key == key, e.value
