@@ -230,8 +230,8 @@ TREE_SCHEMES = ("mtree", "forest", "blink", "multitree", "netstorm", "mst")
 EFFICIENCY_CASES = (("netstorm-internet2-9", 1.0, "bbr", ("16MB", "64MB")), ("gscale-b4-12", 0.1, "cubic", ("128MB",)))
 EFFICIENCY_COLUMNS = ["topology", "size", "scheme", "cct_s", "bound_s", "predicted_s", "efficiency",
                       "measured_over_predicted", "plan_factor", "execution_factor", "bottleneck", "bottleneck_busy",
-                      "mean_utilisation", "longest_idle_s", "startup_s", "tail_s", "trees", "first_tree_done_share",
-                      "correct"]
+                      "mean_utilisation", "longest_idle_s", "startup_s", "tail_s", "bottleneck_busy_mbps",
+                      "bottleneck_tcp_mbps", "start_skew_s", "trees", "first_tree_done_share", "correct"]
 
 
 def bench_efficiency(out: Path, progress, sizes: tuple[str, ...] | None = None,
@@ -242,6 +242,7 @@ def bench_efficiency(out: Path, progress, sizes: tuple[str, ...] | None = None,
     per scheme, ``efficiency.csv`` and one figure per topology.  ``sizes`` (default: each
     topology's own, :data:`EFFICIENCY_CASES`) applies to every topology."""
     from testbed import config
+    from testbed.costmodel import TCP_LINK_SHARE
     from testbed.efficiency import analyse_run, breakdown
     from testbed.experiment import run_experiment
     from testbed.report import write_csv
@@ -275,7 +276,10 @@ def bench_efficiency(out: Path, progress, sizes: tuple[str, ...] | None = None,
                              "plan_factor": bd.get("plan_factor"), "execution_factor": bd.get("execution_factor"),
                              "bottleneck": hot.get("link"), "bottleneck_busy": hot.get("busy_share"),
                              "mean_utilisation": a.get("mean_utilisation"), "longest_idle_s": hot.get("longest_idle_s"),
-                             "startup_s": hot.get("startup_s"), "tail_s": hot.get("tail_s"), "trees": a.get("trees"),
+                             "startup_s": hot.get("startup_s"), "tail_s": hot.get("tail_s"),
+                             "bottleneck_busy_mbps": hot.get("busy_mbps"),
+                             "bottleneck_tcp_mbps": hot["rate_mbps"] * TCP_LINK_SHARE if hot else None,
+                             "start_skew_s": a.get("start_skew_s"), "trees": a.get("trees"),
                              "first_tree_done_share": a.get("first_tree_done_share"), "correct": run["correct"],
                              "_analysis": a})
     write_csv(out / "efficiency.csv", rows, EFFICIENCY_COLUMNS)

@@ -159,7 +159,7 @@ EXECUTOR_TRANSFER_S = 0.002
 
 
 def predict(plan: Plan, graph: nx.DiGraph, *, elem_bytes: int = 4, stop_and_wait: bool = False,
-            tcp: bool = False, transfer_s: float = 0.0) -> dict:
+            tcp: bool = False, transfer_s: float = 0.0, trace: bool = False) -> dict:
     """Flow-level, max-min fair discrete-event simulation of ``plan`` on ``graph``.
 
     * An op is ready when its ``deps`` have completed.  A ready send joins the FIFO of
@@ -221,6 +221,8 @@ def predict(plan: Plan, graph: nx.DiGraph, *, elem_bytes: int = 4, stop_and_wait
     queues = [deque() for _ in conn_id]
     busy = [False] * len(conn_id)
     done = [-1.0] * n_ops
+    started = [0.0] * n_ops  # send: when its first byte went out
+    left_at = [0.0] * n_ops  # send: when its last byte left
     arrived = [False] * n_ops  # recv: its data is there
     ready = [False] * n_ops  # recv: its deps are met
     unmet = list(ops.unmet)
@@ -271,6 +273,7 @@ def predict(plan: Plan, graph: nx.DiGraph, *, elem_bytes: int = 4, stop_and_wait
         for l in key:
             on_link[l].add(key)
         left[i] = size[i]
+        started[i] = t
         fresh.append(i)
         for l in key:
             per_link[l] += size[i]
@@ -340,6 +343,7 @@ def predict(plan: Plan, graph: nx.DiGraph, *, elem_bytes: int = 4, stop_and_wait
                 continue
             ver[i] += 1
             left[i] = 0.0
+            left_at[i] = t
             key = links[i]
             members[key].discard(i)
             touched.add(key)
@@ -367,7 +371,11 @@ def predict(plan: Plan, graph: nx.DiGraph, *, elem_bytes: int = 4, stop_and_wait
     if stuck:
         sample = [(ops.node[i], ops.ops[i].id) for i in stuck[:5]]
         raise PlanError(f"plan deadlocks in the cost model; ops never complete: {sample}")
-    return _report(plan, ops, routes, done, per_link, stop_and_wait, transfer_s)
+    out = _report(plan, ops, routes, done, per_link, stop_and_wait, transfer_s)
+    if trace:
+        out["trace"] = sorted([ops.ops[i].xfer, ops.node[i], ops.ops[i].peer, started[i], left_at[i],
+                               done[ops.partner[i]]] for i in range(n_ops) if ops.is_send[i])
+    return out
 
 
 def _report(plan: Plan, ops: _Ops, routes: _Routes, done: list[float], per_link: list[float],

@@ -8,8 +8,12 @@ For one measured iteration of a run (``runs[].transfers``) on the topology's gra
   of their route, :func:`testbed.routing.data_paths`): bytes, ``need_s`` = bytes / rate
   (the time the link needs at full rate), utilisation = need_s / CCT, busy share (union of
   the intervals in which a chunk crossing it was being received, moved back by the
-  route's one-way delay, over the CCT), the longest idle gap, the start-up (first busy
-  instant) and the tail (CCT - last busy instant);
+  route's one-way delay, over the CCT), the longest idle gap, the idle time between its
+  first and last busy instant, the start-up (first busy instant), the tail (CCT - last busy
+  instant) and the payload rate while busy (``busy_mbps``, against the rate x 1448/1514
+  TCP can carry);
+* ``start_skew_s``: how far apart the workers began communicating (the CCT counts from the
+  first);
 * the decomposition ``efficiency = bound / CCT = (bound / need) x (need / CCT)``, with
   ``need`` the busiest link's ``need_s``: the first factor is the plan's (how its traffic
   is spread over the links, against the packing optimum), the second the execution's (how
@@ -72,13 +76,17 @@ def analyse_run(run: dict, graph: nx.DiGraph) -> dict:
         rate = float(graph[a][b]["rate_mbps"])
         need = nbytes[(a, b)] * 8 / (rate * 1e6)
         gaps = [u[0][0]] + [y[0] - x[1] for x, y in zip(u, u[1:])] + [max(0.0, cct - u[-1][1])]
+        busy_s = sum(y - x for x, y in u)
         links.append({"link": f"{a}->{b}", "rate_mbps": rate, "bytes": nbytes[(a, b)], "need_s": need,
                       "utilisation": need / cct if cct else None,
-                      "busy_share": sum(y - x for x, y in u) / cct if cct else None,
-                      "longest_idle_s": max(gaps), "startup_s": u[0][0], "tail_s": max(0.0, cct - u[-1][1])})
+                      "busy_share": busy_s / cct if cct else None,
+                      "longest_idle_s": max(gaps), "startup_s": u[0][0], "tail_s": max(0.0, cct - u[-1][1]),
+                      "idle_s": sum(gaps[1:-1]),  # between its first and last busy instant
+                      "busy_mbps": nbytes[(a, b)] * 8 / busy_s / 1e6 if busy_s > 0 else None})
     ends = sorted(flow_end.values())
     hot = max(links, key=lambda l: l["need_s"]) if links else None
     return {"iteration": it["iteration"], "cct_s": cct, "trees": len(flow_end),
+            "start_skew_s": (max(starts) - t0) / 1e9 if starts else None,
             "tree_finish_s": {str(f): e for f, e in sorted(flow_end.items())},
             "first_tree_done_share": ends[0] / cct if ends and cct else None,
             "bottleneck": hot, "links": links,

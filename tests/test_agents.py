@@ -476,3 +476,21 @@ def test_hung_agent_times_out_naming_it():
         finally:
             os.kill(procs["r2"].pid, signal.SIGCONT)
     assert all(p.poll() is not None for p in procs.values())
+
+
+def test_agent_makes_inputs_and_true_sums_before_ready_within_its_budget():
+    """Inputs and true sums are made before READY (not after GO and during others' runs),
+    as many iterations as fit in the budget; a receiver's sum is exact, a non-participant has
+    no input, a non-receiver no sum (issue 17: start skew on a shared machine)."""
+    from agents.agent import Agent
+    job = Job(name="h1", nodes=["h0", "h1", "h2"], length=1000, participants=["h0", "h1"], receivers=["h1"],
+              program=[], peers={}, seed=5, iterations=3)
+    a = Agent.__new__(Agent)
+    a.name, a.job = "h1", job
+    made = a.precompute(budget=2 * 2 * 1000 * 4)  # two iterations' input + sum
+    assert sorted(made) == [0, 1]
+    x, want = made[1]
+    assert np.array_equal(x, make_input(5, 1, 1, 1000))
+    assert np.array_equal(want, expected_sum(5, [0, 1], 1, 1000))
+    a.name, a.job = "h2", Job(**{**job.__dict__, "name": "h2"})
+    assert a.inputs(0) == (None, None)

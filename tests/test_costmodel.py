@@ -297,3 +297,20 @@ def test_predict_matches_naive_simulator(seed):
                            ("bkt", {"chunks": 2}), ("mst", {"chunks": 3})]:
         plan = make_plan(scheme, g, 5000, params)
         assert predict(plan, g)["cct_s"] == pytest.approx(naive_predict(plan, g), rel=1e-9), scheme
+
+
+def test_trace_gives_each_transfer_its_wire_and_done_times():
+    # a->b then b->c (store and forward), 100 Mbit/s, 10 ms: the second starts when the first is received
+    g = build([("a", "b"), ("b", "c")], rate=100, delay=10)
+    b = ProgramBuilder(["a", "b", "c"])
+    _, r = b.transfer("a", "b", 0, 1000, reduce=False)
+    b.transfer("b", "c", 0, 1000, reduce=False, send_deps=[r])
+    plan = Plan("chain", ["a", "b", "c"], 1000, b.programs)
+    out = predict(plan, g, trace=True)
+    t1 = 4000 / Bps(100)
+    (x0, s0, d0, st0, en0, dn0), (x1, s1, d1, st1, en1, dn1) = out["trace"]
+    assert (s0, d0, s1, d1) == ("a", "b", "b", "c")
+    assert (st0, en0, dn0) == pytest.approx((0.0, t1, t1 + 0.010))
+    assert (st1, en1, dn1) == pytest.approx((t1 + 0.010, 2 * t1 + 0.010, 2 * t1 + 0.020))
+    assert out["cct_s"] == pytest.approx(dn1)
+    assert "trace" not in predict(plan, g)

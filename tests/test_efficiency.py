@@ -198,3 +198,14 @@ def test_bench_efficiency_end_to_end_small(netenv, tmp_path):
     assert (tmp_path / "efficiency-netstorm-internet2-9.png").stat().st_size > 10_000
     assert (tmp_path / "netstorm-internet2-9-2MB" / "results.json").exists()
     assert "mtree" in r.stdout and "efficiency" in r.stdout
+
+
+def test_idle_time_rate_while_busy_and_start_skew():
+    # 1 MB chunks received over [0.31, 1.31] and [2.01, 2.51] s: 0.7 s idle between them, 2 MB
+    # in 1.5 s busy; the workers started 5 ns apart
+    rows = [row(1, 0, 0, 0, 1_000_000, (0.31, 1.31)), row(1, 1, 0, 1, 1_000_000, (2.01, 2.51))]
+    a = analyse_run(run_record(rows, 3.2), pair_graph())
+    (link,) = a["links"]
+    assert link["idle_s"] == pytest.approx(0.7)
+    assert link["busy_mbps"] == pytest.approx(16 / 1.5)
+    assert a["start_skew_s"] == pytest.approx(5e-9)
