@@ -205,7 +205,7 @@ def bench_emulator(out: Path, progress, topology: str = "netstorm-internet2-9", 
             r = run_linkcheck(base.scaled(scale), seconds=seconds, phases=("concurrent",), tcp_cc=cc,
                               progress=lambda m: None)
             rows = r["directions"]
-            ok = r["ok"] and r["emulation_kept_up"]["ok"]
+            ok = r["ok"]  # directions in tolerance and emulator kept up
             runs.append({"scale": scale, "ok": ok, "directions_ok": sum(d["ok"] for d in rows),
                          "directions": len(rows), "worst_rate_ratio": min((d.get("rate_ratio") or 0) for d in rows),
                          "kept_up": r["emulation_kept_up"], "cpu_util": r.get("concurrent_cpu_util"),

@@ -72,6 +72,16 @@ def test_lossy_jittery_link_is_measured_within_tolerance(netenv):
         assert d["tcp_cc"] == "cubic" and d["tcp_goodput_mbps"] < 0.5 * d["measured_mbps"]
 
 
+def test_standing_queue_behind_a_long_round_trip(netenv):
+    """GScale's g2-g5 (130 Mbit/s, 400 ms): iperf3 needs ~4 round trips (3.2 s) before its first
+    datagram; probes sent before then read an empty queue (measured 3-29 ms for 93 ms)."""
+    topo = load_topology({"name": "long", "datacenters": ["a", "b"],
+                          "links": [{"between": ["a", "b"], "rate_mbps": 130, "delay_ms": 400}]})
+    res = run_linkcheck(topo, seconds=3, phases=("single",), progress=lambda m: None)
+    for d in res["directions"]:
+        assert d["measured_queue_ms"] == pytest.approx(d["expected_queue_ms"], abs=2.0), d
+
+
 def test_rate_change_is_visible_within_one_second(netenv):
     with WanNetwork(_two(rate=50, delay=5)) as net:
         srv = net.popen("b", ["iperf3", "-s", "-1", "-J", "-i", "0.25", "-p", "5301"],
