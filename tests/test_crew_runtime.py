@@ -505,6 +505,21 @@ def link_sharing(tasks: list[dict], min_overlap_ns: int = 1_500_000) -> tuple[in
     return shared, len(concurrent)
 
 
+def _loopback_tasks(g, length: int, compute_base_s: float, seed: int, tasks: dict, plan_for):
+    """Real agent processes on loopback in CREW's task mode (p = 2, T = 4 s), worker i computing
+    ``compute_base_s + 0.01 i`` s a round: (results, nodes, the agents' exit codes)."""
+    from agents.local import LocalCluster
+
+    plan0 = make_plan("crew", g, length, {})
+    nodes = list(plan0.nodes)
+    compute = {n: [compute_base_s + 0.01 * i] for i, n in enumerate(nodes)}
+    with LocalCluster(plan0, timeout_s=20, compute_s=compute, seed=seed) as cl:
+        cl.coordinator.tasks = {"p": 2, "window_s": 4.0, "link_timeout_s": 1.0, **tasks, "plan_for": plan_for}
+        res = cl.run()
+        codes = {n: p.wait(timeout=15) for n, p in cl.procs.items()}
+    return res, nodes, codes
+
+
 @pytest.mark.parametrize("scheduling", ["fcfs", "fs"])
 def test_loopback_concurrent_tasks_on_a_link_follow_the_scheduling_policy(scheduling):
     """§IV-C across tasks, on real agents: every worker aggregates for every task, so two
@@ -513,18 +528,9 @@ def test_loopback_concurrent_tasks_on_a_link_follow_the_scheduling_policy(schedu
     link serves one task's chunk at a time (the agent's LinkGate), arrivals of two tasks'
     chunks on a link do not overlap; FS: each task's flow has its own connection and they
     overlap.  Every round exact either way."""
-    from agents.local import LocalCluster
-
-    g = topogen.crew_mesh(4, 1).graph()
-    length = 1_000_003
-    plan0 = make_plan("crew", g, length, {})
-    nodes = list(plan0.nodes)
-    compute = {n: [0.03 + 0.01 * i] for i, n in enumerate(nodes)}
-    with LocalCluster(plan0, timeout_s=20, compute_s=compute, seed=8) as cl:
-        cl.coordinator.tasks = {"p": 2, "window_s": 4.0, "link_timeout_s": 1.0, "chunk_times": True,
-                                "plan_for": lambda m, **kw: _paced(make_plan("crew", g, length, {
-                                    "active": list(m), "scheduling": scheduling, "split": "even", **kw}), 400)}
-        res = cl.run()
+    g, length = topogen.crew_mesh(4, 1).graph(), 1_000_003
+    res, nodes, _ = _loopback_tasks(g, length, 0.03, 8, {"chunk_times": True}, lambda m, **kw: _paced(make_plan(
+        "crew", g, length, {"active": list(m), "scheduling": scheduling, "split": "even", **kw}), 400))
     tm = res["tasks_mode"]
     assert not res["errors"], res["errors"]
     assert tm["tasks"] and all(t["correct"] for t in tm["tasks"])
@@ -549,19 +555,10 @@ def test_loopback_controller_lost_mid_run_workers_go_standalone_and_rejoin():
     tasks from the REJOINs.  Tasks running across the loss finish or are abandoned; every
     round any worker holds is exact and counted once; groups form again; every agent exits
     cleanly."""
-    from agents.local import LocalCluster
-
-    g = topogen.crew_mesh(4, 1).graph()
-    length = 400_003
-    plan0 = make_plan("crew", g, length, {})
-    nodes = list(plan0.nodes)
-    compute = {n: [0.02 + 0.01 * i] for i, n in enumerate(nodes)}
-    with LocalCluster(plan0, timeout_s=20, compute_s=compute, seed=9) as cl:
-        cl.coordinator.tasks = {"p": 2, "window_s": 4.0, "link_timeout_s": 1.0,
-                                "controller_down": {"at_s": 1.5, "for_s": 1.0}, "controller_wait_s": 8.0,
-                                "plan_for": lambda m, **kw: make_plan("crew", g, length, {"active": list(m), **kw})}
-        res = cl.run()
-        codes = {n: p.wait(timeout=15) for n, p in cl.procs.items()}
+    g, length = topogen.crew_mesh(4, 1).graph(), 400_003
+    res, nodes, codes = _loopback_tasks(
+        g, length, 0.02, 9, {"controller_down": {"at_s": 1.5, "for_s": 1.0}, "controller_wait_s": 8.0},
+        lambda m, **kw: make_plan("crew", g, length, {"active": list(m), **kw}))
     assert codes == {n: 0 for n in nodes}, codes
     tm = res["tasks_mode"]
     assert not res["errors"], res["errors"]
