@@ -42,3 +42,35 @@ def test_standing_queue_is_queue_pkts_full_frames_at_the_rate():
     d = LinkDir(20.0, 30.0, 0.0, 2e-4, queue_pkts=1000)
     assert standing_queue_ms(d, "relay", 1490) == pytest.approx(1000 * 1514 * 8 / 20e3)
     assert standing_queue_ms(d, "netem", 1490) == pytest.approx(1000 * 1490 * 8 / 20e3)
+
+
+def test_probe_sender_waits_for_go_after_saying_ready():
+    """linkcheck starts its probes ahead (Python's start-up takes seconds on slow machines) and
+    lets them go when the standing queue is full: nothing may leave before the go."""
+    import json
+    import select
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:  # a free port
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    probe = [sys.executable, "-m", "testbed.emulator.probe"]
+    rx = subprocess.Popen([*probe, "recv", str(port), "--seconds", "20", "--ready"], stdout=subprocess.PIPE, text=True)
+    tx = subprocess.Popen([*probe, "send", "127.0.0.1", str(port), "--pps", "100", "--seconds", "0.5", "--ready"],
+                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        for p in (rx, tx):
+            assert select.select([p.stdout], [], [], 30)[0] and p.stdout.readline().strip() == "ready"
+        with pytest.raises(subprocess.TimeoutExpired):  # held: the receiver hears nothing, so it stays
+            rx.wait(timeout=2.5)
+        tx.stdin.write("go\n")
+        tx.stdin.flush()
+        assert json.loads(tx.communicate(timeout=20)[0]) == {"sent": 50}
+        got = json.loads(rx.communicate(timeout=20)[0])
+        assert got["unique"] == 50 and got["max_seq"] == 49
+    finally:
+        for p in (rx, tx):
+            p.kill()
+            p.wait()

@@ -40,6 +40,7 @@ import json
 import math
 import os
 import re
+import select
 import subprocess
 import sys
 import time
@@ -49,6 +50,7 @@ from scipy.stats import binomtest, truncnorm
 
 from testbed.emulator import DEFAULT_TCP_CC
 from testbed.emulator.shaping import MTU, standing_queue_ms
+from testbed.errors import RunError
 from testbed.results import STEAL_MAX, CpuMeter
 
 RATE_OK = (0.93, 1.02)
@@ -57,6 +59,7 @@ BASE_PORT = 5201
 PROBE_PORT = 6201
 PROBE_PPS = 2000  # idle probes a second (at most 25 % of the link rate, spaced >= 6 jitter sigmas)
 PROBE_BYTES = 64  # UDP payload of a probe
+READY_S = 60  # the longest a probe process may take to start
 IPERF_SETUP_RTTS = 5  # round trips before iperf3's first datagram (connect, parameters, streams, start)
 UDP_PAYLOAD = MTU - 20 - 8 - 4  # iperf3 datagram: 1468 bytes (+ UDP/IP headers: 1496, under the MTU)
 UDP_FRAME = UDP_PAYLOAD + 8 + 20 + 14  # what HTB counts per datagram
@@ -189,18 +192,37 @@ def _probe_interval_s(spec) -> float:
     return max(1 / PROBE_PPS, frame * 8 / (0.25 * spec.rate_mbps * 1e6), 6 * spec.jitter_ms / 1e3)
 
 
-def _probe(net, src: str, dst: str, seconds: float, interval_s: float, port: int = PROBE_PORT) -> dict:
-    """One-way probe src -> dst; returns the receiver's statistics plus ``sent``."""
-    d = net.directions[(src, dst)].spec
-    wait = seconds + (d.delay_ms + 3 * d.jitter_ms) / 1e3 + 10
-    rx = net.popen(dst, _probe_cmd("recv", str(port), "--seconds", str(wait)), stdout=subprocess.PIPE, text=True)
-    time.sleep(0.3)
-    tx = net.popen(src, _probe_cmd("send", net.peer_address(src, dst), str(port), "--pps", f"{1 / interval_s:.3f}",
-                                   "--seconds", str(seconds), "--size", str(PROBE_BYTES)),
-                   stdout=subprocess.PIPE, text=True)
-    out_tx, _ = tx.communicate(timeout=seconds + 30)
-    out_rx, _ = rx.communicate(timeout=wait + 30)
-    return {**_json(out_rx), "sent": _json(out_tx).get("sent", 0)}
+class _Probe:
+    """One-way probe src -> dst, receiver and sender both started and past their start-up
+    (:mod:`.probe`'s ``--ready``); the first datagram leaves at :meth:`go`."""
+
+    def __init__(self, net, src: str, dst: str, seconds: float, interval_s: float, port: int = PROBE_PORT):
+        d = net.directions[(src, dst)].spec
+        self.seconds, self.wait = seconds, seconds + (d.delay_ms + 3 * d.jitter_ms) / 1e3 + 10
+        self.rx = net.popen(dst, _probe_cmd("recv", str(port), "--seconds", f"{self.wait + READY_S}", "--ready"),
+                            stdout=subprocess.PIPE, text=True)
+        self._await_ready(self.rx, f"probe receiver on {dst}")
+        self.tx = net.popen(src, _probe_cmd("send", net.peer_address(src, dst), str(port), "--pps",
+                                            f"{1 / interval_s:.3f}", "--seconds", str(seconds), "--size",
+                                            str(PROBE_BYTES), "--ready"),
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self._await_ready(self.tx, f"probe sender on {src}")
+
+    @staticmethod
+    def _await_ready(p: subprocess.Popen, who: str) -> None:
+        if not select.select([p.stdout], [], [], READY_S)[0] or p.stdout.readline().strip() != "ready":
+            p.kill()
+            raise RunError(f"linkcheck: the {who} did not start within {READY_S} s")
+
+    def go(self) -> None:
+        self.tx.stdin.write("go\n")
+        self.tx.stdin.flush()
+
+    def result(self) -> dict:
+        """The receiver's statistics plus ``sent``."""
+        out_tx, _ = self.tx.communicate(timeout=self.seconds + 30)
+        out_rx, _ = self.rx.communicate(timeout=self.wait + 30)
+        return {**_json(out_rx), "sent": _json(out_tx).get("sent", 0)}
 
 
 def _idle_probe(net, src: str, dst: str, seconds: float) -> dict:
@@ -209,7 +231,9 @@ def _idle_probe(net, src: str, dst: str, seconds: float) -> dict:
     # resolve the neighbour first (ARP crosses the emulated link and may be lost: its 1 s
     # retry would hold the first probes back)
     net.popen(src, ["ping", "-n", "-q", "-c", "3", "-i", "0.2", "-W", "3", net.peer_address(src, dst)]).wait(30)
-    r = _probe(net, src, dst, seconds, _probe_interval_s(d))
+    probe = _Probe(net, src, dst, seconds, _probe_interval_s(d))
+    probe.go()
+    r = probe.result()
     sigma = r.get("owd_iqr_ms")
     n = r.get("owd_n", 0)
     loss = loss_check(r.get("sent", 0) - r.get("unique", 0), r.get("sent", 0), d.loss)
@@ -233,6 +257,9 @@ def _queue_and_udp_rate(net, src: str, dst: str, seconds: float) -> dict:
     # which comes only after its TCP control connection and stream set-up, a few round trips
     # over this very link (0.8 s each on GScale's 400 ms links): the probes must wait for it too
     setup_s = IPERF_SETUP_RTTS * (d.delay_ms + net.directions[(dst, src)].spec.delay_ms) / 1e3
+    # probes in the same (bulk) queue, spaced wider than the queue's delay variation, started
+    # before the load so that they go exactly when the queue is full and end before the load
+    probe = _Probe(net, src, dst, seconds - 0.5, max(0.02, 6 * d.jitter_ms / 1e3), port=PROBE_PORT + 1)
     srv = net.popen(dst, ["iperf3", "-s", "-1", "-p", str(BASE_PORT), "-J", "-i", "0.5"],
                     stdout=subprocess.PIPE, text=True)
     time.sleep(0.5)
@@ -242,8 +269,8 @@ def _queue_and_udp_rate(net, src: str, dst: str, seconds: float) -> dict:
     cli = net.popen(src, ["iperf3", "-c", net.peer_address(src, dst), "-p", str(BASE_PORT), "-u", "-w", str(sndbuf),
                           "-b", f"{OVERLOAD * d.rate_mbps * 1e6:.0f}", "-l", str(UDP_PAYLOAD), "-t", f"{total:.1f}"])
     time.sleep(setup_s + fill_s)
-    # probes in the same (bulk) queue, spaced wider than the queue's delay variation
-    r = _probe(net, src, dst, seconds - 0.5, max(0.02, 6 * d.jitter_ms / 1e3), port=PROBE_PORT + 1)
+    probe.go()
+    r = probe.result()
     cli.wait(timeout=setup_s + total + 30)
     out, _ = srv.communicate(timeout=30)
     try:

@@ -7,12 +7,18 @@ interarrival jitter, no delay) measures.  Nothing here depends on TCP.
 
     python3 -m testbed.emulator.probe recv PORT --seconds S      # prints JSON
     python3 -m testbed.emulator.probe send ADDR PORT --pps N --seconds S [--size B]
+
+With ``--ready`` each prints ``ready`` once its socket is set up, and the sender then waits
+for a line on standard input before its first datagram: Python's start-up takes seconds on a
+slow machine (4.6 s measured under qemu's TCG), so a caller that needs the probes in a given
+window (``linkcheck``'s standing queue) starts both ahead and says "go" when the window opens.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import select
 import socket
 import struct
 import sys
@@ -25,12 +31,24 @@ HEADER = struct.Struct("!QQ")  # sequence number, send time (ns, CLOCK_REALTIME)
 SKIP = 10  # first packets left out of delay statistics (neighbour resolution may hold them)
 
 
-def send(addr: str, port: int, pps: float, seconds: float, size: int) -> dict:
+READY_WAIT_S = 120  # the longest a --ready sender waits for its "go"
+
+
+def _ready() -> None:
+    print("ready", flush=True)
+
+
+def send(addr: str, port: int, pps: float, seconds: float, size: int, ready: bool = False) -> dict:
     """Send ``pps`` datagrams a second for ``seconds`` (paced on a schedule, no catch-up
-    bursts beyond one interval); return the count sent."""
+    bursts beyond one interval); return the count sent.  ``ready``: first say so and wait
+    (at most READY_WAIT_S) for a line on standard input."""
     s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     pad = b"\0" * max(0, size - HEADER.size)
     n = max(1, int(round(pps * seconds)))
+    if ready:
+        _ready()
+        if not select.select([sys.stdin], [], [], READY_WAIT_S)[0] or not sys.stdin.readline():
+            raise SystemExit(f"probe send: no go on standard input within {READY_WAIT_S} s")
     t0 = time.monotonic()
     for seq in range(n):
         wait = t0 + seq / pps - time.monotonic()
@@ -40,13 +58,15 @@ def send(addr: str, port: int, pps: float, seconds: float, size: int) -> dict:
     return {"sent": n}
 
 
-def recv(port: int, seconds: float, idle_s: float = 1.0) -> dict:
+def recv(port: int, seconds: float, idle_s: float = 1.0, ready: bool = False) -> dict:
     """Receive until ``idle_s`` without a datagram (after the first) or ``seconds`` in all;
     return one-way delay statistics (ms) and the sequence numbers seen."""
     s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     s.setsockopt(socket.SOL_SOCKET, SO_TIMESTAMPNS, 1)
     s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 8 << 20)
     s.bind(("0.0.0.0", port))
+    if ready:
+        _ready()
     deadline = time.monotonic() + seconds
     seqs, owd = [], []
     while True:
@@ -93,8 +113,11 @@ def main(argv=None) -> int:
     t.add_argument("--pps", type=float, required=True)
     t.add_argument("--seconds", type=float, required=True)
     t.add_argument("--size", type=int, default=64, help="UDP payload bytes (>= 16)")
+    for p in (r, t):
+        p.add_argument("--ready", action="store_true", help="print 'ready' when set up (send: then wait for a line)")
     a = ap.parse_args(argv)
-    out = recv(a.port, a.seconds) if a.verb == "recv" else send(a.addr, a.port, a.pps, a.seconds, a.size)
+    out = (recv(a.port, a.seconds, ready=a.ready) if a.verb == "recv"
+           else send(a.addr, a.port, a.pps, a.seconds, a.size, ready=a.ready))
     print(json.dumps(out))
     return 0
 
