@@ -14,7 +14,7 @@ the outgoing data connections, report READY, then per iteration wait for GO, sle
 compute time, run the program, check the result and report DONE.  Exit 0 after FINISH,
 1 on any failure or ABORT.  Control messages are JSON objects with a ``"msg"`` key:
 
-    agent -> coordinator: ready, installed, done, bye, alive (heartbeat), status, clock, probe;
+    agent -> coordinator: ready, installed, done, bye, alive (heartbeat), status, clock, probe, train;
                           error (ERROR frame)
     coordinator -> agent: welcome, job, plan, go, finish, alive (heartbeat), status, clock; abort (ERROR)
 
@@ -62,6 +62,7 @@ from .inputs import expected_sum, make_input
 
 PRECOMPUTE_BYTES = 512 << 20  # inputs and true sums made before READY (Agent.precompute)
 from .probe import Prober, Sample
+from .trains import Trains
 
 log = logging.getLogger("agents")
 
@@ -93,7 +94,8 @@ class Job:
     timeout_s: float = 60.0
     wait_s: float = 600.0  # longest wait for the coordinator's next message (GO, FINISH)
     limit_s: float | None = None  # longest one iteration's communication may take
-    probe: dict | None = None  # {"chunk_bytes", "chunk_num"}: report received chunks (agents.probe)
+    probe: dict | None = None  # {"chunk_bytes", "chunk_num"}: report received chunks (agents.probe);
+    # "trains": [[peer, ip, port, packets, every_s]]: send packet trains on these links (agents.trains)
     aux: dict = field(default_factory=dict)  # auxiliary paths through this node (testbed.plan.Plan.aux)
     mode: str = "iterations"  # or "tasks": CREW's groups from the controller's ready queue (agents.crew)
 
@@ -124,6 +126,7 @@ class Agent:
         self.handshake_s = float(cfg.get("handshake_timeout_s", wire.HANDSHAKE_TIMEOUT_S))
         self.retry_s = float(cfg.get("connect_retry_s", CONNECT_RETRY_S))
         self.prober: Prober | None = None
+        self.trains: Trains | None = None
         self.iteration = 0  # the one GO last started
         self.listener = socket.create_server((cfg.get("bind", "0.0.0.0"), int(cfg.get("data_port", 0))),
                                              backlog=socket.SOMAXCONN)
@@ -139,6 +142,7 @@ class Agent:
         self.stopping = False
         self.standalone_ok = False  # CREW tasks mode: a lost controller is survived (crew.worker_loop)
         self.detached: list | None = None  # not None while the controller is gone
+        self.losses = 0  # how often the controller was lost (a version installed across a loss is void)
         self.recent: deque = deque(maxlen=32)  # the latest task reports
         self.silence_s = self.handshake_s  # until the coordinator's WELCOME says otherwise
 
@@ -166,7 +170,7 @@ class Agent:
 
     def _detach_locked(self, why: str) -> None:
         if self.detached is None:
-            self.detached = []
+            self.detached, self.losses = [], self.losses + 1
             wire.close_quietly(self.ctrl)
             log.warning("controller lost: %s", why)
             self.inbox.put({"msg": "_ctrl_lost", "why": why})
@@ -393,6 +397,10 @@ class Agent:
         self.job = job = Job.from_dict(self.next_msg("job", float(welcome["job_within_s"]))["job"])
         if job.probe:
             self.prober = Prober(job.probe["chunk_bytes"], job.probe["chunk_num"])
+        if job.probe and job.probe.get("trains"):  # capacity of this node's WAN links (agents.trains)
+            self.trains = Trains(job.nodes.index(self.name), job.nodes, self.data_port,
+                                 job.probe["trains"], self._on_train, seed=str(job.seed),
+                                 bind=self.listener.getsockname()[0]).start()
         self._install(0, job.program, job.scratch, job.peers, job.aux)
         self.ex = self.execs[0]
         if job.mode == "tasks":
@@ -435,8 +443,14 @@ class Agent:
         self.send({"msg": "bye", "errors": late})
         return 1 if late else 0
 
+    def _on_train(self, src: str, rate_mbps: float, send_ns: int, recv_ns: int) -> None:
+        self.send({"msg": "train", "src": src, "rate_mbps": rate_mbps, "send_ns": send_ns, "recv_ns": recv_ns,
+                   "t_ns": time.time_ns()})
+
     def close(self) -> None:
         self.stopping = True
+        if self.trains:
+            self.trains.close()
         for ex in list(self.execs.values()):
             ex.close()
         self.listener.close()

@@ -17,12 +17,16 @@ import argparse
 import sys
 import time
 
+offset_ns = 0  # this process's shift (kernel timestamps, e.g. SO_TIMESTAMPNS, are not shifted)
+
 
 def shift(offset_ms: float) -> None:
     """From now on this process's wall clock reads ``offset_ms`` later than the host's."""
+    global offset_ns
     if not offset_ms:
         return
     delta_ns, real_ns, real_s = int(offset_ms * 1e6), time.time_ns, time.time
+    offset_ns += delta_ns
     time.time_ns = lambda: real_ns() + delta_ns
     time.time = lambda: real_s() + delta_ns / 1e9
 

@@ -18,7 +18,9 @@ with ``sync_clocks`` estimates every agent's clock offset (NTP-style CLOCK excha
 every timestamp an agent reports is moved to the coordinator's clock with it, so CCTs and
 transfer records are right on hosts with unsynchronised clocks), then per iteration sends
 GO to all and collects DONE from all.  With ``probe`` the agents report windows of received
-chunks (PROBE), kept in :class:`agents.netstate.NetState` (results ``estimates``).
+chunks (PROBE) and, with ``probe["trains"]`` ({duty, links: [[src, dst, configured Mbit/s]]}),
+the packet trains they received on those links (TRAIN, :mod:`agents.trains`), kept in
+:class:`agents.netstate.NetState` (results ``estimates``).
 
 Versioned plans and policy switches (NetStorm §VII-A): the JOB's plan is version 0.  With
 ``policy``, before every iteration ``policy(iteration, netstate)`` may return another plan
@@ -62,6 +64,8 @@ from testbed.plan import RECV, Plan
 from . import wire
 from .agent import Job
 from .netstate import NetState
+from .trains import FRAME as TRAIN_FRAME
+from .trains import shape as train_shape
 
 log = logging.getLogger("agents.coordinator")
 
@@ -111,6 +115,15 @@ def check_done(msg: dict, transfers: dict[int, tuple[str, str]], node: str) -> s
                 and row[1][-1:] == [transfers[row[0]][1]] and all(isinstance(n, str) for n in row[1])):
             return f"bad aux row {wire.sanitize(row, 80)} (expected [one of this node's transfers, its path])"
     return None
+
+
+def _address(addresses: Mapping, src: str, dst: str) -> str:
+    """``dst``'s address as seen from ``src``: ``addresses`` maps src -> {dst: ip} or dst -> ip."""
+    view = addresses.get(src) if isinstance(addresses.get(src), Mapping) else addresses
+    ip = view.get(dst) if view is not None else None
+    if not isinstance(ip, str) or not ip:
+        raise ConfigError(f"no address for {dst} as seen from {src}", key="addresses")
+    return ip
 
 
 class Failure(RunError):
@@ -243,6 +256,7 @@ class Coordinator:
         self._clock_x: dict[str, list[tuple[int, int, int, int]]] = {}
         self.policy = policy
         self.sync_clocks = bool(probe) if sync_clocks is None else sync_clocks  # CLOCK exchanges before GO
+        self._trains_open = False  # TRAIN reports are taken from the first probed iteration (as PROBE windows)
         self._plans: list[Plan] = [plan]  # index = version
         self.version = 0
         self.switches = 0
@@ -256,12 +270,24 @@ class Coordinator:
         if plan.aux.get("paths"):  # relays forward to whichever node a chunk's route names
             pairs |= {(a, b) for a in plan.nodes for b in plan.nodes if a != b}
         for src, dst in sorted(pairs):
-            view = addresses.get(src) if isinstance(addresses.get(src), Mapping) else addresses
-            ip = view.get(dst) if view is not None else None
-            if not isinstance(ip, str) or not ip:
-                raise ConfigError(f"no address for {dst} as seen from {src}", key="addresses")
-            out[(src, dst)] = ip
+            out[(src, dst)] = _address(addresses, src, dst)
         return out
+
+    def _trains_report(self) -> dict:
+        """The packet trains' shape per link, for results (``estimates.trains``)."""
+        t = (self.probe or {}).get("trains")
+        if not t:
+            return {}
+        return {"trains": {"duty": t["duty"], "frame_bytes": TRAIN_FRAME, "links": {
+            f"{src}>{dst}": dict(zip(("packets", "every_s"), train_shape(float(rate), float(t["duty"]))),
+                                 rate_mbps=float(rate)) for src, dst, rate in t["links"]}}}
+
+    def _train_targets(self, node: str) -> list:
+        """``node``'s packet trains (:mod:`agents.trains`): [peer, ip, port, packets, every_s]
+        per WAN link it sends on, shaped for the link's configured rate and ``duty``."""
+        t = (self.probe or {}).get("trains")
+        return [[dst, _address(self._addresses, src, dst), self.data_port or int(self._idents[dst]["data_port"]),
+                 *train_shape(float(rate), float(t["duty"]))] for src, dst, rate in t["links"] if src == node] if t else []
 
     # -- registration ----------------------------------------------------------------
     def start(self) -> "Coordinator":
@@ -327,11 +353,13 @@ class Coordinator:
                 kind = msg.get("msg")
                 if kind == "clock":
                     self._clock_answer(name, msg, time.time_ns())
-                elif kind == "probe":
+                elif kind == "train" and not self._trains_open:
+                    pass  # clocks not synchronised yet, or a warm-up iteration's queues (TCP start-up)
+                elif kind in ("probe", "train"):
                     try:
-                        self.net.add({**msg, "dst": name})
+                        (self.net.add if kind == "probe" else self.net.add_train)({**msg, "dst": name})
                     except ValueError as e:
-                        raise wire.ProtocolError(f"malformed PROBE report: {wire.sanitize(e)}") from None
+                        raise wire.ProtocolError(f"malformed {kind.upper()} report: {wire.sanitize(e)}") from None
                 elif kind == "missing":
                     self._ask_resend(name, msg)
                 elif kind != "alive":
@@ -651,7 +679,8 @@ class Coordinator:
                    mode="tasks" if self.tasks else "iterations",
                    wait_s=self._iteration_limit() + self.ready_limit() + self.silence_s, limit_s=self.limit_s,
                    probe=({"chunk_bytes": int(self.probe["chunk_bytes"]), "chunk_num": int(self.probe["chunk_num"]),
-                           "from_iteration": int(self.probe.get("from_iteration", 0))} if self.probe else None),
+                           "from_iteration": int(self.probe.get("from_iteration", 0)),
+                           "trains": self._train_targets(node)} if self.probe else None),
                    aux=self._aux_part(node))
 
     def ready_limit(self) -> float:
@@ -667,7 +696,8 @@ class Coordinator:
         return {"scheme": self.plan.scheme, "nodes": list(self.plan.nodes), "length": self.plan.length,
                 "dtype": self.dtype, "seed": self.seed, "stop_and_wait": self.stop_and_wait,
                 "iterations": self._iterations, "transfers": {"columns": TRANSFER_COLUMNS, "rows": self._rows},
-                "estimates": self.net.report(), "switches": self.switches, "resend_requests": self.resend_requests,
+                "estimates": {**self.net.report(), **self._trains_report()}, "switches": self.switches,
+                "resend_requests": self.resend_requests,
                 "versions": [{"version": v, "scheme": p.scheme, "meta": p.meta} for v, p in enumerate(self._plans)],
                 "errors": self._errors}
 
@@ -688,6 +718,7 @@ class Coordinator:
                 self._task_run = TaskRun(self, self.tasks)
                 return self._task_run.run()
             for it in range(self.iterations):
+                self._trains_open = it >= int((self.probe or {}).get("from_iteration", 0))
                 new = self.policy(it, self.net) if self.policy else None
                 if new is not None and self._use(new):
                     self.switches += 1

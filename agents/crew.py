@@ -715,7 +715,17 @@ class TaskRun:
         fault = {"t_ns": time.time_ns(), "node": w, "why": str(why), "tasks": []}
         self.faults.append(fault)
         self.c.progress(f"worker {w} lost ({why}): failover")
-        for t in self.ctl.lose(w):
+        stopped = self.ctl.lose(w)
+        if w in self.detached or self.detached:  # the controller is down or not every worker is back:
+            self.detached.discard(w)  # no repair (it needs them all); the tasks with w are dropped
+            for t in stopped:
+                if t.state == "running" and t.pid in self.orphans:
+                    self._drop_orphan(t, f"{w} lost while the controller was down")
+                    fault["tasks"].append({"pid": t.pid, "outcome": "abandoned"})
+            if not self.detached:
+                self._settle()
+            return
+        for t in stopped:
             self._stop(t, fault, w)
 
     def _link(self, node: str, peer: str, lost: bool) -> None:
@@ -909,13 +919,15 @@ def worker_loop(agent, Aborted: type[Exception]) -> int:
         th.start()
 
     def install(v: int, msg: dict) -> None:
+        losses = agent.losses
         try:
             agent._install(v, [Op.from_dict(o) for o in msg["program"]], msg["scratch"],
                            {p: (str(a[0]), int(a[1])) for p, a in msg["peers"].items()}, {},
                            link_fifo=bool(msg.get("link_fifo")))
             agent.send({"msg": "installed", "version": v})
         except Exception as e:
-            if v in dropped:  # given up on meanwhile (e.g. a link it needs broke): no error
+            if v in dropped or agent.losses != losses:  # given up on meanwhile (a link it needs broke,
+                # or its controller was lost before every peer had it): no error
                 log.warning("plan version %d not installed (abandoned): %s", v, e)
                 return
             agent.abort_soon(f"installing plan version {v}: {type(e).__name__}: {e}")

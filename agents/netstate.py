@@ -10,6 +10,7 @@ estimate is recorded, so every entry states its own error.
 
 from __future__ import annotations
 
+import statistics
 import threading
 import time
 from typing import Callable
@@ -32,7 +33,9 @@ def parse_samples(raw) -> list[Sample]:
     return out
 
 
-LINK_WINDOWS = 3  # a link's estimate: the largest rate of its last this many windows
+LINK_WINDOWS = 3  # a link's estimate: from its last this many windows of each kind ...
+RECENT_S = 3.0  # ... no older than this (a fall shows once the windows before it aged out)
+BASE_DELAY_S = 60.0  # a link's one-way delay: the least of its windows this recent (LEDBAT's base delay)
 
 
 class NetState:
@@ -43,8 +46,15 @@ class NetState:
     window in which TCP did not fill the link (a loss, a sender that ran late: 0.67-0.88 of
     the rate in about 1 window of 12 on this testbed) reads low while the capacity did not
     change; the maximum of recent windows is the tightest such lower bound.  A rise shows
-    at once, a fall once ``windows`` windows saw it (NetStorm re-plans every UPDATE_TIME
-    = 5 s; a window on a busy link lasts ~1-3 s here).  ``windows: 1`` = the latest window."""
+    at once, a fall once ``windows`` windows saw it or RECENT_S passed (NetStorm re-plans
+    every UPDATE_TIME = 5 s; a window on a busy link lasts ~1-3 s here).
+    Packet trains (:mod:`agents.trains`, :meth:`add_train`) read the link's rate where they met
+    no data, less where they did, and now and then more (a receiver held up, then handed a
+    burst): of those the median counts.  So ``link_mbps`` = the larger of the largest chunk
+    window and the median train among the link's last ``windows`` of each, no older than
+    RECENT_S (the newest always counts).  ``owd_ms``: the least one-way delay of the link's
+    windows of the last BASE_DELAY_S, once there are ``windows`` of them (None before: a
+    window that met a queue reads the queue too; ``sample_owd_ms``: this window's)."""
 
     def __init__(self, nodes: list[str], estimator: str = DEFAULT_ESTIMATOR,
                  truth: Callable[[str, str], dict | None] | None = None, windows: int = LINK_WINDOWS):
@@ -56,7 +66,8 @@ class NetState:
         self.clock: dict[str, dict] = {}
         self.series: list[dict] = []
         self._latest: dict[tuple[str, str], tuple[dict, int]] = {}
-        self._recent: dict[tuple[str, str], list[float]] = {}
+        self._recent: dict[tuple[str, str], dict[str, list[tuple[int, float]]]] = {}  # source -> (t, rate)
+        self._owds: dict[tuple[str, str], list[tuple[int, float]]] = {}  # (t, one-way delay) of every window
         self._lock = threading.Lock()
 
     def set_offset(self, node: str, offset_ns: int, rtt_ns: int) -> None:
@@ -73,21 +84,43 @@ class NetState:
         if src not in self.nodes or dst not in self.nodes or src == dst:
             raise ValueError(f"probe report for an unknown link {str(src)[:40]!r} -> {str(dst)[:40]!r}")
         samples = parse_samples(msg.get("samples"))
-        now = time.time_ns()
         est = estimate(samples, self.offsets.get(dst, 0) - self.offsets.get(src, 0))
-        rate = est[f"{self.estimator}_mbps"] * WIRE_BYTES_PER_PAYLOAD
+        return self._record(src, dst, est[f"{self.estimator}_mbps"] * WIRE_BYTES_PER_PAYLOAD, {"source": "chunks", **est})
+
+    def _record(self, src: str, dst: str, rate: float, fields: dict) -> dict:
+        """One estimate of (src, dst): into the link's recent windows and the series."""
+        now = time.time_ns()
         with self._lock:
-            recent = self._recent.setdefault((src, dst), [])
-            recent[:] = (recent + [rate])[-self.windows:]
-            link = max(recent)
-        entry = {"t_s": round((now - self.t0_ns) / 1e9, 4), "src": src, "dst": dst,
-                 "link_mbps": link, "rate_mbps": rate, **est}
+            recent = self._recent.setdefault((src, dst), {"chunks": [], "train": []})
+            mine = recent[fields["source"]]
+            mine[:] = (mine + [(now, rate)])[-self.windows:]
+            fresh = {k: [r for t, r in v if now - t <= RECENT_S * 1e9] for k, v in recent.items()}
+            link = max(([max(fresh["chunks"])] if fresh["chunks"] else []) +
+                       ([statistics.median(fresh["train"])] if fresh["train"] else []))
+            owds = self._owds.setdefault((src, dst), [])
+            owds[:] = [(t, d) for t, d in owds if now - t <= BASE_DELAY_S * 1e9] + [(now, fields["owd_ms"])]
+            owd = min(d for _, d in owds) if len(owds) >= self.windows else None
+        entry = {"t_s": round((now - self.t0_ns) / 1e9, 4), "src": src, "dst": dst, "link_mbps": link,
+                 "rate_mbps": rate, **fields, "owd_ms": owd, "sample_owd_ms": fields["owd_ms"]}
         if self.truth:
             entry["truth"] = self.truth(src, dst)
         with self._lock:
             self.series.append(entry)
             self._latest[(src, dst)] = (entry, now)
         return entry
+
+    def add_train(self, msg: dict) -> dict:
+        """Record one TRAIN report (``src``, ``dst``, ``rate_mbps``: already in link-rate units,
+        ``send_ns``/``recv_ns``: the train's least-delay datagram, on the sender's and the
+        receiver's clocks; :mod:`agents.trains`); ValueError if malformed."""
+        src, dst, rate = msg.get("src"), msg.get("dst"), msg.get("rate_mbps")
+        if src not in self.nodes or dst not in self.nodes or src == dst:
+            raise ValueError(f"train report for an unknown link {str(src)[:40]!r} -> {str(dst)[:40]!r}")
+        if not isinstance(rate, (int, float)) or isinstance(rate, bool) or not 0 < rate < 1e7 or not all(
+                isinstance(msg.get(k), int) and not isinstance(msg.get(k), bool) for k in ("send_ns", "recv_ns")):
+            raise ValueError("train: expected rate_mbps > 0 and integer send_ns, recv_ns")
+        owd_ns = self.to_scheduler(dst, msg["recv_ns"]) - self.to_scheduler(src, msg["send_ns"])
+        return self._record(src, dst, float(rate), {"source": "train", "owd_ms": owd_ns / 1e6})
 
     def latest(self) -> dict[tuple[str, str], dict]:
         """(src, dst) -> {rate_mbps, owd_ms, age_s} of the latest estimate of every measured link."""

@@ -35,8 +35,9 @@ Format (YAML; every key but ``name``, ``topology`` and ``scheme.name`` is option
                                  # the clock-offset correction; real hosts have their own)
     dynamics: []                 # live rate changes, see testbed/emulator/dynamics.py
     dynamics_per_run: false      # true: every run (variant x repetition) replays the dynamics
-                                 # from its own start on the nominal rates, so schemes compared
-                                 # see the same rates at the same point of their run
+                                 # and faults from its own start on the healthy network, so
+                                 # schemes compared see the same rates and faults at the same
+                                 # point of their run
     faults: []                   # link down/up, datacenter crash/restart
     variants:                    # optional: more schemes run on the SAME network, compared
       - {label: ps, scheme: {name: ps}}     # in one results.json (the main scheme runs first)
@@ -83,6 +84,9 @@ TOP_KEYS = {"name", "topology", "scheme", *DEFAULTS}
 # re-plans that often on the estimated (mode: estimated) or the emulator's true current
 # (mode: oracle) rates; update_s: 0 only measures; a new plan is taken when its predicted CCT
 # on those rates beats the current plan's by min_gain.  Chunk size and count: NetStorm Table II.
+# train_duty: every agent also sends packet trains on its WAN links, this share of each link's
+# configured rate (agents.trains: capacity where the data leaves a link idle; not in the paper);
+# 0 = passive probing only.
 # scheme.groups (CREW §III, §V): no iterations; the controller forms groups P of the first p
 # ready workers, each runs the scheme over P (its ``active``) while the others compute; each
 # worker's completed rounds in a window of window_s seconds are counted.  link_timeout_s: a
@@ -96,7 +100,7 @@ TOP_KEYS = {"name", "topology", "scheme", *DEFAULTS}
 # window for for_s (§IV-B: workers go standalone, then rejoin the restarted controller).
 GROUPS_DEFAULTS = {"p": 2, "window_s": 30.0, "link_timeout_s": 2.0, "noise": 0.0, "blocking": True}
 ADAPTIVE_DEFAULTS = {"update_s": 5.0, "probe_chunk_bytes": 2_000_000, "probe_chunk_num": 4,
-                     "estimator": "busy", "mode": "estimated", "min_gain": 0.1}
+                     "estimator": "busy", "mode": "estimated", "min_gain": 0.1, "train_duty": 0.008}
 # scheme.aux (NetStorm §VI, multipath auxiliary transmission; NetStorm-pro = netstorm with aux):
 # Algorithm 3's paths per (sender, next aggregator) pair (testbed.planners.auxpaths.attach),
 # re-computed at every re-plan.  primary_busy_bound: Table II.  aux_queue_length: Fig. 17's best
@@ -170,7 +174,7 @@ class Experiment:
     workload: Workload
     variants: tuple[Variant, ...]
     dynamics: tuple
-    dynamics_per_run: bool  # replay the dynamics from every run's start (variants see the same rates)
+    dynamics_per_run: bool  # replay dynamics and faults from every run's start (variants see the same)
     faults: tuple
     emulator: EmulatorSettings
     agents: AgentSettings
@@ -490,6 +494,8 @@ def _adaptive(c: Checker, spec, key: str) -> dict | None:
     c.number(out["probe_chunk_num"], f"{key}.probe_chunk_num", integer=True, minimum=1)
     c.choice(out["estimator"], f"{key}.estimator", ESTIMATORS)
     c.choice(out["mode"], f"{key}.mode", ("estimated", "oracle"))
+    if c.number(out["train_duty"], f"{key}.train_duty", minimum=0) > 0.05:
+        c.fail(f"{key}.train_duty", f"at most 0.05 (a share of each link's rate), got {out['train_duty']!r}")
     if c.number(out["min_gain"], f"{key}.min_gain", minimum=0) >= 1:
         c.fail(f"{key}.min_gain", f"must be below 1 (a share of the current plan's CCT), got {out['min_gain']!r}")
     return out

@@ -104,7 +104,8 @@ def run_variants(exp: Experiment, planned: list, hosts: Hosts, out_dir: Path,
                                     compute_s=compute_times(w.compute_s, plan.nodes, MAX_ROUNDS if tasks else n_its,
                                                             seed),
                                     stop_and_wait=a.stop_and_wait, timeout_s=a.timeout_s, progress=progress,
-                                    predicted_s=prediction["cct_s"], probe=probe_options(v.scheme, w.warmup),
+                                    predicted_s=prediction["cct_s"],
+                                    probe=probe_options(v.scheme, exp.topology.graph(), w.warmup),
                                     clock_offset_ms=a.clock_offset_ms,
                                     policy=replanner(exp, v.scheme, plan, hosts.truth()))
             except TestbedError as e:  # the failed run, recorded (results.json's "failure")
@@ -122,6 +123,8 @@ def run_variants(exp: Experiment, planned: list, hosts: Hosts, out_dir: Path,
                      + (f", rounds in {tasks['window_s']:g} s: {r['rounds']}" if tasks else "")
                      + (f", {r['switches']} plan switches, link estimates within 10 %: "
                         f"{r['estimation']['rate_within_10pct']:.0%} of {r['estimation']['windows']}"
+                        + (f" ({r['estimation']['trains']} packet trains, at most "
+                           f"{r['estimation']['train_overhead_max']:.2%} of a link)" if "trains" in r["estimation"] else "")
                         if r.get("estimation", {}).get("windows") else ""))
             if not r["correct"]:  # results are still written; the CLI exits 1
                 progress(f"WRONG RESULT at {', '.join(r['incorrect']) or 'some workers (digests differ)'}")
@@ -180,12 +183,16 @@ def noisy_rates(graph, lam: float, seed: int):
     return g
 
 
-def probe_options(scheme: dict, warmup: int = 0) -> dict | None:
+def probe_options(scheme: dict, graph, warmup: int = 0) -> dict | None:
     """The coordinator's ``probe`` option from a scheme's ``adaptive`` block (None: off);
-    chunks of the ``warmup`` iterations are not probed (fresh connections in slow start)."""
+    chunks of the ``warmup`` iterations are not probed (fresh connections in slow start);
+    packet trains on every directed link of ``graph`` (configured rates) at ``train_duty``."""
     a = scheme.get("adaptive")
+    if not a:
+        return None
+    trains = {"duty": a["train_duty"], "links": [[u, v, r] for u, v, r in sorted(graph.edges(data="rate_mbps"))]}
     return {"chunk_bytes": a["probe_chunk_bytes"], "chunk_num": a["probe_chunk_num"],
-            "estimator": a["estimator"], "from_iteration": warmup} if a else None
+            "estimator": a["estimator"], "from_iteration": warmup, **({"trains": trains} if a["train_duty"] else {})}
 
 
 def replanner(exp: Experiment, scheme: dict, plan, truth: Callable[[str, str], dict | None] | None = None,
@@ -316,21 +323,21 @@ def run_experiment(exp: Experiment, out_dir: Path, progress: Callable[[str], Non
 
 def _run_on_network(exp: Experiment, planned: list, results: dict, out_dir: Path, progress, caps, net,
                     checkpoint: Callable[[list], None]) -> None:
-    from testbed.emulator.dynamics import Scheduler, restore_rates
+    from testbed.emulator.dynamics import Scheduler, restore_network
     from testbed.emulator.hosts import EmulatedHosts
 
     with (open_network(exp, progress, caps) if net is None else contextlib.nullcontext(net)) as net:
         results["links"] = net.link_report()
         results["events_t0_s"] = net.t0  # events[].t_s count from here (Unix time), transfers are Unix ns
         results["environment"]["host_sysctls"] = net.host_sysctls
-        per_run = exp.dynamics_per_run and exp.dynamics
-        scheds = [Scheduler(net, () if per_run else exp.dynamics, exp.faults, log=progress).start()]
+        per_run = exp.dynamics_per_run and bool(exp.dynamics or exp.faults)
+        scheds = [] if per_run else [Scheduler(net, exp.dynamics, exp.faults, log=progress).start()]
 
-        def replay_dynamics() -> None:  # dynamics_per_run: from this run's start, on nominal rates
-            if len(scheds) > 1:  # scheds[0] keeps the faults on the experiment's clock
+        def replay_dynamics() -> None:  # dynamics_per_run: from this run's start, on the healthy network
+            if scheds:
                 scheds[-1].stop()
-            restore_rates(net)
-            scheds.append(Scheduler(net, exp.dynamics, (), log=progress).start())
+            restore_network(net)
+            scheds.append(Scheduler(net, exp.dynamics, exp.faults, log=progress).start())
 
         net.reset_relay_window()  # judge the emulator on the measured phase only
         cpu = CpuMeter().start()
@@ -398,11 +405,28 @@ def estimation_error(estimates: dict) -> dict:
         return {"windows": 0}
     rel = [e["link_mbps"] / e["truth"]["rate_mbps"] - 1 for e in rows]
     single = [e["rate_mbps"] / e["truth"]["rate_mbps"] - 1 for e in rows]
-    owd = [abs(e["owd_ms"] - e["truth"]["delay_ms"]) for e in rows]
+    owd = [abs(e["owd_ms"] - e["truth"]["delay_ms"]) for e in rows if e["owd_ms"] is not None]
     return {"windows": len(rows), "rate_within_10pct": sum(abs(r) <= 0.1 for r in rel) / len(rows),
             "window_within_10pct": sum(abs(r) <= 0.1 for r in single) / len(rows),
             "rate_err_median": statistics.median(map(abs, rel)), "rate_err_max": max(map(abs, rel)),
-            "owd_err_ms_max": max(owd)}
+            "owd_err_ms_max": max(owd, default=None), **train_overhead(estimates)}
+
+
+def train_overhead(estimates: dict) -> dict:
+    """Packet trains received and the largest share of a link's configured rate they took
+    while they were taken (trains x their bytes / (time from the first train to the last
+    estimate x rate))."""
+    t = estimates.get("trains")
+    trains = [e for e in estimates.get("series") or [] if e.get("source") == "train"]
+    if not t or len(trains) < 2:
+        return {}
+    span_s = max(e["t_s"] for e in estimates["series"]) - trains[0]["t_s"]
+    count: dict[str, int] = {}
+    for e in trains:
+        count[f"{e['src']}>{e['dst']}"] = count.get(f"{e['src']}>{e['dst']}", 0) + 1
+    share = [count.get(k, 0) * x["packets"] * t["frame_bytes"] * 8 / (span_s * x["rate_mbps"] * 1e6)
+             for k, x in t["links"].items()]
+    return {"trains": sum(count.values()), "train_overhead_max": max(share, default=0.0)}
 
 
 def _per_link(transfers: dict | None) -> list[dict]:

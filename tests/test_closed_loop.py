@@ -41,18 +41,23 @@ def test_estimates_within_tolerance_with_clock_offsets_and_a_rate_step(netenv, t
     assert run["correct"]
     est = run["estimates"]
     assert run["estimation"]["windows"] == len(est["series"]) and run["estimation"]["owd_err_ms_max"] < 1.0
+    assert sum(e["owd_ms"] is None for e in est["series"]) <= 2 * 6  # a delay once a link has 3 windows
     for dc, want in {"h1": 0, "h2": 500, "h3": -500}.items():  # offsets found over the control network
         assert abs(est["clocks"][dc]["offset_ms"] - want) < 1.0, est["clocks"]
     by_link: dict = {}
     for e in est["series"]:
         by_link.setdefault((e["src"], e["dst"]), []).append(e)
-    # netstorm on small-3 uses both directions of h1-h2 and h2-h3 (h1-h3 idles)
-    assert {("h1", "h2"), ("h2", "h1"), ("h2", "h3"), ("h3", "h2")} <= set(by_link)
+    # netstorm on small-3 uses both directions of h1-h2 and h2-h3; h1-h3 idles, and only the
+    # packet trains (agents.trains, on by default) measure it
+    chunked = {k for k, series in by_link.items() if any(e["source"] == "chunks" for e in series)}
+    assert {("h1", "h2"), ("h2", "h1"), ("h2", "h3"), ("h3", "h2")} <= chunked
+    assert {("h1", "h3"), ("h3", "h1")} <= set(by_link) - chunked
     steps, judged, off = 0, [], []
     for link, series in by_link.items():
         step_t = None
         for prev, e in zip([None] + series, series):
-            assert e["chunks"] >= 2 and owd_ok(e["owd_ms"], e["truth"]["delay_ms"]), e
+            assert e["source"] == "train" or e["chunks"] >= 2, e
+            assert e["owd_ms"] is None or owd_ok(e["owd_ms"], e["truth"]["delay_ms"]), e
             if prev and prev["truth"]["rate_mbps"] != e["truth"]["rate_mbps"]:
                 steps, step_t = steps + 1, e["t_s"]
             if step_t is not None and e["t_s"] - step_t < 10:  # two update periods (5 s) to catch up

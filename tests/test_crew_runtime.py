@@ -159,15 +159,20 @@ agents: {timeout_s: 30}
 """
 
 
-@pytest.mark.net
-def test_emulated_groups_from_the_ready_queue(netenv, tmp_path):
+def run_emulated(tmp_path, text: str) -> tuple[str, dict]:
+    """`testbed run` of the experiment ``text`` (it must exit 0): its output and results.json."""
     exp = tmp_path / "exp.yaml"
-    exp.write_text(EMU_EXP)
+    exp.write_text(text)
     res = subprocess.run([sys.executable, "-m", "testbed", "run", str(exp), "--out", str(tmp_path), "--no-report"],
                          cwd=REPO, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
-    assert "rounds each worker completed in the window T" in res.stdout, res.stdout
-    results = json.loads((tmp_path / "results.json").read_text())
+    return res.stdout, json.loads((tmp_path / "results.json").read_text())
+
+
+@pytest.mark.net
+def test_emulated_groups_from_the_ready_queue(netenv, tmp_path):
+    out, results = run_emulated(tmp_path, EMU_EXP)
+    assert "rounds each worker completed in the window T" in out, out
     nodes = ["n0", "n1", "n2", "n3"]
     for run in results["runs"]:
         assert run["correct"], run["errors"]
@@ -202,12 +207,7 @@ def test_emulated_crash_mid_run_repairs_or_abandons_and_the_run_goes_on(netenv, 
     """n3 crashes (the emulator kills its processes and cuts its links) while groups run:
     tasks in flight with n3 only aggregating are repaired (Eq. 3), those with n3 as a member
     abandoned; the survivors keep forming groups to the end of T, every round exact."""
-    exp = tmp_path / "exp.yaml"
-    exp.write_text(CRASH_EXP)
-    res = subprocess.run([sys.executable, "-m", "testbed", "run", str(exp), "--out", str(tmp_path), "--no-report"],
-                         cwd=REPO, capture_output=True, text=True, timeout=300)
-    assert res.returncode == 0, res.stderr[-3000:]
-    results = json.loads((tmp_path / "results.json").read_text())
+    _, results = run_emulated(tmp_path, CRASH_EXP)
     assert any(e.get("event") == "host_crash" and e.get("dc") == "n3" for e in results["events"]), results["events"]
     run, = results["runs"]
     g = run["groups"]
@@ -242,12 +242,7 @@ def test_emulated_link_break_between_members_is_repaired_and_the_run_goes_on(net
     over it is stopped and run again with n0's and n1's blocks at Eq. (3) replacements
     (§IV-B), groups formed while it is down avoid it from the start, and every round is
     exact; results.json records the fault and the repairs."""
-    exp = tmp_path / "exp.yaml"
-    exp.write_text(LINK_EXP)
-    res = subprocess.run([sys.executable, "-m", "testbed", "run", str(exp), "--out", str(tmp_path), "--no-report"],
-                         cwd=REPO, capture_output=True, text=True, timeout=300)
-    assert res.returncode == 0, res.stderr[-3000:]
-    results = json.loads((tmp_path / "results.json").read_text())
+    _, results = run_emulated(tmp_path, LINK_EXP)
     run, = results["runs"]
     g = run["groups"]
     assert run["correct"], run["errors"]
@@ -264,9 +259,10 @@ def test_emulated_link_break_between_members_is_repaired_and_the_run_goes_on(net
         assert set(t.get("reassign", {})) >= {"n0", "n1"}, t
         assert not {"n0", "n1"} & set(t["reassign"].values()), t
     for t in fault["tasks"]:  # stopped in flight: repaired (a new pid, same members) or abandoned
-        if t["outcome"] == "repaired":
+        if t["outcome"] == "repaired":  # each end's block moves if the other end is a member it cannot reach
             fix = next(r for r in g["tasks"] if r.get("repair_of") == t["pid"])
-            assert fix["correct"] and set(fix["reassign"]) >= {"n0", "n1"}, fix
+            cut_off = {a for a, b in (("n0", "n1"), ("n1", "n0")) if b in fix["members"]}
+            assert fix["correct"] and cut_off and set(fix["reassign"]) >= cut_off, fix
     for n in ("n0", "n1", "n2", "n3"):  # rounds consecutive per worker, each once
         mine = sorted(t["members_done"][n]["round"] for t in done if n in t["members"])
         assert mine == list(range(len(mine))), (n, mine)
@@ -560,8 +556,12 @@ def test_loopback_controller_lost_mid_run_workers_go_standalone_and_rejoin():
         g, length, 0.02, 9, {"controller_down": {"at_s": 1.5, "for_s": 1.0}, "controller_wait_s": 8.0},
         lambda m, **kw: make_plan("crew", g, length, {"active": list(m), **kw}))
     assert codes == {n: 0 for n in nodes}, codes
-    tm = res["tasks_mode"]
     assert not res["errors"], res["errors"]
+    check_controller_lost(res["tasks_mode"], nodes)
+
+
+def check_controller_lost(tm: dict, nodes: list[str]) -> None:
+    """One controller loss, every worker rejoined, nothing counted twice, groups again after."""
     fault, = tm["faults"]
     assert fault["controller"] == "lost" and set(fault["rejoined"]) == set(nodes) and not tm["lost"], fault
     assert fault["t_ns"] < fault["back_ns"] <= min(fault["rejoined"].values())
@@ -581,6 +581,22 @@ def test_loopback_controller_lost_mid_run_workers_go_standalone_and_rejoin():
     for t in fault["tasks"]:
         assert t["outcome"] == "abandoned", t
     print("controller fault:", {k: v for k, v in fault.items() if k != "rejoined"}, "rounds:", tm["rounds"])
+
+
+@pytest.mark.net
+def test_emulated_controller_lost_mid_run_the_run_goes_on(netenv, tmp_path):
+    """§IV-B's controller failure under `testbed run` on the emulated mesh
+    (``groups.controller_down``): the workers go standalone and rejoin, the run completes its
+    window with every round exact, and results.json records the fault."""
+    text = EMU_EXP.replace("name: crew-runtime", "name: crew-controller").replace(
+        "scheme: {name: crew, groups: {p: 2, window_s: 8}}",
+        "scheme: {name: crew, groups: {p: 2, window_s: 8, controller_down: {at_s: 3, for_s: 1.5}}}").replace(
+        "variants: [{label: opr, scheme: {name: crew, aggregators: members, groups: {p: 2, window_s: 8}}}]\n", "")
+    _, results = run_emulated(tmp_path, text)
+    run, = results["runs"]
+    assert run["correct"], run["errors"]
+    check_controller_lost(run["groups"], ["n0", "n1", "n2", "n3"])
+    assert run["rounds_total"] == sum(run["rounds"].values()) > 0
 
 
 def test_link_gate_serves_tickets_in_order_across_owners_and_skips_closed_ones():

@@ -98,8 +98,10 @@ def test_netstorm_redraw_is_seeded_and_in_range():
 
 @pytest.mark.net
 def test_dynamics_per_run_replays_them_for_every_variant(netenv, tmp_path):
-    """dynamics_per_run: each run starts on the nominal rates and sees the change at its own
-    0.3 s (events: the change, the restore before the second run, the change again)."""
+    """dynamics_per_run: each run starts on the healthy network and sees the change and the
+    fault at its own 0.3 s (events: the change, the restore before the second run, the change
+    again; the link cut, back up before the second run, cut again).  PS's hub is h2: h1-h3,
+    which the fault cuts for good, carries none of its data."""
     import json
     import subprocess
     import sys
@@ -108,9 +110,10 @@ def test_dynamics_per_run_replays_them_for_every_variant(netenv, tmp_path):
 
     from testbed.results import REPO
 
-    exp = {**BASE, "variants": [{"label": "ps", "scheme": {"name": "ps"}}], "dynamics_per_run": True,
-           "workload": {"size": "256KB", "iterations": 6, "compute_s": 0.15},
-           "dynamics": [{"at_s": 0.3, "link": ["h1", "h2"], "rate_mbps": 20}]}
+    exp = {**BASE, "scheme": {"name": "ps"}, "variants": [{"label": "ps-again", "scheme": {"name": "ps"}}],
+           "dynamics_per_run": True, "workload": {"size": "256KB", "iterations": 6, "compute_s": 0.15},
+           "dynamics": [{"at_s": 0.3, "link": ["h1", "h2"], "rate_mbps": 20}],
+           "faults": [{"at_s": 0.3, "link_down": ["h1", "h3"]}]}
     f = tmp_path / "e.yaml"
     f.write_text(yaml.safe_dump(exp))
     res = subprocess.run([sys.executable, "-m", "testbed", "run", str(f), "--out", str(tmp_path / "o"), "--quiet",
@@ -121,3 +124,5 @@ def test_dynamics_per_run_replays_them_for_every_variant(netenv, tmp_path):
     change = sorted([("h1", "h2", 20.0), ("h2", "h1", 20.0)])
     assert sorted(rates[:2]) == change and sorted(rates[2:4]) == [("h1", "h2", 80.0), ("h2", "h1", 80.0)]
     assert sorted(rates[4:]) == change
+    assert [e["event"] for e in events if e.get("event") in ("link_down", "link_up")] == \
+        ["link_down", "link_up", "link_down"]

@@ -103,3 +103,17 @@ def test_probe_chunk_bytes_larger_than_every_transfer_is_refused():
     ok = config.validate({**base, "scheme": {"name": "netstorm", "chunk_elems": 100_000,
                                              "adaptive": {"probe_chunk_bytes": 371_460}}})
     build_plan(ok)
+
+
+def test_packet_trains_on_every_directed_link_at_the_duty_asked_and_off_at_zero():
+    from testbed.experiment import probe_options
+
+    exp = config.validate(EXP)
+    probe = probe_options(exp.scheme, exp.topology.graph())
+    assert probe["trains"]["duty"] == 0.008
+    assert sorted((u, v) for u, v, _ in probe["trains"]["links"]) == sorted(exp.topology.graph().edges)
+    off = config.validate({**EXP, "scheme": {"name": "netstorm", "adaptive": {"train_duty": 0}}})
+    assert "trains" not in probe_options(off.scheme, off.topology.graph())
+    for bad in (-0.1, 0.2, "lots"):
+        with pytest.raises(ConfigError, match="train_duty"):
+            config.validate({**EXP, "scheme": {"name": "netstorm", "adaptive": {"train_duty": bad}}})

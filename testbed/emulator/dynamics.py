@@ -1,7 +1,8 @@
 """Time-varying link rates and faults, applied live while agents run.
 
 Experiment keys (times in seconds from the start of the measured phase, i.e. when the
-agents are launched; they run on across repetitions):
+agents are launched; they run on across repetitions -- with ``dynamics_per_run: true`` every
+run replays dynamics and faults from its own start on the healthy network instead):
 
 ``dynamics:`` a list of
   * ``{at_s: 5, link: [h1, h2], rate_mbps: 50}`` — both directions, or ``rate_mbps: [ab, ba]``,
@@ -138,8 +139,11 @@ def _is_num(s: str) -> bool:
         return False
 
 
-def restore_rates(net) -> None:
-    """Every direction back to its topology rate (before a run that replays the dynamics)."""
+def restore_network(net) -> None:
+    """Every link up (also a crashed host's) and every direction at its topology rate: the
+    healthy network a run that replays the dynamics and faults starts from."""
+    for a, b in sorted({tuple(sorted(k)) for k, d in net.directions.items() if not d.up}):
+        net.set_link(a, b, up=True)
     for (src, dst), d in net.directions.items():
         nominal = net.topo.links[d.link].dir(src, dst).rate_mbps
         if d.spec.rate_mbps != nominal:

@@ -1,0 +1,115 @@
+"""Packet trains (agents/trains.py): the capacity of a link from the spacing a shaper gives a
+train, its duty cycle, real UDP sockets between two agents' train endpoints, and the
+scheduler's TRAIN reports (agents/netstate.py)."""
+
+import socket
+import threading
+import time
+
+import pytest
+
+from agents.netstate import NetState
+from agents.trains import FRAME, HEADER, MAGIC, Trains, shape, train_rate
+
+
+def spaced(n: int, rate_mbps: float, burst: int = 0, t0: int = 10**9) -> list[int]:
+    """Arrival times of ``n`` frames through a shaper of ``rate_mbps`` that lets the first
+    ``burst`` through at once."""
+    gap = FRAME * 8 / (rate_mbps * 1e6) * 1e9
+    return [t0 + int(max(0, i - burst) * gap) for i in range(n)]
+
+
+def test_train_rate_is_the_second_halfs_dispersion_whatever_the_burst():
+    assert train_rate(spaced(64, 100.0)) == pytest.approx(100.0, rel=1e-3)
+    assert train_rate(spaced(64, 100.0, burst=20)) == pytest.approx(100.0, rel=1e-3)  # burst < half
+    assert train_rate(spaced(64, 100.0, burst=20)[:1] + spaced(64, 100.0, burst=20)[5:]) == pytest.approx(100.0, rel=0.01)
+
+
+def test_train_rate_shrugs_off_a_few_datagrams_handed_over_together():
+    """A receiver busy for a moment timestamps the datagrams that waited all at once: the span
+    from the first to the last of the half would read 1.4x the rate, the median pair does not."""
+    arrivals = spaced(64, 50.0)
+    held = arrivals[32:40]
+    arrivals[32:40] = [held[-1]] * len(held)  # the first 8 of the second half, handed over together
+    assert (31 * FRAME * 8 / ((arrivals[-1] - arrivals[32]) / 1e9) / 1e6) > 1.25 * 50
+    assert train_rate(arrivals) == pytest.approx(50.0, rel=0.02)
+
+
+def test_train_rate_counts_only_what_arrived():
+    """Datagrams dropped at the shaper's queue took no link time: the rest keep their spacing."""
+    arrivals = spaced(40, 50.0)  # the 40 that got through of a longer train
+    assert train_rate(arrivals) == pytest.approx(50.0, rel=1e-3)
+    assert train_rate(arrivals[:6]) is None  # fewer than 4 in the second half
+    assert train_rate([5] * 20) is None  # no time between them
+
+
+@pytest.mark.parametrize("rate", [2.5, 20.0, 100.0, 155.0, 1000.0, 20000.0])
+def test_trains_last_about_8_ms_and_take_the_duty_share(rate):
+    n, every = shape(rate, 0.005)
+    assert 16 <= n <= 1000
+    assert n * FRAME * 8 / every == pytest.approx(0.005 * rate * 1e6)
+    if 16 < n < 1000:
+        assert n * FRAME * 8 / (rate * 1e6) == pytest.approx(8e-3, rel=0.1)
+
+
+def test_trains_between_two_endpoints_over_real_sockets_and_hostile_datagrams_refused():
+    ports = []
+    for _ in range(2):
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.bind(("127.0.0.1", 0))
+            ports.append(s.getsockname()[1])
+    got, lock = [], threading.Lock()
+
+    def report(src, rate, send_ns, recv_ns):
+        with lock:
+            got.append((src, rate, send_ns, recv_ns))
+
+    nodes = ["a", "b"]
+    a = Trains(0, nodes, ports[0], [("b", "127.0.0.1", ports[1], 32, 0.2)], report)
+    b = Trains(1, nodes, ports[1], [], report)
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as evil:  # short, bad magic, unknown sender, self
+        for d in (b"x", HEADER.pack(b"nope", 0, 1, 0, 2, 0), HEADER.pack(MAGIC, 9, 1, 0, 2, 0),
+                  HEADER.pack(MAGIC, 1, 1, 0, 2, 0), HEADER.pack(MAGIC, 0, 1, 5, 2, 0)):
+            evil.sendto(d, ("127.0.0.1", ports[1]))
+    a.start(), b.start()
+    try:
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and len(got) < 3:
+            time.sleep(0.05)
+    finally:
+        a.close(), b.close()
+    assert len(got) >= 3 and b.refused == 5 and b.received == len(got) and a.sent >= len(got)
+    for src, rate, send_ns, recv_ns in got:
+        assert src == "a" and rate > 0 and 0 <= recv_ns - send_ns < 50e6
+
+
+def test_scheduler_takes_train_reports_on_its_clock_and_refuses_malformed_ones():
+    net = NetState(["a", "b"], truth=lambda s, d: {"rate_mbps": 100.0, "delay_ms": 20.0})
+    net.set_offset("b", 500_000_000, 1000)  # b's clock 500 ms ahead
+    e = net.add_train({"src": "a", "dst": "b", "rate_mbps": 96.0, "send_ns": 10**12,
+                       "recv_ns": 10**12 + 520_000_000})
+    assert e["source"] == "train" and e["sample_owd_ms"] == pytest.approx(20.0) and e["link_mbps"] == 96.0
+    assert e["owd_ms"] is None  # one window may have met a queue: the delay is the least of 3
+    for r in (60.0, 95.0):  # one met data: a share of the rate, and 10 ms of queue
+        e = net.add_train({"src": "a", "dst": "b", "rate_mbps": r, "send_ns": 10**12, "recv_ns": 10**12 + 530_000_000})
+    assert e["sample_owd_ms"] == pytest.approx(30.0) and e["owd_ms"] == pytest.approx(20.0)  # the least of 3
+    assert net.latest()[("a", "b")]["rate_mbps"] == 95.0  # the median of the recent trains
+    for bad in ({"src": "a", "dst": "a"}, {"src": "a", "dst": "b", "rate_mbps": "fast", "send_ns": 1, "recv_ns": 2},
+                {"src": "a", "dst": "b", "rate_mbps": -1.0, "send_ns": 1, "recv_ns": 2},
+                {"src": "a", "dst": "b", "rate_mbps": 1.0, "send_ns": 1.5, "recv_ns": 2}):
+        with pytest.raises(ValueError):
+            net.add_train(bad)
+
+
+def test_link_estimate_is_the_median_train_or_the_largest_chunk_window_of_recent_ones(monkeypatch):
+    """A train that met data reads low and one handed over in a burst reads high: the median of
+    the last 3 counts; chunk windows only ever read low: their largest counts; the larger of the
+    two is the link's estimate, from windows no older than RECENT_S."""
+    from agents import netstate
+
+    net = NetState(["a", "b"])
+    train = lambda r: net.add_train({"src": "a", "dst": "b", "rate_mbps": r, "send_ns": 1, "recv_ns": 2})  # noqa: E731
+    assert [train(r)["link_mbps"] for r in (100.0, 130.0, 60.0, 98.0)] == [100.0, 115.0, 100.0, 98.0]
+    monkeypatch.setattr(netstate, "RECENT_S", 0.05)
+    time.sleep(0.1)
+    assert train(40.0)["link_mbps"] == 40.0  # the rate fell: older trains aged out
