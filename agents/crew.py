@@ -716,7 +716,7 @@ class TaskRun:
         self.faults.append(fault)
         self.c.progress(f"worker {w} lost ({why}): failover")
         stopped = self.ctl.lose(w)
-        if w in self.detached or self.detached:  # the controller is down or not every worker is back:
+        if self.detached:  # the controller is down or not every worker is back:
             self.detached.discard(w)  # no repair (it needs them all); the tasks with w are dropped
             for t in stopped:
                 if t.state == "running" and t.pid in self.orphans:

@@ -46,7 +46,8 @@ FRAME = PAYLOAD + 8 + 20 + 14  # bytes a shaper counts: UDP + IP + Ethernet head
 TRAIN_MS = 8.0  # a train lasts about this long at the link's configured rate
 MIN_PACKETS, MAX_PACKETS = 16, 1000
 TRAIN_IDLE_S = 0.3  # a train no datagram of which arrived for this long is complete
-SO_TIMESTAMPNS = 35  # linux/asm-generic/socket.h
+MAX_OPEN = 64  # trains assembled at once (a node has a few neighbours; more is a flood)
+SO_TIMESTAMPNS = 35  # linux/asm-generic/socket.h (as testbed.emulator.probe; agents import no emulator)
 
 
 def shape(rate_mbps: float, duty: float) -> tuple[int, float]:
@@ -74,9 +75,11 @@ def train_rate(arrivals: list[int], frame_bytes: int = FRAME) -> float | None:
 class Trains:
     """Sends this agent's trains and receives its neighbours' on one UDP socket (``bind``, the
     data port's number; CREW's link heartbeats use it too, so never both: config refuses
-    ``adaptive`` with ``groups``).  ``targets``: [(peer, ip, port, packets, every_s)]; ``report(src, rate_mbps,
-    send_ns, recv_ns)`` is called per received train (``send_ns``/``recv_ns``: the datagram with
-    the least one-way delay, each on its own host's clock)."""
+    ``adaptive`` with ``groups``).  ``targets``: [(peer, ip, port, packets, every_s)];
+    ``report(src, rate_mbps, send_ns, recv_ns)`` is called per received train (``send_ns``/
+    ``recv_ns``: the datagram with the least one-way delay, each on its own host's clock).
+    Datagrams that are not a neighbour's train are counted (``refused``) and dropped; at most
+    MAX_OPEN trains are assembled at once."""
 
     def __init__(self, me: int, nodes: list[str], port: int, targets: list, report: Callable, seed: str = "",
                  bind: str = "0.0.0.0"):
@@ -143,7 +146,8 @@ class Trains:
             self.refused += 1
             return
         magic, src, tid, seq, n, send_ns = HEADER.unpack_from(data)
-        if magic != MAGIC or src >= len(self.nodes) or src == self.me or seq >= n:
+        if magic != MAGIC or src >= len(self.nodes) or src == self.me or seq >= n or (
+                (src, tid) not in open_ and len(open_) >= MAX_OPEN):
             self.refused += 1
             return
         rx = next((int.from_bytes(d[:8], sys.byteorder) * 10**9 + int.from_bytes(d[8:16], sys.byteorder)

@@ -113,3 +113,23 @@ def test_link_estimate_is_the_median_train_or_the_largest_chunk_window_of_recent
     monkeypatch.setattr(netstate, "RECENT_S", 0.05)
     time.sleep(0.1)
     assert train(40.0)["link_mbps"] == 40.0  # the rate fell: older trains aged out
+
+
+def test_a_flood_of_train_starts_is_bounded():
+    from agents.trains import MAX_OPEN
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    got = []
+    b = Trains(1, ["a", "b"], port, [], lambda *r: got.append(r), bind="127.0.0.1").start()
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as evil:  # 100 trains' first datagrams
+            for tid in range(100):
+                evil.sendto(HEADER.pack(MAGIC, 0, tid, 0, 1000, 0), ("127.0.0.1", port))
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and b.refused < 100 - MAX_OPEN:
+            time.sleep(0.05)
+    finally:
+        b.close()
+    assert b.refused == 100 - MAX_OPEN and not got  # none reported: one datagram is no train
