@@ -36,6 +36,7 @@ def parse_samples(raw) -> list[Sample]:
 LINK_WINDOWS = 3  # a link's estimate: from its last this many windows of each kind ...
 RECENT_S = 3.0  # ... no older than this (a fall shows once the windows before it aged out)
 BASE_DELAY_S = 60.0  # a link's one-way delay: the least of its windows this recent (LEDBAT's base delay)
+QUEUE_MS = 1.0  # a train whose delay exceeds that by more (or 5 %) met a queue
 
 
 class NetState:
@@ -50,7 +51,8 @@ class NetState:
     every UPDATE_TIME = 5 s; a window on a busy link lasts ~1-3 s here).
     Packet trains (:mod:`agents.trains`, :meth:`add_train`) read the link's rate where they met
     no data, less where they did, and now and then more (a receiver held up, then handed a
-    burst): of those the median counts.  So ``link_mbps`` = the larger of the largest chunk
+    burst): a train whose delay shows a queue (QUEUE_MS over the link's delay) is no capacity
+    sample (``queued``), and of the others the median counts.  So ``link_mbps`` = the larger of the largest chunk
     window and the median train among the link's last ``windows`` of each, no older than
     RECENT_S (the newest always counts).  ``owd_ms``: the least one-way delay of the link's
     windows of the last BASE_DELAY_S, once there are ``windows`` of them (None before: a
@@ -91,17 +93,24 @@ class NetState:
         """One estimate of (src, dst): into the link's recent windows and the series."""
         now = time.time_ns()
         with self._lock:
+            owds = self._owds.setdefault((src, dst), [])
+            owds[:] = [(t, d) for t, d in owds if now - t <= BASE_DELAY_S * 1e9]
+            base = min(d for _, d in owds) if len(owds) >= self.windows else None
+            # a train that found a queue shared the link with it: no capacity sample
+            queued = fields["source"] == "train" and base is not None and fields["owd_ms"] - base > max(
+                QUEUE_MS, 0.05 * base)
             recent = self._recent.setdefault((src, dst), {"chunks": [], "train": []})
-            mine = recent[fields["source"]]
-            mine[:] = (mine + [(now, rate)])[-self.windows:]
+            if not queued:
+                mine = recent[fields["source"]]
+                mine[:] = (mine + [(now, rate)])[-self.windows:]
             fresh = {k: [r for t, r in v if now - t <= RECENT_S * 1e9] for k, v in recent.items()}
             link = max(([max(fresh["chunks"])] if fresh["chunks"] else []) +
-                       ([statistics.median(fresh["train"])] if fresh["train"] else []))
-            owds = self._owds.setdefault((src, dst), [])
-            owds[:] = [(t, d) for t, d in owds if now - t <= BASE_DELAY_S * 1e9] + [(now, fields["owd_ms"])]
+                       ([statistics.median(fresh["train"])] if fresh["train"] else []) or [rate])
+            owds.append((now, fields["owd_ms"]))
             owd = min(d for _, d in owds) if len(owds) >= self.windows else None
         entry = {"t_s": round((now - self.t0_ns) / 1e9, 4), "src": src, "dst": dst, "link_mbps": link,
-                 "rate_mbps": rate, **fields, "owd_ms": owd, "sample_owd_ms": fields["owd_ms"]}
+                 "rate_mbps": rate, **fields, "owd_ms": owd, "sample_owd_ms": fields["owd_ms"],
+                 **({"queued": True} if queued else {})}
         if self.truth:
             entry["truth"] = self.truth(src, dst)
         with self._lock:

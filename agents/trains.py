@@ -44,7 +44,7 @@ HEADER = struct.Struct("!4sHIHHq")  # magic, sender's index in the plan's nodes,
 PAYLOAD = 1472  # UDP payload of a full 1500-byte IP packet
 FRAME = PAYLOAD + 8 + 20 + 14  # bytes a shaper counts: UDP + IP + Ethernet headers
 TRAIN_MS = 8.0  # a train lasts about this long at the link's configured rate
-MIN_PACKETS, MAX_PACKETS = 16, 1000
+MIN_PACKETS, MAX_PACKETS = 32, 1000  # >= 16 in the second half: 8 pair spans for the median
 TRAIN_IDLE_S = 0.3  # a train no datagram of which arrived for this long is complete
 MAX_OPEN = 64  # trains assembled at once (a node has a few neighbours; more is a flood)
 SO_TIMESTAMPNS = 35  # linux/asm-generic/socket.h (as testbed.emulator.probe; agents import no emulator)
