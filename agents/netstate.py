@@ -36,6 +36,8 @@ def parse_samples(raw) -> list[Sample]:
 LINK_WINDOWS = 3  # a link's estimate: from its last this many windows of each kind ...
 RECENT_S = 3.0  # ... no older than this (a fall shows once the windows before it aged out)
 BASE_DELAY_S = 60.0  # a link's one-way delay: the least of its windows this recent (LEDBAT's base delay)
+OWD_WINDOWS = 8  # ... once it has this many (measured: a 50 Mbit/s link the trees keep queued
+# read 1.0-4.9 ms over its delay in each of its first 7 windows)
 QUEUE_MS = 1.0  # a train whose delay exceeds that by more (or 5 %) met a queue
 
 
@@ -55,7 +57,7 @@ class NetState:
     sample (``queued``), and of the others the median counts.  So ``link_mbps`` = the larger of the largest chunk
     window and the median train among the link's last ``windows`` of each, no older than
     RECENT_S (the newest always counts).  ``owd_ms``: the least one-way delay of the link's
-    windows of the last BASE_DELAY_S, once there are ``windows`` of them (None before: a
+    windows of the last BASE_DELAY_S, once there are OWD_WINDOWS of them (None before: a
     window that met a queue reads the queue too; ``sample_owd_ms``: this window's)."""
 
     def __init__(self, nodes: list[str], estimator: str = DEFAULT_ESTIMATOR,
@@ -95,7 +97,7 @@ class NetState:
         with self._lock:
             owds = self._owds.setdefault((src, dst), [])
             owds[:] = [(t, d) for t, d in owds if now - t <= BASE_DELAY_S * 1e9]
-            base = min(d for _, d in owds) if len(owds) >= self.windows else None
+            base = min(d for _, d in owds) if len(owds) >= OWD_WINDOWS else None
             # a train that found a queue shared the link with it: no capacity sample
             queued = fields["source"] == "train" and base is not None and fields["owd_ms"] - base > max(
                 QUEUE_MS, 0.05 * base)
@@ -107,7 +109,7 @@ class NetState:
             link = max(([max(fresh["chunks"])] if fresh["chunks"] else []) +
                        ([statistics.median(fresh["train"])] if fresh["train"] else []) or [rate])
             owds.append((now, fields["owd_ms"]))
-            owd = min(d for _, d in owds) if len(owds) >= self.windows else None
+            owd = min(d for _, d in owds) if len(owds) >= OWD_WINDOWS else None
         entry = {"t_s": round((now - self.t0_ns) / 1e9, 4), "src": src, "dst": dst, "link_mbps": link,
                  "rate_mbps": rate, **fields, "owd_ms": owd, "sample_owd_ms": fields["owd_ms"],
                  **({"queued": True} if queued else {})}
