@@ -251,6 +251,9 @@ class Coordinator:
         # probe: {"chunk_bytes", "chunk_num", "estimator", "from_iteration"}; truth(src, dst): the emulator's rate/delay now
         self.probe = dict(probe) if probe else None
         self.net = NetState(plan.nodes, (probe or {}).get("estimator", "busy"), truth)
+        trains = (probe or {}).get("trains")
+        if trains:
+            self.net.train_every = {(s, d): train_shape(float(r), float(trains["duty"]))[1] for s, d, r in trains["links"]}
         for n, off in (clock_offsets_ns or {}).items():  # measured beforehand (over ssh); CLOCK refines them
             self.net.offsets[n] = off
         self._clock_x: dict[str, list[tuple[int, int, int, int]]] = {}

@@ -39,6 +39,7 @@ BASE_DELAY_S = 60.0  # a link's one-way delay: the least of its windows this rec
 OWD_WINDOWS = 8  # ... once it has this many (measured: a 50 Mbit/s link the trees keep queued
 # read 1.0-4.9 ms over its delay in each of its first 7 windows)
 QUEUE_MS = 1.0  # a train whose delay exceeds that by more (or 5 %) met a queue
+TRAIN_PERIODS = 3.5  # trains count this many of their link's periods (if longer than RECENT_S)
 
 
 class NetState:
@@ -54,7 +55,9 @@ class NetState:
     Packet trains (:mod:`agents.trains`, :meth:`add_train`) read the link's rate where they met
     no data, less where they did, and now and then more (a receiver held up, then handed a
     burst): a train whose delay shows a queue (QUEUE_MS over the link's delay) is no capacity
-    sample (``queued``), and of the others the median counts.  So ``link_mbps`` = the larger of the largest chunk
+    sample (``queued``), and of the others the lower median counts (a burst reads high; a queue,
+    the low side, is filtered), among the last ``windows`` within TRAIN_PERIODS of the link's
+    train period (``train_every``; at least RECENT_S): slow links send trains seconds apart.  So ``link_mbps`` = the larger of the largest chunk
     window and the median train among the link's last ``windows`` of each, no older than
     RECENT_S (the newest always counts).  ``owd_ms``: the least one-way delay of the link's
     windows of the last BASE_DELAY_S, once there are OWD_WINDOWS of them (None before: a
@@ -72,6 +75,7 @@ class NetState:
         self._latest: dict[tuple[str, str], tuple[dict, int]] = {}
         self._recent: dict[tuple[str, str], dict[str, list[tuple[int, float]]]] = {}  # source -> (t, rate)
         self._owds: dict[tuple[str, str], list[tuple[int, float]]] = {}  # (t, one-way delay) of every window
+        self.train_every: dict[tuple[str, str], float] = {}  # link -> seconds between its packet trains
         self._lock = threading.Lock()
 
     def set_offset(self, node: str, offset_ns: int, rtt_ns: int) -> None:
@@ -105,9 +109,10 @@ class NetState:
             if not queued:
                 mine = recent[fields["source"]]
                 mine[:] = (mine + [(now, rate)])[-self.windows:]
-            fresh = {k: [r for t, r in v if now - t <= RECENT_S * 1e9] for k, v in recent.items()}
+            keep = {"chunks": RECENT_S, "train": max(RECENT_S, TRAIN_PERIODS * self.train_every.get((src, dst), 0))}
+            fresh = {k: [r for t, r in v if now - t <= keep[k] * 1e9] for k, v in recent.items()}
             link = max(([max(fresh["chunks"])] if fresh["chunks"] else []) +
-                       ([statistics.median(fresh["train"])] if fresh["train"] else []) or [rate])
+                       ([statistics.median_low(fresh["train"])] if fresh["train"] else []) or [rate])
             owds.append((now, fields["owd_ms"]))
             owd = min(d for _, d in owds) if len(owds) >= OWD_WINDOWS else None
         entry = {"t_s": round((now - self.t0_ns) / 1e9, 4), "src": src, "dst": dst, "link_mbps": link,
