@@ -123,6 +123,8 @@ class Controller:
             # crossed the repair): it joins the repair with that round and is queued after it
             self.deferred[worker] = rnd
             return
+        if (worker, rnd) in self.queue:  # the same readiness twice (the controller re-queued an
+            return  # abandoned member, or a REJOIN said ready, and its ENQUEUE crossed that): once
         if worker in self.member_of or any(w == worker for w, _ in self.queue):
             raise ValueError(f"{worker} is ready while queued or in task {self.member_of.get(worker)}")
         self.queue.append((worker, rnd))

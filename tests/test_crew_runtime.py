@@ -58,6 +58,17 @@ def test_groups_form_in_ready_order_and_a_worker_is_in_one_task_at_a_time():
     assert (t2.pid, t2.members, t2.rounds) == (2, ["c", "d"], {"c": 1, "d": 0})
 
 
+def test_the_same_readiness_twice_queues_once_and_another_round_is_refused():
+    """A REJOIN's or the controller's own re-queue and an ENQUEUE that crossed it name the same
+    round: queued once (the coordinator once failed on it, CI and a local run)."""
+    c = Controller(["a", "b", "c"], 2)
+    c.ready("a", 3)
+    c.ready("a", 3)
+    assert list(c.queue) == [("a", 3)]
+    with pytest.raises(ValueError):
+        c.ready("a", 4)
+
+
 def test_a_lost_worker_leaves_the_queue_and_joins_no_group():
     c = Controller(["a", "b", "c"], 2)
     c.ready("a", 0)
