@@ -251,9 +251,10 @@ class Coordinator:
         # probe: {"chunk_bytes", "chunk_num", "estimator", "from_iteration"}; truth(src, dst): the emulator's rate/delay now
         self.probe = dict(probe) if probe else None
         self.net = NetState(plan.nodes, (probe or {}).get("estimator", "busy"), truth)
-        trains = (probe or {}).get("trains")
-        if trains:
-            self.net.train_every = {(s, d): train_shape(float(r), float(trains["duty"]))[1] for s, d, r in trains["links"]}
+        trains = (probe or {}).get("trains")  # (src, dst) -> (configured Mbit/s, datagrams per train, seconds apart)
+        self._trains = {(s, d): (float(r), *train_shape(float(r), float(trains["duty"])))
+                        for s, d, r in trains["links"]} if trains else {}
+        self.net.train_every = {k: every for k, (_, _, every) in self._trains.items()}
         for n, off in (clock_offsets_ns or {}).items():  # measured beforehand (over ssh); CLOCK refines them
             self.net.offsets[n] = off
         self._clock_x: dict[str, list[tuple[int, int, int, int]]] = {}
@@ -278,19 +279,17 @@ class Coordinator:
 
     def _trains_report(self) -> dict:
         """The packet trains' shape per link, for results (``estimates.trains``)."""
-        t = (self.probe or {}).get("trains")
-        if not t:
+        if not self._trains:
             return {}
-        return {"trains": {"duty": t["duty"], "frame_bytes": TRAIN_FRAME, "links": {
-            f"{src}>{dst}": dict(zip(("packets", "every_s"), train_shape(float(rate), float(t["duty"]))),
-                                 rate_mbps=float(rate)) for src, dst, rate in t["links"]}}}
+        return {"trains": {"duty": self.probe["trains"]["duty"], "frame_bytes": TRAIN_FRAME, "links": {
+            f"{src}>{dst}": {"packets": n, "every_s": every, "rate_mbps": rate}
+            for (src, dst), (rate, n, every) in self._trains.items()}}}
 
     def _train_targets(self, node: str) -> list:
         """``node``'s packet trains (:mod:`agents.trains`): [peer, ip, port, packets, every_s]
         per WAN link it sends on, shaped for the link's configured rate and ``duty``."""
-        t = (self.probe or {}).get("trains")
         return [[dst, _address(self._addresses, src, dst), self.data_port or int(self._idents[dst]["data_port"]),
-                 *train_shape(float(rate), float(t["duty"]))] for src, dst, rate in t["links"] if src == node] if t else []
+                 n, every] for (src, dst), (_, n, every) in self._trains.items() if src == node]
 
     # -- registration ----------------------------------------------------------------
     def start(self) -> "Coordinator":
