@@ -443,7 +443,7 @@ class Agent:
         self.send({"msg": "bye", "errors": late})
         return 1 if late else 0
 
-    def _on_train(self, src: str, rate_mbps: float, send_ns: int, recv_ns: int) -> None:
+    def _on_train(self, src: str, rate_mbps: float | None, send_ns: int, recv_ns: int) -> None:
         self.send({"msg": "train", "src": src, "rate_mbps": rate_mbps, "send_ns": send_ns, "recv_ns": recv_ns,
                    "t_ns": time.time_ns()})
 

@@ -14,10 +14,19 @@ can check that the harness corrects timings for it.
 from __future__ import annotations
 
 import argparse
+import socket
 import sys
 import time
 
 offset_ns = 0  # this process's shift (kernel timestamps, e.g. SO_TIMESTAMPNS, are not shifted)
+SO_TIMESTAMPNS = 35  # linux/asm-generic/socket.h (Python's socket module does not export it)
+
+
+def kernel_rx_ns(ancdata: list) -> int | None:
+    """The kernel's receive time (ns, the host's wall clock, not shifted) of a datagram, from
+    ``recvmsg``'s ancillary data on a socket with SO_TIMESTAMPNS set; None if absent."""
+    return next((int.from_bytes(d[:8], sys.byteorder) * 10**9 + int.from_bytes(d[8:16], sys.byteorder)
+                 for lvl, typ, d in ancdata if lvl == socket.SOL_SOCKET and typ == SO_TIMESTAMPNS), None)
 
 
 def shift(offset_ms: float) -> None:

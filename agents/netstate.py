@@ -53,15 +53,16 @@ class NetState:
     at once, a fall once ``windows`` windows saw it or RECENT_S passed (NetStorm re-plans
     every UPDATE_TIME = 5 s; a window on a busy link lasts ~1-3 s here).
     Packet trains (:mod:`agents.trains`, :meth:`add_train`) read the link's rate where they met
-    no data, less where they did, and now and then more (a receiver held up, then handed a
-    burst): a train whose delay shows a queue (QUEUE_MS over the link's delay) is no capacity
-    sample (``queued``), and of the others the lower median counts (a burst reads high; a queue,
-    the low side, is filtered), among the last ``windows`` within TRAIN_PERIODS of the link's
-    train period (``train_every``; at least RECENT_S): slow links send trains seconds apart.  So ``link_mbps`` = the larger of the largest chunk
-    window and the median train among the link's last ``windows`` of each, no older than
-    RECENT_S (the newest always counts).  ``owd_ms``: the least one-way delay of the link's
-    windows of the last BASE_DELAY_S, once there are OWD_WINDOWS of them (None before: a
-    window that met a queue reads the queue too; ``sample_owd_ms``: this window's)."""
+    no data and a share where they did: a train whose delay exceeds the least the link's samples
+    of the last BASE_DELAY_S saw by QUEUE_MS (or 5 %) met a queue and counts for nothing
+    (``queued``; judged again as lower delays come in, and a link's only sample, a train, has
+    nothing to be judged against: no estimate yet, ``link_mbps`` None).  Of the rest the lower
+    median counts, among the last ``windows`` within TRAIN_PERIODS of the link's train period
+    (``train_every``; at least RECENT_S): slow links send trains seconds apart.  So
+    ``link_mbps`` = the larger of the largest chunk window and the median train.  ``owd_ms``:
+    the least one-way delay of the link's windows of the last BASE_DELAY_S, once there are
+    OWD_WINDOWS of them (None before: a window that met a queue reads the queue too;
+    ``sample_owd_ms``: this window's)."""
 
     def __init__(self, nodes: list[str], estimator: str = DEFAULT_ESTIMATOR,
                  truth: Callable[[str, str], dict | None] | None = None, windows: int = LINK_WINDOWS):
@@ -76,6 +77,7 @@ class NetState:
         self._recent: dict[tuple[str, str], dict[str, list[tuple[int, float]]]] = {}  # source -> (t, rate)
         self._owds: dict[tuple[str, str], list[tuple[int, float]]] = {}  # (t, one-way delay) of every window
         self.train_every: dict[tuple[str, str], float] = {}  # link -> seconds between its packet trains
+        self.unrated: dict[str, int] = {}  # "src>dst" -> trains that gave no rate (agents.trains)
         self._lock = threading.Lock()
 
     def set_offset(self, node: str, offset_ns: int, rtt_ns: int) -> None:
@@ -100,21 +102,24 @@ class NetState:
         now = time.time_ns()
         with self._lock:
             owds = self._owds.setdefault((src, dst), [])
-            owds[:] = [(t, d) for t, d in owds if now - t <= BASE_DELAY_S * 1e9]
-            base = min(d for _, d in owds) if len(owds) >= OWD_WINDOWS else None
-            # a train that found a queue shared the link with it: no capacity sample
-            queued = fields["source"] == "train" and base is not None and fields["owd_ms"] - base > max(
-                QUEUE_MS, 0.05 * base)
+            owds[:] = [(t, d) for t, d in owds if now - t <= BASE_DELAY_S * 1e9] + [(now, fields["owd_ms"])]
+            least = min(d for _, d in owds)  # the queue-free delay as far as this link's samples know
+
+            def met_queue(owd_ms: float) -> bool:
+                return owd_ms - least > max(QUEUE_MS, 0.05 * least)
+
+            queued = fields["source"] == "train" and met_queue(fields["owd_ms"])
             recent = self._recent.setdefault((src, dst), {"chunks": [], "train": []})
             if not queued:
                 mine = recent[fields["source"]]
-                mine[:] = (mine + [(now, rate)])[-self.windows:]
+                mine[:] = (mine + [(now, rate, fields["owd_ms"])])[-self.windows:]
             keep = {"chunks": RECENT_S, "train": max(RECENT_S, TRAIN_PERIODS * self.train_every.get((src, dst), 0))}
-            fresh = {k: [r for t, r in v if now - t <= keep[k] * 1e9] for k, v in recent.items()}
+            # a train counts once another sample of the link shows its delay had no queue in it
+            fresh = {k: [r for t, r, d in v if now - t <= keep[k] * 1e9 and (
+                k == "chunks" or len(owds) > 1 and not met_queue(d))] for k, v in recent.items()}
             link = max(([max(fresh["chunks"])] if fresh["chunks"] else []) +
-                       ([statistics.median_low(fresh["train"])] if fresh["train"] else []) or [rate])
-            owds.append((now, fields["owd_ms"]))
-            owd = min(d for _, d in owds) if len(owds) >= OWD_WINDOWS else None
+                       ([statistics.median_low(fresh["train"])] if fresh["train"] else []), default=None)
+            owd = least if len(owds) >= OWD_WINDOWS else None
         entry = {"t_s": round((now - self.t0_ns) / 1e9, 4), "src": src, "dst": dst, "link_mbps": link,
                  "rate_mbps": rate, **fields, "owd_ms": owd, "sample_owd_ms": fields["owd_ms"],
                  **({"queued": True} if queued else {})}
@@ -122,16 +127,22 @@ class NetState:
             entry["truth"] = self.truth(src, dst)
         with self._lock:
             self.series.append(entry)
-            self._latest[(src, dst)] = (entry, now)
+            if link is not None:
+                self._latest[(src, dst)] = (entry, now)
         return entry
 
-    def add_train(self, msg: dict) -> dict:
+    def add_train(self, msg: dict) -> dict | None:
         """Record one TRAIN report (``src``, ``dst``, ``rate_mbps``: already in link-rate units,
+        or None for a train the link did not spread out, only counted in ``unrated``;
         ``send_ns``/``recv_ns``: the train's least-delay datagram, on the sender's and the
         receiver's clocks; :mod:`agents.trains`); ValueError if malformed."""
         src, dst, rate = msg.get("src"), msg.get("dst"), msg.get("rate_mbps")
         if src not in self.nodes or dst not in self.nodes or src == dst:
             raise ValueError(f"train report for an unknown link {str(src)[:40]!r} -> {str(dst)[:40]!r}")
+        if rate is None:
+            with self._lock:
+                self.unrated[f"{src}>{dst}"] = self.unrated.get(f"{src}>{dst}", 0) + 1
+            return None
         if not isinstance(rate, (int, float)) or isinstance(rate, bool) or not 0 < rate < 1e7 or not all(
                 isinstance(msg.get(k), int) and not isinstance(msg.get(k), bool) for k in ("send_ns", "recv_ns")):
             raise ValueError("train: expected rate_mbps > 0 and integer send_ns, recv_ns")
@@ -150,4 +161,4 @@ class NetState:
         with self._lock:
             return {"estimator": self.estimator, "windows": self.windows, "wire_bytes_per_payload":
                     WIRE_BYTES_PER_PAYLOAD, "t0_ns": self.t0_ns, "clocks": dict(self.clock),
-                    "series": list(self.series)}
+                    "series": list(self.series), "unrated_trains": dict(self.unrated)}

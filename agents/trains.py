@@ -15,7 +15,13 @@ not in the NetStorm paper (which has no idle-link probing besides auxiliary path
 Rate: from the received datagrams of the train's second half (a shaper's burst allowance and
 the sender's start let the first ones through faster), the median of ``h x frame / (t_(i+h) -
 t_i)`` over its pairs h apart in arrival order (:func:`train_rate`) -- drops at the shaper's
-queue cost no link time, so only received datagrams count.  A train that meets the plan's own data in the queue reads low (a share); the
+queue cost no link time, so only received datagrams count.  Only pairs the link spread out
+count: their receive span at least DISPERSED times their send span (every datagram carries its
+send time).  A pair that arrived no slower than it was sent measured the sender (descheduled
+mid-train: Python hands the interpreter to another thread every 5 ms) or a burst (a relay or
+receiver held datagrams, then passed them on together: read 2-15x the rate on this testbed),
+not the link; a train with fewer than half its pairs spread out gives no rate.  So a train
+measures links slower than its sender (~1 Gbit/s from Python here); faster ones read None.  A train that meets the plan's own data in the queue reads low (a share); the
 scheduler keeps the largest of a link's recent estimates (:class:`agents.netstate.NetState`).
 One-way delay: the least (receive - send) of the train's datagrams.  Receive times are the
 kernel's (``SO_TIMESTAMPNS``) moved onto this process's clock (:data:`agents.clock.offset_ns`).
@@ -28,7 +34,6 @@ import math
 import random
 import socket
 import struct
-import sys
 import threading
 import time
 from typing import Callable
@@ -47,7 +52,7 @@ TRAIN_MS = 8.0  # a train lasts about this long at the link's configured rate
 MIN_PACKETS, MAX_PACKETS = 32, 1000  # >= 16 in the second half: 8 pair spans for the median
 TRAIN_IDLE_S = 0.3  # a train no datagram of which arrived for this long is complete
 MAX_OPEN = 64  # trains assembled at once (a node has a few neighbours; more is a flood)
-SO_TIMESTAMPNS = 35  # linux/asm-generic/socket.h (as testbed.emulator.probe; agents import no emulator)
+DISPERSED = 1.25  # a pair of datagrams measured the link if it arrived this much slower than sent
 
 
 def shape(rate_mbps: float, duty: float) -> tuple[int, float]:
@@ -57,27 +62,32 @@ def shape(rate_mbps: float, duty: float) -> tuple[int, float]:
     return n, n * FRAME * 8 / (rate_mbps * 1e6 * duty)
 
 
-def train_rate(arrivals: list[int], frame_bytes: int = FRAME) -> float | None:
-    """Mbit/s from the receive times (ns) of a train's datagrams in arrival order: the second
-    half's dispersion, as the median over the pairs (i, i + h) of its m datagrams, h = m // 2
-    -- a few datagrams held up and handed over together (a busy receiver) skew only the pairs
-    that end among them; None with fewer than 4 datagrams in the half or no time between them."""
-    half = np.asarray(arrivals[len(arrivals) // 2:], dtype=np.int64)
-    h = len(half) // 2
-    if len(half) < 4:
+def train_rate(arrivals: list[int], sends: list[int], frame_bytes: int = FRAME) -> float | None:
+    """Mbit/s from a train's datagrams in arrival order: receive and send times (ns, each on its
+    own host's clock).  The second half's dispersion, as the median over the pairs (i, i + h) of
+    its m datagrams, h = m // 2, that the link spread out (receive span >= DISPERSED x send
+    span) -- a few datagrams held up and handed over together (a busy receiver) skew only the
+    pairs that end among them; None with fewer than 4 datagrams in the half, or fewer than half
+    of its pairs spread out (the sender stalled, or a burst: not the link's spacing)."""
+    rx = np.asarray(arrivals[len(arrivals) // 2:], dtype=np.int64)
+    tx = np.asarray(sends[len(sends) // 2:], dtype=np.int64)
+    h = len(rx) // 2
+    if len(rx) < 4:
         return None
-    spans = (half[h:] - half[:len(half) - h]) / 1e9
-    if np.median(spans) <= 0:
+    rx_spans, tx_spans = rx[h:] - rx[:len(rx) - h], tx[h:] - tx[:len(tx) - h]
+    spread = rx_spans[(rx_spans > 0) & (rx_spans >= DISPERSED * np.abs(tx_spans))]
+    if 2 * len(spread) < len(rx_spans):
         return None
-    return float(np.median(h * frame_bytes * 8 / np.maximum(spans, 1e-9))) / 1e6
+    return float(np.median(h * frame_bytes * 8 / (spread / 1e9))) / 1e6
 
 
 class Trains:
     """Sends this agent's trains and receives its neighbours' on one UDP socket (``bind``, the
     data port's number; CREW's link heartbeats use it too, so never both: config refuses
     ``adaptive`` with ``groups``).  ``targets``: [(peer, ip, port, packets, every_s)];
-    ``report(src, rate_mbps, send_ns, recv_ns)`` is called per received train (``send_ns``/
-    ``recv_ns``: the datagram with the least one-way delay, each on its own host's clock).
+    ``report(src, rate_mbps, send_ns, recv_ns)`` is called per received train (``rate_mbps`` None
+    if the link did not spread it out; ``send_ns``/``recv_ns``: the datagram with the least
+    one-way delay, each on its own host's clock).
     Datagrams that are not a neighbour's train are counted (``refused``) and dropped; at most
     MAX_OPEN trains are assembled at once."""
 
@@ -85,14 +95,14 @@ class Trains:
                  bind: str = "0.0.0.0"):
         self.me, self.nodes, self.targets, self.report = me, list(nodes), list(targets), report
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-        self.sock.setsockopt(socket.SOL_SOCKET, SO_TIMESTAMPNS, 1)
+        self.sock.setsockopt(socket.SOL_SOCKET, clock.SO_TIMESTAMPNS, 1)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4 << 20)
         self.sock.bind((bind, port))
         self.sock.settimeout(0.1)
         self.stop = threading.Event()
         self.rng = random.Random(f"trains:{seed}:{me}")
-        self.sent = self.received = self.refused = 0
+        self.sent = self.received = self.refused = self.unrated = 0
         self._threads = [threading.Thread(target=self._send_loop, daemon=True, name="trains-send"),
                          threading.Thread(target=self._recv_loop, daemon=True, name="trains-recv")]
 
@@ -150,11 +160,11 @@ class Trains:
                 (src, tid) not in open_ and len(open_) >= MAX_OPEN):
             self.refused += 1
             return
-        rx = next((int.from_bytes(d[:8], sys.byteorder) * 10**9 + int.from_bytes(d[8:16], sys.byteorder)
-                   for lvl, typ, d in anc if lvl == socket.SOL_SOCKET and typ == SO_TIMESTAMPNS), None)
+        rx = clock.kernel_rx_ns(anc)
         rx = time.time_ns() if rx is None else rx + clock.offset_ns
-        t = open_.setdefault((src, tid), {"arrivals": [], "best": None, "n": n})
+        t = open_.setdefault((src, tid), {"arrivals": [], "sends": [], "best": None, "n": n})
         t["arrivals"].append(rx)
+        t["sends"].append(send_ns)
         t["seen"] = now
         if t["best"] is None or rx - send_ns < t["best"][1] - t["best"][0]:
             t["best"] = (send_ns, rx)
@@ -162,10 +172,11 @@ class Trains:
             self._finish((src, tid), open_.pop((src, tid)))
 
     def _finish(self, key: tuple[int, int], t: dict) -> None:
-        rate = train_rate(t["arrivals"])
-        if rate is None:
+        if len(t["arrivals"]) < 2:
             return
+        rate = train_rate(t["arrivals"], t["sends"])
         self.received += 1
+        self.unrated += rate is None
         try:
             self.report(self.nodes[key[0]], rate, *t["best"])
         except Exception as e:  # the control connection's trouble is the agent's to report, not this thread's

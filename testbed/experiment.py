@@ -123,7 +123,8 @@ def run_variants(exp: Experiment, planned: list, hosts: Hosts, out_dir: Path,
                      + (f", rounds in {tasks['window_s']:g} s: {r['rounds']}" if tasks else "")
                      + (f", {r['switches']} plan switches, link estimates within 10 %: "
                         f"{r['estimation']['rate_within_10pct']:.0%} of {r['estimation']['windows']}"
-                        + (f" ({r['estimation']['trains']} packet trains, at most "
+                        + (f" ({r['estimation']['trains']} packet trains, {r['estimation']['unrated_trains']} "
+                           f"without a rate, at most "
                            f"{r['estimation']['train_overhead_max']:.2%} of a link)" if "trains" in r["estimation"] else "")
                         if r.get("estimation", {}).get("windows") else ""))
             if not r["correct"]:  # results are still written; the CLI exits 1
@@ -398,9 +399,9 @@ def _summarise_run(rep: int, label: str, result: dict, warmup: int = 0) -> dict:
 
 def estimation_error(estimates: dict) -> dict:
     """How far the closed loop's link estimates were from the emulator's configured rate and
-    delay at the same instants: windows, share of link estimates within 10 % of the rate (and
+    delay at the same instants (windows that gave a link no estimate yet left out): windows, share of link estimates within 10 % of the rate (and
     of single windows), median and worst relative rate error, worst one-way-delay error."""
-    rows = [e for e in estimates.get("series", []) if e.get("truth")]
+    rows = [e for e in estimates.get("series", []) if e.get("truth") and e["link_mbps"] is not None]
     if not rows:
         return {"windows": 0}
     rel = [e["link_mbps"] / e["truth"]["rate_mbps"] - 1 for e in rows]
@@ -413,20 +414,21 @@ def estimation_error(estimates: dict) -> dict:
 
 
 def train_overhead(estimates: dict) -> dict:
-    """Packet trains received and the largest share of a link's configured rate they took
-    while they were taken (trains x their bytes / (time from the first train to the last
-    estimate x rate))."""
+    """Packet trains received (with a rate, or ``unrated``: without) and the largest share
+    of a link's configured rate they took while they were taken (trains x their bytes / (time
+    from the first train to the last estimate x rate))."""
     t = estimates.get("trains")
     trains = [e for e in estimates.get("series") or [] if e.get("source") == "train"]
     if not t or len(trains) < 2:
         return {}
     span_s = max(e["t_s"] for e in estimates["series"]) - trains[0]["t_s"]
-    count: dict[str, int] = {}
+    count = dict(estimates.get("unrated_trains") or {})
     for e in trains:
         count[f"{e['src']}>{e['dst']}"] = count.get(f"{e['src']}>{e['dst']}", 0) + 1
     share = [count.get(k, 0) * x["packets"] * t["frame_bytes"] * 8 / (span_s * x["rate_mbps"] * 1e6)
              for k, x in t["links"].items()]
-    return {"trains": sum(count.values()), "train_overhead_max": max(share, default=0.0)}
+    return {"trains": len(trains), "unrated_trains": sum(count.values()) - len(trains),
+            "train_overhead_max": max(share, default=0.0)}
 
 
 def _per_link(transfers: dict | None) -> list[dict]:

@@ -52,7 +52,7 @@ def test_estimates_within_tolerance_with_clock_offsets_and_a_rate_step(netenv, t
     chunked = {k for k, series in by_link.items() if any(e["source"] == "chunks" for e in series)}
     assert {("h1", "h2"), ("h2", "h1"), ("h2", "h3"), ("h3", "h2")} <= chunked
     assert {("h1", "h3"), ("h3", "h1")} <= set(by_link) - chunked
-    steps, judged, off = 0, [], []
+    steps, judged, off, unknown = 0, [], [], []
     for link, series in by_link.items():
         step_t = None
         for prev, e in zip([None] + series, series):
@@ -62,13 +62,17 @@ def test_estimates_within_tolerance_with_clock_offsets_and_a_rate_step(netenv, t
                 steps, step_t = steps + 1, e["t_s"]
             if step_t is not None and e["t_s"] - step_t < 10:  # two update periods (5 s) to catch up
                 continue
+            if e["link_mbps"] is None:  # a link's first train, with nothing to judge its delay against
+                unknown.append((link, e["t_s"]))
+                continue
             judged.append(e)
             if not rate_ok(e["link_mbps"], e["truth"]["rate_mbps"]):
                 off.append((link, e["t_s"], round(e["link_mbps"], 1), e["truth"]["rate_mbps"]))
         if step_t is not None:  # after the step the estimate found the new rate within 10 s
-            assert any(e["t_s"] - step_t >= 0 and rate_ok(e["link_mbps"], e["truth"]["rate_mbps"])
-                       for e in series if e["t_s"] - step_t < 10 + 3), series
+            assert any(rate_ok(e["link_mbps"], e["truth"]["rate_mbps"]) for e in series
+                       if 0 <= e["t_s"] - step_t < 10 + 3 and e["link_mbps"] is not None), series
     assert steps == 2  # both directions of h1-h2 changed once, and were measured after it
+    assert len(unknown) <= len(by_link), unknown
     print(f"link estimates within 10 %: {len(judged) - len(off)} of {len(judged)}; off: {off}")
     # Issue 12 asks every window within 10 %; measured here 1-2 of ~50 are not (a window in which
     # TCP did not fill the link, early after warm-up): assert the rest, and that none is far off

@@ -26,7 +26,8 @@ import time
 
 import numpy as np
 
-SO_TIMESTAMPNS = 35  # linux/asm-generic/socket.h (Python's socket module does not export it)
+from agents.clock import SO_TIMESTAMPNS, kernel_rx_ns
+
 HEADER = struct.Struct("!QQ")  # sequence number, send time (ns, CLOCK_REALTIME)
 SKIP = 10  # first packets left out of delay statistics (neighbour resolution may hold them)
 
@@ -81,9 +82,8 @@ def recv(port: int, seconds: float, idle_s: float = 1.0, ready: bool = False) ->
         if len(data) < HEADER.size:
             continue
         seq, sent_ns = HEADER.unpack_from(data)
-        rx_ns = next((int.from_bytes(d[:8], sys.byteorder) * 10**9 + int.from_bytes(d[8:16], sys.byteorder)
-                      for lvl, typ, d in anc if lvl == socket.SOL_SOCKET and typ == SO_TIMESTAMPNS),
-                     time.time_ns())
+        rx_ns = kernel_rx_ns(anc)
+        rx_ns = time.time_ns() if rx_ns is None else rx_ns
         seqs.append(seq)
         owd.append((rx_ns - sent_ns) / 1e6)
     return {"received": len(seqs), "unique": len(set(seqs)), "max_seq": max(seqs, default=-1),
