@@ -25,11 +25,15 @@ Auxiliary transmission (NetStorm §VI): with ``aux`` paths (``plan.aux``), a sen
 primary connection is busy (more than ``primary_busy_bound`` sends queued on it) goes to the
 fastest auxiliary path with fewer than ``aux_queue_length`` of this node's chunks in flight,
 else to the primary.  An auxiliary chunk carries ``FLAG_AUX`` and its whole path in the
-header's ``route`` and travels over ``AUX_CHANNEL`` connections; a relay reads it whole
-(store and forward, a choice: cut-through would need frame-level multiplexing of the
-connection) and sends it on to the next node of the header's route -- never by a table of
-its own, so a relay with a stale or no path table still delivers (NetStorm Fig. 10); it
-never aggregates, and connects to a next hop it has no connection to on first use.  The
+header's ``route`` and travels over ``AUX_CHANNEL`` connections; a relay streams it on to
+the next node of the header's route as its bytes arrive (cut-through, §VI: a relay forwards
+at link speed; :class:`Relayed`), once the frames queued before it on that connection went
+-- never by a table of its own, so a relay with a stale or no path table still delivers
+(NetStorm Fig. 10); it never aggregates, and connects to a next hop it has no connection to
+on first use.  A relayed frame whose upstream breaks mid-way cannot be finished: the relay
+closes the connection to the next hop (given up, as any broken auxiliary connection), whose
+receiver asks for the chunk again.  Probing skips frames a relay passed on (their pace is
+the upstream hop's, not this link's).  The
 send completes when its first hop took it, as a direct send.  Not in stop-and-wait mode.
 Recovery (not in the paper, which does not say what happens to a chunk on a path that
 breaks): the sender keeps a copy of every chunk it sent over an auxiliary path in the
@@ -149,6 +153,41 @@ class LinkGate:
             if sock is not None:
                 self._last = (owner, sock)
             self._cv.notify_all()
+
+
+class Relayed:
+    """A relayed chunk's payload while it arrives (cut-through): bytes [0, ``filled``) of
+    ``buf`` are in; the relay's receiving thread calls :meth:`progress` and, if its upstream
+    breaks, :meth:`fail`; the sending thread streams with :meth:`send`."""
+
+    def __init__(self, nbytes: int):
+        self.buf, self.filled, self.failed = bytearray(nbytes), 0, None
+        self._cond = threading.Condition()
+
+    def progress(self, n: int) -> None:
+        with self._cond:
+            self.filled = n
+            self._cond.notify_all()
+
+    def fail(self, why: BaseException) -> None:
+        with self._cond:
+            self.failed = why
+            self._cond.notify_all()
+
+    def send(self, sock: socket.socket, header: Header, wait_s: float, tick) -> None:
+        """Header, then the payload as it fills; Truncated if the upstream broke or gave no
+        byte for ``wait_s`` (the frame cannot be finished: the caller drops the connection)."""
+        send_frame(sock, header)
+        sent, mv = 0, memoryview(self.buf)
+        while sent < len(self.buf):
+            with self._cond:
+                if not self._cond.wait_for(lambda: self.filled > sent or self.failed, wait_s) or self.failed:
+                    raise Truncated(f"relayed transfer {header.xfer}: upstream "
+                                    + (f"broke ({self.failed})" if self.failed else f"silent for {wait_s:g} s"))
+                end = self.filled
+            sock.sendall(mv[sent:end])
+            sent = end
+            tick()
 
 
 class ExecError(Exception):
@@ -310,7 +349,10 @@ class Executor:
                 i, it, route, payload = item
                 start = time.time_ns()
                 if i is None:  # a relayed or re-sent chunk: ``it`` is its header, stamped per hop
-                    send_frame(sock, it._replace(send_ts_ns=start), payload, self._tick)
+                    if isinstance(payload, Relayed):
+                        payload.send(sock, it._replace(send_ts_ns=start), self.timeout_s, self._tick)
+                    else:
+                        send_frame(sock, it._replace(send_ts_ns=start), payload, self._tick)
                     continue
                 op, view = self.prog[i], self._views[i] if payload is None else payload
                 self._tx_bytes[i] = 0
@@ -374,10 +416,15 @@ class Executor:
                 self._rx_at = time.monotonic()
                 if aux:
                     src, nxt = self._hop(h, peer)
-                    if nxt is not None:
-                        payload = bytearray(h.payload_len)
-                        self._read(sock, h, memoryview(payload), self._tick, peer, ch, first)
+                    if nxt is not None:  # cut-through: queued for the next hop before its bytes arrive
+                        payload = Relayed(h.payload_len)
                         self._forward(nxt, h, payload)
+                        try:
+                            self._read(sock, h, memoryview(payload.buf), lambda n: self._tick() or payload.progress(n),
+                                       peer, ch, first)
+                        except BaseException as e:
+                            payload.fail(e)
+                            raise
                         continue
                     i = self._by_src.get((src, h.xfer))
                 elif h.route:
@@ -420,20 +467,22 @@ class Executor:
 
     def _read(self, sock: socket.socket, h: Header, mv: memoryview, count, peer: str, ch: int, first: int) -> int:
         """Receive ``h``'s payload into ``mv`` (``count(bytes so far)``), feeding the probing
-        hook; the time the last byte arrived."""
+        hook (not with a chunk a relay passed on: it came at the pace of the hop before); the
+        time the last byte arrived."""
         mid, half, inner = [0, 0], mv.nbytes // 2, count
+        probe = self.on_chunk if not h.route or self.nodes[h.route[0]] == peer else None
 
         def count(n: int) -> None:
             self._rx_at = time.monotonic()
             inner(n)
-            if self.on_chunk and not mid[1] and n >= half:
+            if probe and not mid[1] and n >= half:
                 mid[:] = time.time_ns(), n
-        if self.on_chunk:
-            self.on_chunk(peer, None)
+        if probe:
+            probe(peer, None)
         recv_into_exact(sock, mv, f"transfer {h.xfer}", count)
         last = time.time_ns()
-        if self.on_chunk:
-            self.on_chunk(peer, (h.payload_len, h.send_ts_ns, first, last, ch, *mid))
+        if probe:
+            probe(peer, (h.payload_len, h.send_ts_ns, first, last, ch, *mid))
         return last
 
     def _give_up(self, peer: str, sock: socket.socket, q: queue.SimpleQueue, item, why: Exception) -> None:
@@ -500,7 +549,7 @@ class Executor:
         k = route.index(me)
         return names[0], (names[k + 1] if k + 1 < len(names) else None)
 
-    def _forward(self, nxt: str, h: Header, payload: bytearray) -> None:
+    def _forward(self, nxt: str, h: Header, payload: Relayed) -> None:
         """Queue a relayed chunk to ``nxt`` (connecting on first use)."""
         key = (nxt, AUX_CHANNEL)
         with self._connect_lock:

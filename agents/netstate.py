@@ -54,14 +54,16 @@ class NetState:
     every UPDATE_TIME = 5 s; a window on a busy link lasts ~1-3 s here).
     Packet trains (:mod:`agents.trains`, :meth:`add_train`) read the link's rate where they met
     no data and a share where they did: a train whose delay exceeds the least the link's samples
-    of the last BASE_DELAY_S saw by QUEUE_MS (or 5 %) met a queue and counts for nothing
-    (``queued``; judged again as lower delays come in, and a link's only sample, a train, has
-    nothing to be judged against: no estimate yet, ``link_mbps`` None).  Of the rest the lower
-    median counts, among the last ``windows`` within TRAIN_PERIODS of the link's train period
-    (``train_every``; at least RECENT_S): slow links send trains seconds apart.  So
-    ``link_mbps`` = the larger of the largest chunk window and the median train.  ``owd_ms``:
-    the least one-way delay of the link's windows of the last BASE_DELAY_S, once there are
-    OWD_WINDOWS of them (None before: a window that met a queue reads the queue too;
+    of the last BASE_DELAY_S saw by QUEUE_MS (or 5 %) met a queue (``queued``) and counts as a
+    chunk window does, a lower bound (a shaper spaces datagrams at least at its rate; bursts a
+    relay passed on are no trains, :func:`agents.trains.train_rate`).  The others' lower median
+    counts (a fall shows at the second train), among the last ``windows`` within TRAIN_PERIODS
+    of the link's train period (``train_every``; at least RECENT_S): slow links send trains
+    seconds apart; they are judged again as lower delays come in, and a link's only sample, a
+    train, has nothing to be judged against: no estimate yet, ``link_mbps`` None.  So
+    ``link_mbps`` = the larger of the largest recent lower bound and the median train.
+    ``owd_ms``: the least one-way delay of the link's windows of the last BASE_DELAY_S, once
+    there are OWD_WINDOWS of them (None before: a window that met a queue reads the queue too;
     ``sample_owd_ms``: this window's)."""
 
     def __init__(self, nodes: list[str], estimator: str = DEFAULT_ESTIMATOR,
@@ -74,7 +76,7 @@ class NetState:
         self.clock: dict[str, dict] = {}
         self.series: list[dict] = []
         self._latest: dict[tuple[str, str], tuple[dict, int]] = {}
-        self._recent: dict[tuple[str, str], dict[str, list[tuple[int, float]]]] = {}  # source -> (t, rate)
+        self._recent: dict[tuple[str, str], dict[str, list[tuple[int, float, float]]]] = {}  # kind -> (t, rate, owd)
         self._owds: dict[tuple[str, str], list[tuple[int, float]]] = {}  # (t, one-way delay) of every window
         self.train_every: dict[tuple[str, str], float] = {}  # link -> seconds between its packet trains
         self.unrated: dict[str, int] = {}  # "src>dst" -> trains that gave no rate (agents.trains)
@@ -109,16 +111,16 @@ class NetState:
                 return owd_ms - least > max(QUEUE_MS, 0.05 * least)
 
             queued = fields["source"] == "train" and met_queue(fields["owd_ms"])
-            recent = self._recent.setdefault((src, dst), {"chunks": [], "train": []})
-            if not queued:
-                mine = recent[fields["source"]]
-                mine[:] = (mine + [(now, rate, fields["owd_ms"])])[-self.windows:]
-            keep = {"chunks": RECENT_S, "train": max(RECENT_S, TRAIN_PERIODS * self.train_every.get((src, dst), 0))}
-            # a train counts once another sample of the link shows its delay had no queue in it
-            fresh = {k: [r for t, r, d in v if now - t <= keep[k] * 1e9 and (
-                k == "chunks" or len(owds) > 1 and not met_queue(d))] for k, v in recent.items()}
-            link = max(([max(fresh["chunks"])] if fresh["chunks"] else []) +
-                       ([statistics.median_low(fresh["train"])] if fresh["train"] else []), default=None)
+            recent = self._recent.setdefault((src, dst), {"floor": [], "train": []})
+            mine = recent["floor" if queued or fields["source"] == "chunks" else "train"]
+            mine[:] = (mine + [(now, rate, fields["owd_ms"])])[-self.windows:]
+            keep = {"floor": RECENT_S, "train": max(RECENT_S, TRAIN_PERIODS * self.train_every.get((src, dst), 0))}
+            fresh = {k: [(r, d) for t, r, d in v if now - t <= keep[k] * 1e9] for k, v in recent.items()}
+            # a train counts once another sample of the link shows whether its delay had a queue in it
+            trains = [r for r, d in fresh["train"] if len(owds) > 1 and not met_queue(d)]
+            floor = [r for r, _ in fresh["floor"]] + [r for r, d in fresh["train"] if met_queue(d)]
+            link = max(([max(floor)] if floor else []) + ([statistics.median_low(trains)] if trains else []),
+                       default=None)
             owd = least if len(owds) >= OWD_WINDOWS else None
         entry = {"t_s": round((now - self.t0_ns) / 1e9, 4), "src": src, "dst": dst, "link_mbps": link,
                  "rate_mbps": rate, **fields, "owd_ms": owd, "sample_owd_ms": fields["owd_ms"],

@@ -174,6 +174,53 @@ def _chain(tmp_dead: str):
     return a, r, b
 
 
+def test_a_relay_streams_a_chunk_on_as_its_bytes_arrive():
+    """Cut-through (NetStorm §VI: relays forward at link speed): the next hop gets the header
+    and the first bytes while the rest is still on its way to the relay; an upstream that
+    breaks mid-way leaves the frame unfinishable, and the send says so."""
+    import socket
+    import threading
+
+    from agents.executor import Relayed
+    from agents.wire import DATA, FLAG_AUX, Header, Truncated, recv_header, recv_into_exact
+
+    n = 1 << 20
+    out, far = socket.socketpair()
+    far.settimeout(5)
+    relayed, errors = Relayed(n), []
+    h = Header(DATA, flags=FLAG_AUX, xfer=7, payload_len=n, route=(0, 1, 2))
+
+    def send() -> None:
+        try:
+            relayed.send(out, h, 5.0, lambda: None)
+        except Exception as e:
+            errors.append(e)
+    t = threading.Thread(target=send)
+    t.start()
+    relayed.buf[:4096] = b"\x01" * 4096
+    relayed.progress(4096)
+    got = recv_header(far, bytearray(64), n)
+    first = bytearray(4096)
+    recv_into_exact(far, memoryview(first))  # arrives while 99.6 % of the chunk has not
+    assert (got.xfer, got.payload_len, got.route) == (7, n, (0, 1, 2)) and first == b"\x01" * 4096
+    relayed.buf[4096:] = b"\x02" * (n - 4096)
+    relayed.progress(n)
+    rest = bytearray(n - 4096)
+    recv_into_exact(far, memoryview(rest))
+    t.join(5)
+    assert not errors and rest == b"\x02" * (n - 4096)
+
+    broken = Relayed(n)  # the upstream breaks after 1 KB
+    broken.progress(1024)
+    broken.fail(ConnectionResetError("upstream reset"))
+    with pytest.raises(Truncated, match="upstream broke"):
+        broken.send(out, h, 5.0, lambda: None)
+    silent = Relayed(n)  # or stops sending
+    with pytest.raises(Truncated, match="silent for 0.2 s"):
+        silent.send(out, h, 0.2, lambda: None)
+    out.close(), far.close()
+
+
 @pytest.mark.parametrize("dead", ["a>r", "r>b"])
 def test_a_broken_auxiliary_path_loses_no_chunk(dead):
     """An auxiliary hop that fails (the sender's own first hop, or a relay's next hop): the

@@ -141,10 +141,10 @@ def test_scheduler_takes_train_reports_on_its_clock_and_refuses_malformed_ones()
             net.add_train(bad)
 
 
-def test_link_estimate_is_the_median_train_or_the_largest_chunk_window_of_recent_ones(monkeypatch):
-    """A train that met data reads low and one handed over in a burst reads high: the lower
-    median of the last 3 counts; chunk windows only ever read low: their largest counts; the larger of the
-    two is the link's estimate, from windows no older than RECENT_S."""
+def test_link_estimate_is_the_median_train_or_the_largest_lower_bound_of_recent_ones(monkeypatch):
+    """Of the trains that met no queue the lower median of the last 3 counts; chunk windows and
+    trains that met a queue only ever read low (a share of the link): their largest counts; the
+    larger of the two is the link's estimate, from windows no older than RECENT_S."""
     from agents import netstate
 
     net = NetState(["a", "b"])
@@ -153,6 +153,9 @@ def test_link_estimate_is_the_median_train_or_the_largest_chunk_window_of_recent
     monkeypatch.setattr(netstate, "RECENT_S", 0.05)
     time.sleep(0.1)
     assert train(40.0)["link_mbps"] == 40.0  # the rate fell: older trains aged out
+    queued = net.add_train({"src": "a", "dst": "b", "rate_mbps": 50.0, "send_ns": 1, "recv_ns": 10**7})
+    assert queued["queued"] and queued["link_mbps"] == 50.0  # 10 ms of queue, yet 50 got through: a lower bound
+    assert train(41.0)["link_mbps"] == 50.0
 
 
 def test_a_flood_of_train_starts_is_bounded():
