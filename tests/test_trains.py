@@ -142,14 +142,14 @@ def test_scheduler_takes_train_reports_on_its_clock_and_refuses_malformed_ones()
 
 
 def test_link_estimate_is_the_median_train_or_the_largest_lower_bound_of_recent_ones(monkeypatch):
-    """Of the trains that met no queue the lower median of the last 3 counts; chunk windows and
+    """Of the trains that met no queue the (upper) median of the last 3 counts; chunk windows and
     trains that met a queue only ever read low (a share of the link): their largest counts; the
     larger of the two is the link's estimate, from windows no older than RECENT_S."""
     from agents import netstate
 
     net = NetState(["a", "b"])
     train = lambda r: net.add_train({"src": "a", "dst": "b", "rate_mbps": r, "send_ns": 1, "recv_ns": 2})  # noqa: E731
-    assert [train(r)["link_mbps"] for r in (100.0, 130.0, 60.0, 98.0)] == [None, 100.0, 100.0, 98.0]
+    assert [train(r)["link_mbps"] for r in (100.0, 60.0, 130.0, 98.0)] == [None, 100.0, 100.0, 98.0]
     monkeypatch.setattr(netstate, "RECENT_S", 0.05)
     time.sleep(0.1)
     assert train(40.0)["link_mbps"] == 40.0  # the rate fell: older trains aged out
