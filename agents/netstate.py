@@ -58,10 +58,11 @@ class NetState:
     chunk window does, a lower bound (a shaper spaces datagrams at least at its rate; bursts a
     relay passed on are no trains, :func:`agents.trains.train_rate`).  The others' median
     counts, the upper one of an even count (a fall shows at the second train; of 8105 trains on
-    this testbed 2.8 % read over 10 % low, 0.35 % over 5 % high, mostly across a rate change), among the last ``windows`` within TRAIN_PERIODS
-    of the link's train period (``train_every``; at least RECENT_S): slow links send trains
-    seconds apart; they are judged again as lower delays come in, and a link's only sample, a
-    train, has nothing to be judged against: no estimate yet, ``link_mbps`` None.  So
+    this testbed 2.8 % read over 10 % low, 0.35 % over 5 % high, mostly across a rate change),
+    among the last ``windows`` within TRAIN_PERIODS of the link's train period (``train_every``;
+    at least RECENT_S): slow links send trains seconds apart.  Trains are judged again as lower
+    delays come in, and a link's only sample, a train, has nothing to be judged against: no
+    estimate yet, ``link_mbps`` None.  So
     ``link_mbps`` = the larger of the largest recent lower bound and the median train.
     ``owd_ms``: the least one-way delay of the link's windows of the last BASE_DELAY_S, once
     there are OWD_WINDOWS of them (None before: a window that met a queue reads the queue too;

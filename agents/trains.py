@@ -21,8 +21,9 @@ send time).  A pair that arrived no slower than it was sent measured the sender 
 mid-train: Python hands the interpreter to another thread every 5 ms) or a burst (a relay or
 receiver held datagrams, then passed them on together: read 2-15x the rate on this testbed),
 not the link; a train with fewer than half its pairs spread out gives no rate.  So a train
-measures links slower than its sender (~1 Gbit/s from Python here); faster ones read None.  A train that meets the plan's own data in the queue reads low (a share); the
-scheduler keeps the largest of a link's recent estimates (:class:`agents.netstate.NetState`).
+measures links slower than its sender (~1 Gbit/s from Python here); faster ones read None.
+A train that meets the plan's own data in the queue reads low (a share): the scheduler tells
+such trains by their delay (:class:`agents.netstate.NetState`).
 One-way delay: the least (receive - send) of the train's datagrams.  Receive times are the
 kernel's (``SO_TIMESTAMPNS``) moved onto this process's clock (:data:`agents.clock.offset_ns`).
 """
@@ -102,7 +103,7 @@ class Trains:
         self.sock.settimeout(0.1)
         self.stop = threading.Event()
         self.rng = random.Random(f"trains:{seed}:{me}")
-        self.sent = self.received = self.refused = self.unrated = 0
+        self.sent = self.received = self.refused = 0
         self._threads = [threading.Thread(target=self._send_loop, daemon=True, name="trains-send"),
                          threading.Thread(target=self._recv_loop, daemon=True, name="trains-recv")]
 
@@ -176,7 +177,6 @@ class Trains:
             return
         rate = train_rate(t["arrivals"], t["sends"])
         self.received += 1
-        self.unrated += rate is None
         try:
             self.report(self.nodes[key[0]], rate, *t["best"])
         except Exception as e:  # the control connection's trouble is the agent's to report, not this thread's
