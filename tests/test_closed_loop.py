@@ -40,7 +40,8 @@ def test_estimates_within_tolerance_with_clock_offsets_and_a_rate_step(netenv, t
     run = json.loads((tmp_path / "results.json").read_text())["runs"][0]
     assert run["correct"]
     est = run["estimates"]
-    assert run["estimation"]["windows"] == len(est["series"]) and run["estimation"]["owd_err_ms_max"] < 1.0
+    judged_windows = [e for e in est["series"] if e["link_mbps"] is not None]  # a link's first train: no estimate yet
+    assert run["estimation"]["windows"] == len(judged_windows) and run["estimation"]["owd_err_ms_max"] < 1.0
     assert sum(e["owd_ms"] is None for e in est["series"]) <= 7 * 6  # a delay once a link has 8 windows
     for dc, want in {"h1": 0, "h2": 500, "h3": -500}.items():  # offsets found over the control network
         assert abs(est["clocks"][dc]["offset_ms"] - want) < 1.0, est["clocks"]

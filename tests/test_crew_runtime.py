@@ -156,13 +156,15 @@ def test_loopback_stragglers_complete_fewer_rounds_and_tasks_overlap():
     from agents.local import LocalCluster
 
     g = topogen.crew_mesh(4, 1).graph()
-    # tasks (~40 ms on loopback) longer than the fast workers' compute step, so that the fast
-    # ones are in a task most of the time and a slow group's task meets one (with 10 ms tasks
-    # and 40 ms steps none did in about 1 run of 10 under CI's load)
-    length = 8_000_003
+    # every worker's first step takes as long, so that two groups form at once and their tasks
+    # (~10-40 ms on loopback) overlap (measured: by 10-30 ms in 4 of 4 runs with two CPU hogs);
+    # afterwards two workers step 0.04 s and two 0.3 s.  (Relying on a slow group meeting a fast
+    # one by chance failed in about 1 CI run of 10: a fast round is mostly making and checking
+    # inputs, ~0.1 s, against ~10 ms of task.)
+    length = 2_000_003
     plan0 = make_plan("crew", g, length, {})
     nodes = list(plan0.nodes)
-    compute = {n: [0.02] if i < 2 else [0.25, 0.3] for i, n in enumerate(nodes)}
+    compute = {n: [0.25, 0.04] if i < 2 else [0.25, 0.3] for i, n in enumerate(nodes)}
     with LocalCluster(plan0, timeout_s=20, compute_s=compute, seed=5) as cl:
         cl.coordinator.tasks = {"p": 2, "window_s": 3.0, "link_timeout_s": 1.0,  # heartbeats: no false outage
                                 "plan_for": lambda m: make_plan("crew", g, length, {"active": list(m)})}
