@@ -278,6 +278,31 @@ def test_start_reports_relay_errors(clean_lab):
 
 
 @net
+def test_a_relay_with_more_links_than_its_first_allocation(clean_lab):
+    """The relay grows its link table as it reads its configuration (16 links, then 32, ...):
+    the first link must still forward once 16 more were read (its ports moved with the table;
+    equinix-like-20 and idn-like-40 failed with 'no such interface' before)."""
+    lab, tag = clean_lab, os.getpid() % 100000
+    idle = [f"rd{tag}x{k}" for k in range(32)]
+    try:
+        for k in range(16):  # idle veth pairs (this kernel has no dummy interfaces)
+            sh("ip", "link", "add", idle[2 * k], "type", "veth", "peer", "name", idle[2 * k + 1], ns=lab.ns_r)
+            for name in idle[2 * k:2 * k + 2]:
+                sh("ip", "link", "set", name, "up", ns=lab.ns_r)
+        links = [RelayLink(lab.if_p, lab.if_q, RelayDirection(5), RelayDirection(5), 100)] + [
+            RelayLink(idle[2 * k], idle[2 * k + 1], RelayDirection(1), RelayDirection(1), 10) for k in range(16)]
+        r = Relay(links, seed=1)
+        lab.relays.append(r)
+        r.start(lab.popen(lab.ns_r))
+        sent, recv, rtt = lab.ping(20, 0.02)
+        assert recv == sent == 20 and abs(rtt[1] - 10) <= 1.0, rtt
+        assert len(r.stop()["dirs"]) == 34
+    finally:
+        for name in idle[::2]:
+            sh("ip", "link", "del", name, ns=lab.ns_r, check=False)
+
+
+@net
 def test_loss_rate_and_reproducibility(clean_lab):
     """loss=0.1 on A->B: ~10 % of 300 pings lost; same seed => same losses."""
     patterns = []

@@ -309,8 +309,8 @@ static void parse_config(const char *path)
             memcpy(pp->name, p, IFNAMSIZ);
             memcpy(pq->name, q, IFNAMSIZ);
             dir_t *ab = &dirs[2 * i], *ba = &dirs[2 * i + 1];
-            ab->in = pp; ab->out = pq; ab->link = i; ab->ba = 0;
-            ba->in = pq; ba->out = pp; ba->link = i; ba->ba = 1;
+            ab->link = i; ab->ba = 0; /* ports: set once parsing is done (realloc moves them) */
+            ba->link = i; ba->ba = 1;
             set_dir_params(ab, ad, aj, al);
             set_dir_params(ba, bd, bj, bl);
             if (ab->loss != al || ba->loss != bl) die("%s:%d: bad parameters", path, lineno);
@@ -337,6 +337,8 @@ static void parse_config(const char *path)
     if (!nlinks) die("%s: no link lines", path);
     nports = ndirs = 2 * nlinks;
     for (int i = 0; i < ndirs; i++) {
+        dirs[i].in = &ports[i];      /* A->B: in = P (port 2l), out = Q; B->A the reverse */
+        dirs[i].out = &ports[i ^ 1];
         dirs[i].in->rxdir = &dirs[i];
         rng_seed(&dirs[i].rng, cfg.seed * 0x100000001b3ULL ^ (uint64_t)(i + 1) * 0x9e3779b97f4a7c15ULL);
     }
