@@ -57,13 +57,16 @@ def test_train_rate_is_none_when_the_link_did_not_space_the_datagrams():
     assert train_rate(burst, sent(64)) is None
     stalled = sent(64, gap_us=300.0)  # a sender slower than the 50 Mbit/s link (242 us a frame)
     assert train_rate([t + 10**7 for t in stalled], stalled) is None
-    # a sender descheduled for 5 ms once in the second half: the pairs over the gap arrived as
-    # slowly as they were sent and are left out; the others still read the link
-    sends = sent(64)
-    sends[48:] = [t + 5 * 10**6 for t in sends[48:]]
-    arrivals = spaced(64, 50.0)
-    arrivals[48:] = [max(a, s + 10**5) for a, s in zip(arrivals[48:], sends[48:])]
-    assert train_rate(arrivals, sends) is None or train_rate(arrivals, sends) == pytest.approx(50.0, rel=0.02)
+    # a sender descheduled for 5 ms once in the second half (datagrams 32-63, pairs 16 apart):
+    # the pairs over the gap arrived as slowly as they were sent and are left out, the others
+    # still read the link; with the gap at 48 every pair spans it, and the train gives no rate
+    def descheduled(at: int) -> tuple[list[int], list[int]]:
+        sends, arrivals = sent(64), spaced(64, 50.0)
+        sends[at:] = [t + 5 * 10**6 for t in sends[at:]]
+        arrivals[at:] = [max(a, s + 10**5) for a, s in zip(arrivals[at:], sends[at:])]
+        return arrivals, sends
+    assert train_rate(*descheduled(40)) == pytest.approx(50.0, rel=0.02)
+    assert train_rate(*descheduled(48)) is None
 
 
 @pytest.mark.parametrize("rate", [2.5, 20.0, 100.0, 155.0, 1000.0, 20000.0])
