@@ -771,16 +771,20 @@ class TaskRun:
         pending = [m for m in t.members if m not in t.done and m != w]
         swap = dict(self.reassign.get(t.pid, {}))
         weights = (self.plans[t.version].meta.get("weights") or {}) if t.version is not None else {}
-        repair = len(pending) == len(t.members) and bool(self.rate)
-        if repair and w is not None:  # Eq. (3) for the lost aggregator's block
-            k = None
-            if w not in t.members and w in weights:
-                k = replacement([c for c in self._candidates(t.members, set(swap) | {w}) if c in weights],
-                                t.members, self._load(t), weights[w], self.rate)
-            repair = k is not None
-            if k:
+        why = (f"{w} was a member" if w in t.members
+               else "a member already holds its result" if len(pending) < len(t.members)
+               else "no link rates measured yet" if not self.rate
+               else f"{w} aggregated no block of it" if w is not None and w not in weights else None)
+        if why is None and w is not None:  # Eq. (3) for the lost aggregator's block
+            k = replacement([c for c in self._candidates(t.members, set(swap) | {w}) if c in weights],
+                            t.members, self._load(t), weights[w], self.rate)
+            if k is None:
+                why = "no replacement (Eq. 3's S is empty)"
+            else:
                 swap = _redirect(swap, w, k)
-        new = self._retry(t, swap) if repair else None
+        new = self._retry(t, swap) if why is None else None
+        if why is None and new is None:
+            why = "the repair could not be placed"
         t.state = "repaired" if new is not None else "abandoned"
         rec = {"pid": t.pid, "members": t.members, "version": t.version, "outcome": t.state,
                **({"lost": w} if w else {"link": fault["link"]}), **t.times, "correct": True,
@@ -788,7 +792,7 @@ class TaskRun:
                                     "correct": bool(t.done[m].get("correct"))} for m in t.members if m in t.done}}
         fix = self.reassign.get(new, {}) if new is not None else {}
         fault["tasks"].append({"pid": t.pid, "outcome": t.state,
-                               **({"replacement": fix.get(w) if w else fix} if new is not None else {})})
+                               **({"replacement": fix.get(w) if w else fix} if new is not None else {"why": why})})
         if new is not None:
             rec["repair"] = new
         else:

@@ -448,7 +448,8 @@ def _run_section(entry: dict, out: Path, n: int, table: bool = True) -> tuple[st
                                 if f.get("controller") else f"reported by {f.get('reported_by')}"),
                    "back_after_s": (f["back_ns"] - f["t_ns"]) / 1e9 if f.get("back_ns") else None,
                    "tasks": ", ".join(f"{t['pid']} {t['outcome']}" + (f" to {t['replacement']}" if t.get("replacement")
-                                                                     else "") for t in f.get("tasks", []))}
+                                                                     else f" ({t['why']})" if t.get("why") else "")
+                                     for t in f.get("tasks", []))}
                   for r in res.get("runs", []) for f in (r.get("groups") or {}).get("faults", [])]
         if faults:
             parts.append("<h3>Faults during the groups runs (§IV-B failover)</h3>" +

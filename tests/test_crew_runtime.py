@@ -232,8 +232,8 @@ CRASH_EXP = EMU_EXP.replace("name: crew-runtime", "name: crew-crash").replace(
 @pytest.mark.net
 def test_emulated_crash_mid_run_repairs_or_abandons_and_the_run_goes_on(netenv, tmp_path):
     """n3 crashes (the emulator kills its processes and cuts its links) while groups run:
-    tasks in flight with n3 only aggregating are repaired (Eq. 3), those with n3 as a member
-    abandoned; the survivors keep forming groups to the end of T, every round exact."""
+    tasks in flight with n3 only aggregating are repaired (Eq. 3) unless a member already
+    holds its result, those with n3 as a member abandoned; the survivors keep forming groups to the end of T, every round exact."""
     _, results = run_emulated(tmp_path, CRASH_EXP)
     assert any(e.get("event") == "host_crash" and e.get("dc") == "n3" for e in results["events"]), results["events"]
     run, = results["runs"]
@@ -243,7 +243,10 @@ def test_emulated_crash_mid_run_repairs_or_abandons_and_the_run_goes_on(netenv, 
     crash_ns = g["faults"][0]["t_ns"]
     for t in g["faults"][0]["tasks"]:
         rec = next(r for r in g["tasks"] if r["pid"] == t["pid"] and r.get("outcome") != "done")
-        assert t["outcome"] == ("abandoned" if "n3" in rec["members"] else "repaired"), (t, rec)
+        if "n3" in rec["members"]:
+            assert t["outcome"] == "abandoned" and t["why"] == "n3 was a member", (t, rec)
+        elif t["outcome"] == "abandoned":  # only when a member finished before the crash
+            assert t["why"] == "a member already holds its result" and rec["members_done"], (t, rec)
         if t["outcome"] == "repaired":
             fix = next(r for r in g["tasks"] if r.get("repair_of") == t["pid"])
             assert fix["correct"] and fix["members"] == rec["members"], fix
