@@ -4,7 +4,8 @@ run that is still going.
 Left-overs are recognised by name, never by guessing: Mininet host shells of our hosts
 (``mininet:d<i>``, ``mininet:wan``), agent/coordinator/relay processes, iperf3/ping started
 inside a non-root network namespace, root-namespace interfaces of our naming scheme
-(``d<i>-*``, ``r<j>a``/``r<j>b``, ``tbc0*``), and ``ip netns`` namespaces named ``tb*``.
+(``d<i>-*``, ``r<j>a``/``r<j>b``, ``tbc0*``), ``ip netns`` namespaces named ``tb*``, and the
+relays' configuration directories (``$TMPDIR/tbrelay-<run id>-*``).
 
 Ownership: a run records its id (:func:`claim`: the owner's pid and start time) in the
 environment variable ``TESTBED_RUN`` that every process it starts inherits (host shells,
@@ -16,10 +17,13 @@ id whose parent is gone (orphans).  ``everything=True`` (``clean --all``) remove
 
 from __future__ import annotations
 
+import glob
 import os
 import re
+import shutil
 import signal
 import subprocess
+import tempfile
 import time
 
 OUR_CMDLINE = re.compile(r"(mininet:(d\d+|wan|tbc0)\b|agents\.agent|agents\.coordinator|tbrelay)")
@@ -86,9 +90,28 @@ def _root_netns() -> str:
     return os.readlink("/proc/self/ns/net")
 
 
+def relay_dir_prefix() -> str:
+    """The prefix of a relay's configuration directory: ``tbrelay-<run id>-``."""
+    return f"tbrelay-{os.environ.get(RUN_ENV, 'none')}-"
+
+
+def _stale_dir(path: str) -> bool:
+    """A relay directory whose run is over (or, without a run id, that no process names)."""
+    rid = os.path.basename(path)[len("tbrelay-"):].rsplit("-", 1)[0]
+    if rid != "none" and "." in rid:
+        return not owner_alive(rid)
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if path.encode() in open(f"/proc/{pid}/cmdline", "rb").read():
+                return False
+        except OSError:
+            continue
+    return True
+
+
 def leftovers(everything: bool = True) -> dict[str, list]:
-    """What ``clean`` would remove: processes (pid, cmdline), interfaces, namespaces;
-    with ``everything=False`` only what belongs to no live run."""
+    """What ``clean`` would remove: processes (pid, cmdline), interfaces, namespaces, relay
+    directories; with ``everything=False`` only what belongs to no live run."""
     me = os.getpid()
     root_ns = _root_netns()
     procs = []
@@ -111,7 +134,9 @@ def leftovers(everything: bool = True) -> dict[str, list]:
     namespaces = [l.split()[0] for l in ns_out.splitlines() if l.split() and l.split()[0].startswith("tb")]
     if live_net:  # a running network: its interfaces are in use
         intfs, namespaces = [], []
-    return {"processes": procs, "interfaces": intfs, "namespaces": namespaces}
+    dirs = [d for d in sorted(glob.glob(os.path.join(tempfile.gettempdir(), "tbrelay-*")))
+            if everything or _stale_dir(d)]
+    return {"processes": procs, "interfaces": intfs, "namespaces": namespaces, "directories": dirs}
 
 
 def clean(log=print, everything: bool = False) -> dict[str, list]:
@@ -128,6 +153,8 @@ def clean(log=print, everything: bool = False) -> dict[str, list]:
         subprocess.run(["ip", "link", "del", intf], capture_output=True)
     for ns in found["namespaces"]:
         subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+    for d in found["directories"]:
+        shutil.rmtree(d, ignore_errors=True)
     for kind, items in found.items():
         if items:
             log(f"removed {len(items)} {kind}: " + ", ".join(str(i[1] if isinstance(i, tuple) else i) for i in items[:8])

@@ -53,6 +53,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from testbed.emulator.cleanup import relay_dir_prefix
 from testbed.errors import ConfigError, RunError
 
 __all__ = [
@@ -318,7 +319,7 @@ class Relay:
         if self.proc is not None:
             raise RunError("relay already started")
         binary = build()
-        self._dir = tempfile.TemporaryDirectory(prefix="tbrelay-")
+        self._dir = tempfile.TemporaryDirectory(prefix=relay_dir_prefix())  # `clean` finds it if we are killed
         cfg = Path(self._dir.name) / "relay.conf"
         cfg.write_text(self.config_text())
         self._stderr_path = Path(self._dir.name) / "relay.err"
