@@ -25,9 +25,12 @@ Auxiliary transmission (NetStorm §VI): with ``aux`` paths (``plan.aux``), a sen
 primary connection is busy (more than ``primary_busy_bound`` sends queued on it) goes to the
 fastest auxiliary path with fewer than ``aux_queue_length`` of this node's chunks in flight,
 else to the primary.  An auxiliary chunk carries ``FLAG_AUX`` and its whole path in the
-header's ``route`` and travels over ``AUX_CHANNEL`` connections; a relay streams it on to
-the next node of the header's route as its bytes arrive (cut-through, §VI: a relay forwards
-at link speed; :class:`Relayed`), once the frames queued before it on that connection went
+header's ``route`` and travels over auxiliary connections (negative channels: the sender's own
+chunks on ``AUX_CHANNEL``, the chunks a relay passes on on a *lane* per upstream hop,
+:func:`aux_lane`); a relay streams it on to the next node of the header's route as its bytes
+arrive (cut-through, §VI: a relay forwards at link speed; :class:`Relayed`), once the frames
+queued before it on that lane went (one lane per upstream, a choice: a chunk arriving slowly
+from one upstream does not hold up a chunk from another that is ready to go)
 -- never by a table of its own, so a relay with a stale or no path table still delivers
 (NetStorm Fig. 10); it never aggregates, and connects to a next hop it has no connection to
 on first use.  A relayed frame whose upstream breaks mid-way cannot be finished: the relay
@@ -84,6 +87,15 @@ RECV_COLUMNS = ["xfer", "send_ts_ns", "recv_start_ns", "recv_end_ns", "apply_ns"
 
 SO_MAX_PACING_RATE = getattr(socket, "SO_MAX_PACING_RATE", 47)  # Linux value
 AUX_CHANNEL = -1  # the data connections that carry auxiliary chunks (plans use channels >= 0)
+
+
+def aux_lane(upstream: int) -> int:
+    """The auxiliary channel on which a relay passes on chunks from plan node ``upstream``."""
+    return AUX_CHANNEL - 1 - upstream
+
+
+def is_aux(channel: int) -> bool:
+    return channel <= AUX_CHANNEL
 
 
 SIOCOUTQNSD = 0x894B  # Linux: bytes in a TCP socket's send queue not yet sent
@@ -271,7 +283,7 @@ class Executor:
             if k == 0 and not self.stop_and_wait:
                 self._aux_routes[path[-1]].append(tuple(self._index[n] for n in path))
             if k < len(path) - 1:
-                self._out_keys.add((path[k + 1], AUX_CHANNEL))
+                self._out_keys.add((path[k + 1], aux_lane(self._index[path[k - 1]]) if k else AUX_CHANNEL))
         self._busy_bound = int(aux.get("primary_busy_bound", 2))
         self._aux_queue = int(aux.get("aux_queue_length", 5))
         self._connect = connect
@@ -300,9 +312,9 @@ class Executor:
         if rate > 0:  # TCP paces internally (no fq needed) once a maximum rate is set
             sock.setsockopt(socket.SOL_SOCKET, SO_MAX_PACING_RATE, int(rate * 1e6 / 8))
         # a send that moves no byte for timeout_s fails; on an auxiliary path it is given up sooner
-        sock.settimeout((self._resend_after or self.timeout_s) if channel == AUX_CHANNEL else self.timeout_s)
+        sock.settimeout((self._resend_after or self.timeout_s) if is_aux(channel) else self.timeout_s)
         with self._lock:  # an auxiliary connection may also be one a relay opens on first use
-            if (key not in self._out_keys and channel != AUX_CHANNEL) or key in self._senders:
+            if (key not in self._out_keys and not is_aux(channel)) or key in self._senders:
                 raise ProtocolError(f"no (further) data connection to {peer} channel {channel} expected")
             q: queue.SimpleQueue = queue.SimpleQueue()
             self._senders[key] = (sock, q)
@@ -316,7 +328,8 @@ class Executor:
         with self._lock:
             if self._closing:
                 raise ProtocolError("shutting down")
-            if key not in self._expect and not (channel == AUX_CHANNEL and peer in self._index):
+            if key not in self._expect and not (aux_lane(len(self.nodes)) < channel <= AUX_CHANNEL
+                                                and peer in self._index):
                 raise ProtocolError(f"no data expected from {peer} on channel {channel}")
             if key in self._receivers:
                 raise ProtocolError(f"duplicate data connection from {peer} channel {channel}")
@@ -342,7 +355,7 @@ class Executor:
         peer, ch = key
         hbuf = bytearray(64)
         flags = FLAG_ACK_REQ if self.stop_and_wait else 0
-        broken = (OSError, Truncated) if ch == AUX_CHANNEL else ()  # an auxiliary path is given up, not fatal
+        broken = (OSError, Truncated) if is_aux(ch) else ()  # an auxiliary path is given up, not fatal
         item = None
         try:
             while (item := q.get()) is not None:
@@ -374,7 +387,7 @@ class Executor:
                                             f"of transfer {a.xfer}")
                 self._events.put(("sent", i, start, time.time_ns()))
         except broken as e:
-            self._give_up(peer, sock, q, item, e)
+            self._give_up(key, sock, q, item, e)
         except Closed:
             self._fail(ExecError(f"data connection to {peer} (channel {ch}) closed by peer"))
         except ProtocolError as e:
@@ -402,7 +415,7 @@ class Executor:
 
     def _recv_loop(self, key: tuple[str, int], sock: socket.socket) -> None:
         peer, ch = key
-        aux = ch == AUX_CHANNEL
+        aux = is_aux(ch)
         expect = self._expect.get(key, {})
         limit = self._frame_max if aux else max(self._rbuf[i].nbytes for i in expect.values())
         lost = (Closed, Truncated, OSError) if aux else ()  # an auxiliary connection's chunks are asked for again
@@ -418,7 +431,7 @@ class Executor:
                     src, nxt = self._hop(h, peer)
                     if nxt is not None:  # cut-through: queued for the next hop before its bytes arrive
                         payload = Relayed(h.payload_len)
-                        self._forward(nxt, h, payload)
+                        self._forward(nxt, aux_lane(self._index[peer]), h, payload)
                         try:
                             self._read(sock, h, memoryview(payload.buf), lambda n: self._tick() or payload.progress(n),
                                        peer, ch, first)
@@ -485,16 +498,20 @@ class Executor:
             probe(peer, (h.payload_len, h.send_ts_ns, first, last, ch, *mid))
         return last
 
-    def _give_up(self, peer: str, sock: socket.socket, q: queue.SimpleQueue, item, why: Exception) -> None:
-        """The auxiliary connection to ``peer`` broke (``item`` was being sent): no more chunks
-        over it; this node's own chunks queued for it go to their primary connections."""
+    def _give_up(self, key: tuple[str, int], sock: socket.socket, q: queue.SimpleQueue, item,
+                 why: Exception) -> None:
+        """The auxiliary connection ``key`` broke (``item`` was being sent): no more chunks
+        to its peer over any lane; this node's own chunks queued for it go to their primary
+        connections."""
         if self._closing:
             return
-        log.warning("auxiliary connection to %s broke (%s): not used again", peer, why or type(why).__name__)
+        peer = key[0]
+        log.warning("auxiliary connection to %s (channel %d) broke (%s): %s not used again", peer, key[1],
+                    why or type(why).__name__, peer)
         with self._lock:
             self._dead.add(peer)
-            self._senders.pop((peer, AUX_CHANNEL), None)
-            self._out_keys.discard((peer, AUX_CHANNEL))
+            self._senders.pop(key, None)
+            self._out_keys.discard(key)
         close_quietly(sock)
         while item is not None:
             i, it, route, copy = item
@@ -549,14 +566,14 @@ class Executor:
         k = route.index(me)
         return names[0], (names[k + 1] if k + 1 < len(names) else None)
 
-    def _forward(self, nxt: str, h: Header, payload: Relayed) -> None:
-        """Queue a relayed chunk to ``nxt`` (connecting on first use)."""
-        key = (nxt, AUX_CHANNEL)
+    def _forward(self, nxt: str, lane: int, h: Header, payload: Relayed) -> None:
+        """Queue a relayed chunk to ``nxt`` on ``lane`` (connecting on first use)."""
+        key = (nxt, lane)
         with self._connect_lock:
             if key not in self._senders and nxt not in self._dead:
                 if self._connect is None:
                     raise ProtocolError(f"auxiliary transfer {h.xfer}: no connection to {nxt}")
-                self.attach_outgoing(nxt, AUX_CHANNEL, self._connect(nxt, AUX_CHANNEL))
+                self.attach_outgoing(nxt, lane, self._connect(nxt, lane))
         with self._lock:  # as _give_up: nothing is queued for a connection once it is given up
             if nxt in self._dead:
                 log.info("dropped auxiliary transfer %d: the connection to %s broke", h.xfer, nxt)

@@ -221,6 +221,52 @@ def test_a_relay_streams_a_chunk_on_as_its_bytes_arrive():
     out.close(), far.close()
 
 
+def test_a_slow_upstream_does_not_hold_up_another_through_the_same_relay():
+    """A relay passes chunks on on a lane per upstream hop: a chunk from ``a`` that arrives
+    slowly (half of it, then a pause) does not delay one from ``c`` to the same next hop."""
+    import socket
+    import time
+
+    import numpy as np
+
+    from agents import wire
+    from agents.executor import AUX_CHANNEL, Executor
+    from testbed.plan import Op
+
+    nodes, k = ["a", "c", "r", "b"], 1 << 16
+    b = Executor("b", [Op(0, "recv", "a", 1, 0, k), Op(1, "recv", "c", 2, k, k)], length=2 * k, nodes=nodes,
+                 timeout_s=10)
+
+    def connect(peer: str, ch: int) -> socket.socket:
+        mine, far = socket.socketpair()
+        b.attach_incoming("r", ch, far)
+        return mine
+    r = Executor("r", [], length=2 * k, nodes=nodes, timeout_s=10, connect=connect)
+    ups = {}
+    for name in ("a", "c"):
+        ups[name], far = socket.socketpair()
+        r.attach_incoming(name, AUX_CHANNEL, far)
+    b.prepare(None)
+    payload = {n: np.full(k, v, np.float32).tobytes() for n, v in (("a", 1), ("c", 2))}
+    ha, hc = (wire.Header(wire.DATA, flags=wire.FLAG_AUX, xfer=x, payload_len=4 * k, route=(src, 2, 3))
+              for x, src in ((1, 0), (2, 1)))
+    wire.send_frame(ups["a"], ha, b"")  # a's header and half its payload; the rest comes later
+    ups["a"].sendall(payload["a"][:2 * k])
+    wire.send_frame(ups["c"], hc, payload["c"])
+    deadline = time.monotonic() + 5
+    while b._got[1] != 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert b._got[1] == 0 and b._got[0] != 0, "c's chunk waited behind a's half-arrived one"
+    ups["a"].sendall(payload["a"][2 * k:])
+    b.run(0)
+    assert np.array_equal(b.bufs["x"], np.repeat(np.float32([1, 2]), k))
+    assert sorted(ch for _, ch in b._receivers) == [-3, -2]  # one lane per upstream
+    for ex in (r, b):
+        ex.close()
+    for sock in ups.values():
+        sock.close()
+
+
 @pytest.mark.parametrize("dead", ["a>r", "r>b"])
 def test_a_broken_auxiliary_path_loses_no_chunk(dead):
     """An auxiliary hop that fails (the sender's own first hop, or a relay's next hop): the
