@@ -24,7 +24,8 @@ dripping a byte now and then is progress, but not forever).  Outgoing data socke
 Auxiliary transmission (NetStorm §VI): with ``aux`` paths (``plan.aux``), a send whose
 primary connection is busy (more than ``primary_busy_bound`` sends queued on it) goes to the
 fastest auxiliary path with fewer than ``aux_queue_length`` of this node's chunks in flight,
-else to the primary.  An auxiliary chunk carries ``FLAG_AUX`` and its whole path in the
+else to the primary (with ``dispatch: eta``, only to a path on which it would arrive sooner:
+:meth:`Executor._route`).  An auxiliary chunk carries ``FLAG_AUX`` and its whole path in the
 header's ``route`` and travels over auxiliary connections (negative channels: the sender's own
 chunks on ``AUX_CHANNEL``, the chunks a relay passes on on a *lane* per upstream hop,
 :func:`aux_lane`); a relay streams it on to the next node of the header's route as its bytes
@@ -286,6 +287,9 @@ class Executor:
                 self._out_keys.add((path[k + 1], aux_lane(self._index[path[k - 1]]) if k else AUX_CHANNEL))
         self._busy_bound = int(aux.get("primary_busy_bound", 2))
         self._aux_queue = int(aux.get("aux_queue_length", 5))
+        rates = aux.get("rates", {}) if aux.get("dispatch") == "eta" else {}
+        self._eta = {tuple(self._index[n] for n in key.split(">")): (float(mbps), float(delay))
+                     for key, (mbps, delay) in rates.items() if key.split(">")[0] == self.name}
         self._connect = connect
         self._connect_lock = threading.Lock()
         self._by_src = {(op.peer, op.xfer): i for i, op in enumerate(self.prog) if op.kind == RECV}
@@ -743,11 +747,22 @@ class Executor:
         """NetStorm §VI dispatch: () (the primary path: the direct connections to the peer,
         every channel) unless more than ``primary_busy_bound`` sends to the peer are queued on
         it; then the fastest auxiliary route to the peer with fewer than ``aux_queue_length``
-        chunks in flight, if any."""
+        chunks in flight, if any.  With ``dispatch: eta`` (not in the paper: a relayed chunk
+        that arrives late stalls the aggregation waiting for it) only a route on which the
+        chunk would arrive before it would behind the primary's queue, by the plan's rates:
+        delay + (chunks queued + 1) x size / bottleneck rate on each."""
         routes = self._aux_routes.get(op.peer)
         if not routes or load[op.peer] <= self._busy_bound:
             return ()
-        return next((r for r in routes if in_flight[r] < self._aux_queue and self.nodes[r[1]] not in self._dead), ())
+        ok = [r for r in routes if in_flight[r] < self._aux_queue and self.nodes[r[1]] not in self._dead]
+        if self._eta and ok:
+            mbit = op.length * self.dtype.itemsize * 8e-6
+            eta = {r: d + (n + 1) * mbit / rate for r, (rate, d), n in
+                   ((r, self._eta[r], in_flight[r]) for r in ok if r in self._eta)}
+            rate, d = self._eta.get((self._index[self.name], self._index[op.peer]), (0.0, 0.0))
+            primary = d + (load[op.peer] + 1) * mbit / rate if rate else float("inf")
+            ok = [r for r in ok if eta.get(r, float("inf")) < primary]
+        return ok[0] if ok else ()
     def status(self) -> dict:
         """What this node still waits for: ``awaiting`` {peer: [[xfer, bytes arrived, bytes]]}
         (data of the current iteration not yet received) and ``sending`` {peer: [[xfer,

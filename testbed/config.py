@@ -108,8 +108,12 @@ ADAPTIVE_DEFAULTS = {"update_s": 5.0, "probe_chunk_bytes": 2_000_000, "probe_chu
 # the pair's own) by default, because the paper's reading (edge-disjoint rounds over idle links)
 # finds no auxiliary path for a tree scheme on any shipped topology but B4 (measured: see
 # tests/test_auxpaths.py); it stays a choice.
+# dispatch: "queue", the paper's rule (§VI-A: the bounds alone); "eta", a chunk also goes to an
+# auxiliary path only if the rates say it arrives there sooner than behind the primary's queue
+# (not in the paper: see agents.executor).
 AUX_DEFAULTS = {"primary_busy_bound": 2, "aux_queue_length": 5, "max_paths": 2, "disjoint": "node",
-                "idle_only": False, "resend_after_s": 5.0}
+                "idle_only": False, "resend_after_s": 5.0, "dispatch": "queue"}
+AUX_DISPATCH = ("queue", "eta")
 
 
 @dataclass(frozen=True)
@@ -446,6 +450,7 @@ def _aux(c: Checker, spec, key: str) -> dict | None:
     c.choice(out["disjoint"], f"{key}.disjoint", DISJOINT)
     c.choice(out["idle_only"], f"{key}.idle_only", (True, False))
     c.number(out["resend_after_s"], f"{key}.resend_after_s", minimum=0)
+    c.choice(out["dispatch"], f"{key}.dispatch", AUX_DISPATCH)
     return out
 
 

@@ -202,6 +202,17 @@ class Plan:
                                 "ends of a transfer")
         if not isinstance(self.aux.get("resend_after_s", 0), (int, float)) or self.aux.get("resend_after_s", 0) < 0:
             raise PlanError("aux.resend_after_s must be a number >= 0")
+        if self.aux.get("dispatch", "queue") not in ("queue", "eta"):
+            raise PlanError(f"aux.dispatch must be queue or eta, got {self.aux.get('dispatch')!r}")
+        for path, rate in (self.aux.get("rates") or {}).items():
+            if not (isinstance(rate, list) and len(rate) == 2 and all(isinstance(x, (int, float)) for x in rate)
+                    and rate[0] > 0 and rate[1] >= 0):
+                raise PlanError(f"aux.rates[{path!r}] must be [Mbit/s > 0, delay s >= 0], got {rate!r}")
+        if self.aux.get("dispatch") == "eta":
+            missing = [k for p in self.aux.get("paths", []) for k in (">".join(p), f"{p[0]}>{p[-1]}")
+                       if k not in self.aux.get("rates", {})]
+            if missing:
+                raise PlanError(f"aux.dispatch eta: no rate of path {missing[0]}")
         for key in ("primary_busy_bound", "aux_queue_length"):
             if key in self.aux and not (isinstance(self.aux[key], int) and self.aux[key] >= (key == "aux_queue_length")):
                 raise PlanError(f"aux.{key} must be an integer >= {int(key == 'aux_queue_length')}")

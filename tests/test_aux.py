@@ -328,3 +328,24 @@ def test_an_auxiliary_link_going_down_mid_run_loses_nothing(netenv, tmp_path):
     assert any(e.get("event") == "link_down" for e in results["events"])
     logs = "".join(p.read_text() for p in (tmp_path / "agents").glob("*.log"))
     assert "broke" in logs, "no auxiliary connection over the downed link was given up"
+
+
+@pytest.mark.parametrize("aux_mbps, taken", [(10.0, False), (1000.0, True)])
+def test_eta_dispatch_takes_an_auxiliary_path_only_if_the_chunk_arrives_sooner(aux_mbps, taken):
+    """The primary to b (100 Mbit/s) has 2 chunks queued: a 1 Mbit chunk behind them arrives
+    after 30 ms; on a 10 Mbit/s path after 100 ms (stays on the primary), on 1000 Mbit/s after
+    1 ms (goes); the paper's rule (``queue``) sends it either way."""
+    from collections import defaultdict
+
+    from agents.executor import Executor
+    from testbed.plan import Op
+
+    op = Op(0, "send", "b", 1, 0, 31250)  # 125000 bytes of float32: 1 Mbit
+    for dispatch in ("eta", "queue"):
+        aux = {"paths": [["a", "r", "b"]], "primary_busy_bound": 1, "aux_queue_length": 2, "dispatch": dispatch,
+               "rates": {"a>r>b": [aux_mbps, 0.0], "a>b": [100.0, 0.0]}}
+        ex = Executor("a", [op], length=31250, nodes=["a", "r", "b"], aux=aux, timeout_s=5)
+        route = ex._route(op, {"b": 2}, defaultdict(int))
+        assert route == ((0, 1, 2) if taken or dispatch == "queue" else ()), dispatch
+        assert ex._route(op, {"b": 1}, defaultdict(int)) == ()  # the primary is not busy
+        ex.close()

@@ -82,3 +82,29 @@ def test_bad_mode_and_unreachable_pair():
     g.add_node("z")
     with pytest.raises(ValueError, match="no path from a to z"):
         aux_paths(g, [("a", "z")])
+
+
+def test_eta_dispatch_carries_the_rates_of_every_path_and_primary():
+    """``dispatch: eta``: plan.aux gives each auxiliary path and each pair's primary path its
+    bottleneck rate and delay (the executor compares arrival times); a plan without them is
+    refused."""
+    from testbed.plan import Plan, PlanError
+    from testbed.planners.auxpaths import attach
+
+    g = load_topology("netstorm-internet2-9").graph()
+    plan = make_plan("netstorm", g, 1 << 16, {"roots": 1})
+    aux = attach(plan, g, disjoint="node", idle_only=False, dispatch="eta")
+    assert aux["paths"] and aux["dispatch"] == "eta"
+    for p in aux["paths"]:
+        rate, delay = aux["rates"][">".join(p)]
+        assert rate == min(g[a][b]["rate_mbps"] for a, b in zip(p, p[1:]))
+        assert delay == pytest.approx(sum(g[a][b]["delay_ms"] for a, b in zip(p, p[1:])) / 1e3)
+        assert f"{p[0]}>{p[-1]}" in aux["rates"]
+    assert "rates" not in attach(plan, g, disjoint="node", idle_only=False)
+    plan.aux = aux
+    plan.validate()
+    bad = Plan.from_dict({**plan.to_dict(), "aux": {**aux, "rates": {}}})
+    with pytest.raises(PlanError, match="dispatch eta: no rate of path"):
+        bad.validate()
+    with pytest.raises(PlanError, match="dispatch must be queue or eta"):
+        Plan.from_dict({**plan.to_dict(), "aux": {**aux, "dispatch": "fast"}}).validate()

@@ -107,15 +107,22 @@ def plan_pairs(plan) -> list[tuple[str, str]]:
     return sorted({(src, op.peer) for src, op in plan.transfers()})
 
 
+def path_rate(graph: nx.DiGraph, path: list[str]) -> list[float]:
+    """[bottleneck rate in Mbit/s, one-way delay in s] of ``path`` on ``graph``."""
+    links = [graph[a][b] for a, b in zip(path, path[1:])]
+    return [min(e["rate_mbps"] for e in links), sum(e.get("delay_ms", 0.0) for e in links) / 1e3]
+
+
 def attach(plan, graph: nx.DiGraph, *, primary_busy_bound: int = 2, aux_queue_length: int = 5,
            max_paths: int | None = 2, disjoint: str = "edge", idle_only: bool = True,
-           resend_after_s: float = 5.0) -> dict:
+           resend_after_s: float = 5.0, dispatch: str = "queue") -> dict:
     """``plan.aux`` for ``plan`` on ``graph`` (configured rates, or the closed loop's
     estimates at a re-plan): Algorithm 3's auxiliary paths of every (sender, next aggregator)
     pair -- with ``idle_only`` over links no transfer of the plan uses (its routed paths: §VI-A,
     "auxiliary paths are created from idle links"), else over any link but the pair's own
     primary -- those the wire's route can carry, the dispatch bounds and the re-send delay
-    (:mod:`agents.executor`)."""
+    (:mod:`agents.executor`); with ``dispatch: eta`` also ``rates`` {"a>r>b": [bottleneck
+    Mbit/s, delay s]} of every auxiliary path and, keyed "a>b", of every pair's primary path."""
     from testbed.plan import AUX_MAX_NODES
     from testbed.routing import data_paths
 
@@ -123,5 +130,9 @@ def attach(plan, graph: nx.DiGraph, *, primary_busy_bound: int = 2, aux_queue_le
     busy = {link for pair in pairs for link in zip(routed[pair], routed[pair][1:])} if idle_only else ()
     found = aux_paths(graph, pairs, disjoint=disjoint, busy=busy, max_paths=max_paths)
     paths = [p for pair in pairs for p in found[pair]["aux"] if 3 <= len(p) <= AUX_MAX_NODES]  # 2: the direct connection
-    return {"paths": paths, "primary_busy_bound": primary_busy_bound, "aux_queue_length": aux_queue_length,
-            "resend_after_s": resend_after_s}
+    out = {"paths": paths, "primary_busy_bound": primary_busy_bound, "aux_queue_length": aux_queue_length,
+           "resend_after_s": resend_after_s, "dispatch": dispatch}
+    if dispatch == "eta":
+        out["rates"] = {**{">".join(p): path_rate(graph, p) for p in paths},  # a pair's key: its primary path
+                        **{f"{a}>{b}": path_rate(graph, routed[(a, b)]) for a, b in pairs}}
+    return out
