@@ -59,6 +59,7 @@ BASE_PORT = 5201
 PROBE_PORT = 6201
 PROBE_PPS = 2000  # idle probes a second (at most 25 % of the link rate, spaced >= 6 jitter sigmas)
 PROBE_BYTES = 64  # UDP payload of a probe
+QUEUE_PROBE_SHARE = 0.02  # the standing-queue probes' share of the link's rate at most
 READY_S = 60  # the longest a probe process may take to start
 IPERF_SETUP_RTTS = 5  # round trips before iperf3's first datagram (connect, parameters, streams, start)
 UDP_PAYLOAD = MTU - 20 - 8 - 4  # iperf3 datagram: 1468 bytes (+ UDP/IP headers: 1496, under the MTU)
@@ -196,7 +197,8 @@ class _Probe:
     """One-way probe src -> dst, receiver and sender both started and past their start-up
     (:mod:`.probe`'s ``--ready``); the first datagram leaves at :meth:`go`."""
 
-    def __init__(self, net, src: str, dst: str, seconds: float, interval_s: float, port: int = PROBE_PORT):
+    def __init__(self, net, src: str, dst: str, seconds: float, interval_s: float, port: int = PROBE_PORT,
+                 size: int = PROBE_BYTES):
         d = net.directions[(src, dst)].spec
         self.seconds, self.wait = seconds, seconds + (d.delay_ms + 3 * d.jitter_ms) / 1e3 + 10
         self.rx = net.popen(dst, _probe_cmd("recv", str(port), "--seconds", f"{self.wait + READY_S}", "--ready"),
@@ -204,7 +206,7 @@ class _Probe:
         self._await_ready(self.rx, f"probe receiver on {dst}")
         self.tx = net.popen(src, _probe_cmd("send", net.peer_address(src, dst), str(port), "--pps",
                                             f"{1 / interval_s:.3f}", "--seconds", str(seconds), "--size",
-                                            str(PROBE_BYTES), "--ready"),
+                                            str(size), "--ready"),
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         self._await_ready(self.tx, f"probe sender on {src}")
 
@@ -258,8 +260,12 @@ def _queue_and_udp_rate(net, src: str, dst: str, seconds: float) -> dict:
     # over this very link (0.8 s each on GScale's 400 ms links): the probes must wait for it too
     setup_s = IPERF_SETUP_RTTS * (d.delay_ms + net.directions[(dst, src)].spec.delay_ms) / 1e3
     # probes in the same (bulk) queue, spaced wider than the queue's delay variation, started
-    # before the load so that they go exactly when the queue is full and end before the load
-    probe = _Probe(net, src, dst, seconds - 0.5, max(0.02, 6 * d.jitter_ms / 1e3), port=PROBE_PORT + 1)
+    # before the load so that they go exactly when the queue is full and end before the load;
+    # as large as iperf3's datagrams (netem's queue limit counts packets: 64-byte probes holding
+    # 5-17 % of its places made the standing queue 2-12 % shorter, measured in the VM) and at
+    # most QUEUE_PROBE_SHARE of the link's rate (their bytes are not iperf3's goodput)
+    interval = max(0.02, 6 * d.jitter_ms / 1e3, UDP_FRAME * 8 / (QUEUE_PROBE_SHARE * d.rate_mbps * 1e6))
+    probe = _Probe(net, src, dst, seconds - 0.5, interval, port=PROBE_PORT + 1, size=UDP_PAYLOAD)
     srv = net.popen(dst, ["iperf3", "-s", "-1", "-p", str(BASE_PORT), "-J", "-i", "0.5"],
                     stdout=subprocess.PIPE, text=True)
     time.sleep(0.5)
