@@ -763,6 +763,7 @@ class Executor:
             primary = d + (load[op.peer] + 1) * mbit / rate if rate else float("inf")
             ok = [r for r in ok if eta.get(r, float("inf")) < primary]
         return ok[0] if ok else ()
+
     def status(self) -> dict:
         """What this node still waits for: ``awaiting`` {peer: [[xfer, bytes arrived, bytes]]}
         (data of the current iteration not yet received) and ``sending`` {peer: [[xfer,

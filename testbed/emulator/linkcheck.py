@@ -59,7 +59,7 @@ BASE_PORT = 5201
 PROBE_PORT = 6201
 PROBE_PPS = 2000  # idle probes a second (at most 25 % of the link rate, spaced >= 6 jitter sigmas)
 PROBE_BYTES = 64  # UDP payload of a probe
-QUEUE_PROBE_SHARE = 0.02  # the standing-queue probes' share of the link's rate at most
+QUEUE_PROBE_SHARE = 0.02  # the standing-queue probes' share of the link's packets at most
 READY_S = 60  # the longest a probe process may take to start
 IPERF_SETUP_RTTS = 5  # round trips before iperf3's first datagram (connect, parameters, streams, start)
 UDP_PAYLOAD = MTU - 20 - 8 - 4  # iperf3 datagram: 1468 bytes (+ UDP/IP headers: 1496, under the MTU)
@@ -197,16 +197,17 @@ class _Probe:
     """One-way probe src -> dst, receiver and sender both started and past their start-up
     (:mod:`.probe`'s ``--ready``); the first datagram leaves at :meth:`go`."""
 
-    def __init__(self, net, src: str, dst: str, seconds: float, interval_s: float, port: int = PROBE_PORT,
-                 size: int = PROBE_BYTES):
+    def __init__(self, net, src: str, dst: str, seconds: float, interval_s: float, port: int = PROBE_PORT):
         d = net.directions[(src, dst)].spec
         self.seconds, self.wait = seconds, seconds + (d.delay_ms + 3 * d.jitter_ms) / 1e3 + 10
-        self.rx = net.popen(dst, _probe_cmd("recv", str(port), "--seconds", f"{self.wait + READY_S}", "--ready"),
+        # the receiver stops once the probes stop: no datagram for a few (possibly dropped) intervals
+        self.rx = net.popen(dst, _probe_cmd("recv", str(port), "--seconds", f"{self.wait + READY_S}", "--idle",
+                                            f"{max(1.0, 5 * interval_s):.3f}", "--ready"),
                             stdout=subprocess.PIPE, text=True)
         self._await_ready(self.rx, f"probe receiver on {dst}")
         self.tx = net.popen(src, _probe_cmd("send", net.peer_address(src, dst), str(port), "--pps",
                                             f"{1 / interval_s:.3f}", "--seconds", str(seconds), "--size",
-                                            str(size), "--ready"),
+                                            str(PROBE_BYTES), "--ready"),
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         self._await_ready(self.tx, f"probe sender on {src}")
 
@@ -223,7 +224,7 @@ class _Probe:
     def result(self) -> dict:
         """The receiver's statistics plus ``sent``."""
         out_tx, _ = self.tx.communicate(timeout=self.seconds + 30)
-        out_rx, _ = self.rx.communicate(timeout=self.wait + 30)
+        out_rx, _ = self.rx.communicate(timeout=self.wait + READY_S + 30)  # no datagram at all: its --seconds
         return {**_json(out_rx), "sent": _json(out_tx).get("sent", 0)}
 
 
@@ -261,11 +262,12 @@ def _queue_and_udp_rate(net, src: str, dst: str, seconds: float) -> dict:
     setup_s = IPERF_SETUP_RTTS * (d.delay_ms + net.directions[(dst, src)].spec.delay_ms) / 1e3
     # probes in the same (bulk) queue, spaced wider than the queue's delay variation, started
     # before the load so that they go exactly when the queue is full and end before the load;
-    # as large as iperf3's datagrams (netem's queue limit counts packets: 64-byte probes holding
-    # 5-17 % of its places made the standing queue 2-12 % shorter, measured in the VM) and at
-    # most QUEUE_PROBE_SHARE of the link's rate (their bytes are not iperf3's goodput)
+    # at most QUEUE_PROBE_SHARE of the link's packets: netem's queue limit counts packets, and
+    # small probes at 50 a second, 5-17 % of a slow link's packets, held as many of its places
+    # and made the standing queue 2-12 % shorter (measured in the VM).  Small, not iperf3-sized:
+    # in a byte-limited FIFO (htb, relay) a small probe fits where a full-size one is dropped
     interval = max(0.02, 6 * d.jitter_ms / 1e3, UDP_FRAME * 8 / (QUEUE_PROBE_SHARE * d.rate_mbps * 1e6))
-    probe = _Probe(net, src, dst, seconds - 0.5, interval, port=PROBE_PORT + 1, size=UDP_PAYLOAD)
+    probe = _Probe(net, src, dst, seconds - 0.5, interval, port=PROBE_PORT + 1)
     srv = net.popen(dst, ["iperf3", "-s", "-1", "-p", str(BASE_PORT), "-J", "-i", "0.5"],
                     stdout=subprocess.PIPE, text=True)
     time.sleep(0.5)

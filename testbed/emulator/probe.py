@@ -107,6 +107,7 @@ def main(argv=None) -> int:
     r = sub.add_parser("recv")
     r.add_argument("port", type=int)
     r.add_argument("--seconds", type=float, required=True, help="give up after this long in all")
+    r.add_argument("--idle", type=float, default=1.0, help="stop after this long without a datagram (default 1 s)")
     t = sub.add_parser("send")
     t.add_argument("addr")
     t.add_argument("port", type=int)
@@ -116,7 +117,7 @@ def main(argv=None) -> int:
     for p in (r, t):
         p.add_argument("--ready", action="store_true", help="print 'ready' when set up (send: then wait for a line)")
     a = ap.parse_args(argv)
-    out = (recv(a.port, a.seconds, ready=a.ready) if a.verb == "recv"
+    out = (recv(a.port, a.seconds, a.idle, ready=a.ready) if a.verb == "recv"
            else send(a.addr, a.port, a.pps, a.seconds, a.size, ready=a.ready))
     print(json.dumps(out))
     return 0
