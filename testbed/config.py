@@ -61,6 +61,7 @@ from testbed.checks import Checker
 from testbed.emulator import DEFAULT_TCP_CC
 from testbed.emulator.shaping import CHOICES as SHAPING_CHOICES
 from testbed.errors import ConfigError
+from testbed.plan import AUX_DISPATCH
 from testbed.wan import Topology
 
 EXPERIMENT_DIR = Path(__file__).resolve().parent.parent / "experiments"
@@ -113,7 +114,6 @@ ADAPTIVE_DEFAULTS = {"update_s": 5.0, "probe_chunk_bytes": 2_000_000, "probe_chu
 # (not in the paper: see agents.executor).
 AUX_DEFAULTS = {"primary_busy_bound": 2, "aux_queue_length": 5, "max_paths": 2, "disjoint": "node",
                 "idle_only": False, "resend_after_s": 5.0, "dispatch": "queue"}
-AUX_DISPATCH = ("queue", "eta")
 
 
 @dataclass(frozen=True)

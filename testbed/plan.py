@@ -49,6 +49,7 @@ from typing import Iterable, Mapping
 import numpy as np
 
 SEND, RECV = "send", "recv"
+AUX_DISPATCH = ("queue", "eta")  # auxiliary dispatch rules (agents.executor.Executor._route)
 AUX_MAX_NODES = 8  # nodes on an auxiliary path: what the wire header's route holds (agents.wire.ROUTE_MAX)
 
 
@@ -202,8 +203,8 @@ class Plan:
                                 "ends of a transfer")
         if not isinstance(self.aux.get("resend_after_s", 0), (int, float)) or self.aux.get("resend_after_s", 0) < 0:
             raise PlanError("aux.resend_after_s must be a number >= 0")
-        if self.aux.get("dispatch", "queue") not in ("queue", "eta"):
-            raise PlanError(f"aux.dispatch must be queue or eta, got {self.aux.get('dispatch')!r}")
+        if self.aux.get("dispatch", "queue") not in AUX_DISPATCH:
+            raise PlanError(f"aux.dispatch must be {' or '.join(AUX_DISPATCH)}, got {self.aux.get('dispatch')!r}")
         for path, rate in (self.aux.get("rates") or {}).items():
             if not (isinstance(rate, list) and len(rate) == 2 and all(isinstance(x, (int, float)) for x in rate)
                     and rate[0] > 0 and rate[1] >= 0):

@@ -95,18 +95,13 @@ def relay_dir_prefix() -> str:
     return f"tbrelay-{os.environ.get(RUN_ENV, 'none')}-"
 
 
-def _stale_dir(path: str) -> bool:
-    """A relay directory whose run is over (or, without a run id, that no process names)."""
+def _stale_dir(path: str, cmdlines: list[str]) -> bool:
+    """A relay directory whose run is over (or, without a run id, that no process's
+    command line, of ``cmdlines``, names)."""
     rid = os.path.basename(path)[len("tbrelay-"):].rsplit("-", 1)[0]
     if rid != "none" and "." in rid:
         return not owner_alive(rid)
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            if path.encode() in open(f"/proc/{pid}/cmdline", "rb").read():
-                return False
-        except OSError:
-            continue
-    return True
+    return not any(path in cmd for cmd in cmdlines)
 
 
 def leftovers(everything: bool = True) -> dict[str, list]:
@@ -114,10 +109,11 @@ def leftovers(everything: bool = True) -> dict[str, list]:
     directories; with ``everything=False`` only what belongs to no live run."""
     me = os.getpid()
     root_ns = _root_netns()
-    procs = []
+    procs, cmdlines = [], []
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
             cmd = open(f"/proc/{pid}/cmdline", "rb").read().replace(b"\0", b" ").decode(errors="replace").strip()
+            cmdlines.append(cmd)
             ns = os.readlink(f"/proc/{pid}/ns/net")
         except OSError:
             continue
@@ -135,7 +131,7 @@ def leftovers(everything: bool = True) -> dict[str, list]:
     if live_net:  # a running network: its interfaces are in use
         intfs, namespaces = [], []
     dirs = [d for d in sorted(glob.glob(os.path.join(tempfile.gettempdir(), "tbrelay-*")))
-            if everything or _stale_dir(d)]
+            if everything or _stale_dir(d, cmdlines)]
     return {"processes": procs, "interfaces": intfs, "namespaces": namespaces, "directories": dirs}
 
 
