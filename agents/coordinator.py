@@ -53,7 +53,7 @@ import sys
 import threading
 import time
 from types import MappingProxyType
-from typing import Callable, Mapping
+from typing import Callable, Iterable, Mapping
 
 import numpy as np
 
@@ -427,16 +427,20 @@ class Coordinator:
     def _send(self, name: str, obj: dict) -> None:
         self._conns[name].put(obj)
 
-    def _next(self, deadline: float):
-        """The next event before ``deadline`` (None if none within 0.2 s); fails on a health problem."""
+    def _next(self, deadline: float, gone: Iterable[str] = ()):
+        """The next event before ``deadline`` (None if none within 0.2 s); fails on a health
+        problem of a node not in ``gone`` (those that said BYE may exit), once the events
+        before it are handled (an agent's last message may still be queued when its exit is
+        seen)."""
         try:
             ev = self._events.get(timeout=max(0.0, min(0.2, deadline - time.monotonic())))
         except queue.Empty:
             ev = None
         problem = self.health() if self.health else None
-        if problem:
+        if problem and ev is None:
             node = problem.split(":", 1)[0]
-            self._diagnose(("lost", node if node in self.plan.nodes else None, problem))
+            if node not in gone:
+                self._diagnose(("lost", node if node in self.plan.nodes else None, problem))
         return ev
 
     def _collect(self, kind: str, nodes: list[str], limit_s: float, iteration: int | None = None) -> dict:
@@ -448,7 +452,7 @@ class Coordinator:
                 missing = [n for n in nodes if n not in got]
                 self._diagnose(("deadline", missing[0], f"no {kind.upper()} from {', '.join(missing)} within "
                                                         f"{limit_s:g} s"))
-            ev = self._next(deadline)
+            ev = self._next(deadline, got if kind == "bye" else ())
             if ev is None:
                 continue
             what, node, data = ev
