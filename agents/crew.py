@@ -36,13 +36,15 @@ early scatter of the default blocks (installed before BEGIN); at i's ENQUEUE of 
     receivers -> coordinator: pre_armed {of, seq}
     coordinator -> i:         pre_go {version, seq, round} (i sends its round-r blocks at once)
 
-and TASK carries ``pre`` {from: {k: [version, seq]}, kept: element ranges}: the node waits
-until it received every member's early blocks, adds the chunks it keeps into its input, then
-answers ARMED.  The worker whose ENQUEUE completes a group scatters nothing early (P is known
-at once; it is ``late`` in the group's plan, which sends all its chunks).  An early scatter
-is not cut short when P forms (a choice: the executor runs a plan to its end); chunks Alg. 2
-moved were sent in vain and go again to their new owner in the task's plan (Alg. 2 moves the
-fewest, the last-sent ones).
+and TASK carries ``pre`` {from: {k: [version, seq]}, kept: element ranges}.  At TASK a
+member cuts its own early scatter short (the chunks not yet written go *withdrawn*, a header
+without payload: :mod:`agents.executor`) and, in the task, withdraws every chunk it delivered
+to that chunk's aggregator in P's split (Alg. 2); a node that keeps chunks waits until every
+member's early scatter ended there, adds the delivered chunks it keeps into its input
+(discarding those Alg. 2 moved away: their senders send them again to the new owner, §IV-A2),
+then answers ARMED.  The worker whose ENQUEUE completes a group scatters nothing early (P is
+known at once: it withdraws nothing).  The task records count, per member, the chunks its
+early scatter delivered and how many of them it withdrew (the rest were sent in vain).
 
 ARMED before START is the one message more than the iteration barrier: a member may send
 chunks of task ``pid`` to an aggregator only once that aggregator's executor accepts
@@ -233,7 +235,7 @@ class TaskRun:
         self.end = float("inf")
         self.enq_round: dict[str, int] = {}
         self.finishing = False
-        self.late: set[str] = set()  # non-blocking: workers whose queued round was not scattered early  # worker -> round of its latest ENQUEUE
+        self.late: set[str] = set()  # non-blocking: workers whose queued round was not scattered early
         # controller loss (§IV-B): {"at_s", "for_s"} after the window starts; the workers wait for it
         self.down = opts.get("controller_down")
         self.controller_wait_s = float(opts.get("controller_wait_s") or
@@ -362,9 +364,10 @@ class TaskRun:
             self.enq_round[node] = int(data["round"])
             self.ctl.ready(node, int(data["round"]))
             self.late.discard(node)
-            if self.prescatter_for and len(self.ctl.queue) >= self.p:
-                self.late.add(node)  # it completes a group now: no early scatter, its chunks go in the task
-            elif self.prescatter_for and time.monotonic() < self.end and node in self.ctl.alive:
+            if self.prescatter_for and (len(self.ctl.queue) >= self.p or time.monotonic() >= self.end
+                                        or node not in self.ctl.alive):
+                self.late.add(node)  # no early scatter: it completes a group now (or the window is over)
+            elif self.prescatter_for:
                 v, seq = self.pre_v[node], self.seq.get(node, -1) + 1
                 self.seq[node] = seq
                 self.pre_wait[node] = {n for n in self.nodes if n != node and self.plans[v].programs.get(n)}
@@ -425,15 +428,13 @@ class TaskRun:
         when the plan still needs a broken link (no candidate, or a scheme without per-block
         aggregators: the task cannot run)."""
         swap = dict(self.reassign.get(t.pid, {}))
-        late = sorted(self.late & set(t.members), key=self.nodes.index) if self.prescatter_for else []
         while True:
             exclude = [n for n in self.lost if n not in swap]
-            key = (frozenset(t.members), tuple(exclude), tuple(sorted(swap.items())), tuple(late))
+            key = (frozenset(t.members), tuple(exclude), tuple(sorted(swap.items())))
             if key in self.by_group:
                 plan = self.plans[self.by_group[key]]
             else:
-                extra = {**({"exclude": exclude} if exclude else {}), **({"reassign": swap} if swap else {}),
-                         **({"late": late} if late else {})}
+                extra = {**({"exclude": exclude} if exclude else {}), **({"reassign": swap} if swap else {})}
                 plan = self.plan_for(sorted(t.members, key=self.nodes.index), **extra)
                 if list(plan.nodes) != self.nodes or plan.length != self.plans[0].length:
                     raise ValueError(f"plan for group {t.members} differs in nodes or length")
@@ -511,7 +512,7 @@ class TaskRun:
             self.c._send(n, {"msg": "task", "pid": t.pid, "version": t.version, "rounds": t.rounds,
                              **({"chunk_times": True} if self.chunk_times else {}),
                              **({"pre": {"from": {k: [self.pre_v[k], self.seq[k]] for k in t.members
-                                                  if k not in self.plans[t.version].meta.get("late", ())},
+                                                  if k not in self.late},
                                          "kept": kept.get(n, [])}} if kept is not None else {})})
 
     def _start(self, t: Task) -> None:
@@ -523,7 +524,8 @@ class TaskRun:
     def _task_done(self, t: Task, node: str, data: dict) -> None:
         t.done[node] = self.c._on_my_clock(node, {k: data.get(k) for k in
                                                    ("comm_start_ns", "comm_done_ns", "correct", "digest",
-                                                    "max_abs_err", "receiver", "chunks")})
+                                                    "max_abs_err", "receiver", "chunks", "early_sent",
+                                                    "withdrawn")})
         if node in t.members:
             self.ctl.member_done(t.pid, node)
         if t.waiting:
@@ -549,7 +551,9 @@ class TaskRun:
                 "outcome": "repair" if "repair_of" in t.times else "done", **t.times,
                 **({"reassign": self.reassign[t.pid]} if self.reassign.get(t.pid) else {}),
                 **({"chunks": {n: d["chunks"] for n, d in t.done.items() if d.get("chunks")}} if self.chunk_times
-                   else {}), "cct_s": (end - start) / 1e9, "correct": not wrong, "members_done": members}
+                   else {}),
+                **({"early": {m: [t.done[m]["early_sent"], t.done[m]["withdrawn"]] for m in t.members
+                              if t.done[m].get("early_sent") is not None}} if self.prescatter_for else {}), "cct_s": (end - start) / 1e9, "correct": not wrong, "members_done": members}
 
     def _install(self, plan) -> int:
         """``plan`` as a new version on the nodes that have a program in it (PLAN; their
@@ -575,7 +579,10 @@ class TaskRun:
                                            "meta": self.plans[v].meta} for (g, *_), v in self.by_group.items()],
                                "faults": self.faults, "lost": self.lost,
                                "repaired": sum(r.get("outcome") == "repaired" for r in self.records),
-                               "abandoned": sum(r.get("outcome") == "abandoned" for r in self.records)}}
+                               "abandoned": sum(r.get("outcome") == "abandoned" for r in self.records),
+                               **({"early_chunks": {  # non-blocking: delivered early, of them withdrawn
+                                   k: sum(e[i] for r in self.records for e in r.get("early", {}).values())
+                                   for i, k in enumerate(("delivered", "withdrawn"))}} if self.prescatter_for else {})}}
 
     def _install_prescatter(self, limit: float) -> None:
         """Non-blocking scatter: every worker's early-scatter version, installed before BEGIN."""
@@ -917,7 +924,10 @@ def worker_loop(agent, Aborted: type[Exception]) -> int:
     abandoned: set[int] = set()
     threads: list[threading.Thread] = []
     dropped: set[int] = set()  # versions the controller abandoned
-    early: dict[tuple, threading.Event] = {}  # (sender, seq) -> its early blocks arrived here
+    early: dict[tuple, threading.Event] = {}  # (sender, seq) -> its early scatter ended here
+    cut: dict[int, threading.Event] = {}  # seq -> this worker's early scatter seq is cut short (P formed)
+    early_sent: dict[int, set] = {}  # seq -> (aggregator, chunk) this worker's early scatter delivered
+    early_got: dict[tuple, list] = {}  # (sender, seq) -> element ranges its early scatter delivered here
 
     def spawn(fn, *args) -> None:
         th = threading.Thread(target=fn, args=args, daemon=True, name=f"crew-{fn.__name__}")
@@ -950,41 +960,68 @@ def worker_loop(agent, Aborted: type[Exception]) -> int:
             ex.advance(seq)
             ex.prepare(None)
             agent.send({"msg": "pre_armed", "of": sender, "seq": seq})
-            ex.run(seq)
+            withdrawn = set(ex.run(seq).get("withdrawn", ()))
+            early_got.pop((sender, seq - 1), None)  # a node keeping none of its chunks never took it
+            early_got[(sender, seq)] = [(op.offset, op.offset + op.length) for op in ex.prog
+                                        if op.kind == "recv" and op.xfer not in withdrawn]
             done.set()
         except Exception as e:
             agent.abort_soon(f"early scatter {seq} of {sender}: {type(e).__name__}: {e}")
 
     def pre_send(seq: int, rnd_: int, ex, prev, done: threading.Event) -> None:
+        """This worker's early scatter number ``seq`` (round ``rnd_``'s default blocks), chunk
+        by chunk; once it is cut short (the TASK of its group came), the chunks not yet
+        written go withdrawn: the task's plan sends them to their owner in P's split."""
         try:
             after(prev, f"early scatter {seq}")
             ex.advance(seq)
             ex.prepare(make_input(job.seed, job.nodes.index(me), rnd_, job.length, job.dtype))
-            ex.run(seq)
+            stop = cut.setdefault(seq, threading.Event())
+            ex.withdraw = lambda op: stop.is_set()
+            withdrawn = set(ex.run(seq).get("withdrawn", ()))
+            early_sent[seq] = {(op.peer, op.chunk) for op in ex.prog if op.kind == "send" and op.xfer not in withdrawn}
             done.set()
         except Exception as e:
             agent.abort_soon(f"early scatter {seq}: {type(e).__name__}: {e}")
 
     def arm(pid: int, ex, rounds: dict, pre: dict | None, chunk_times: bool = False) -> None:
-        """TASK: the executor moves to iteration ``pid`` with this node's input; with early
-        blocks (``pre``), once every member's arrived, the kept chunks added in."""
+        """TASK: the executor moves to iteration ``pid`` with this node's input.  Non-blocking
+        (``pre``: the members' early scatters): this worker's own is cut short and the chunks
+        it delivered to their owner in P's split are withdrawn in the task; once every
+        member's early scatter ended here, the delivered chunks this node keeps are added in
+        (the others, moved by Alg. 2, are discarded: §IV-A2)."""
         try:
             x = make_input(job.seed, job.nodes.index(me), rounds[me], job.length, job.dtype) if me in rounds \
                 else None
-            if pre is not None and pre["kept"]:
-                x = np.zeros(job.length, job.dtype) if x is None else x
+            ex.withdraw, delivered = None, None
+            if pre is not None:
                 deadline = time.monotonic() + job.timeout_s
+
+                def ended(k: str, seq: int) -> None:
+                    if not early.setdefault((k, seq), threading.Event()).wait(max(0.0, deadline - time.monotonic())):
+                        raise TimeoutError(f"early scatter {seq} of {k} not ended here within {job.timeout_s:g} s")
+                if me in pre["from"]:
+                    seq = pre["from"][me][1]
+                    cut.setdefault(seq, threading.Event()).set()
+                    ended(me, seq)
+                    sent = frozenset(early_sent.pop(seq))
+                    ex.withdraw = lambda op: op.phase == "scatter" and (op.peer, op.chunk) in sent
+                    delivered = len(sent)
+                    cut.pop(seq, None)
                 for k, (v, seq) in pre["from"].items():
-                    if k == me:
+                    if k == me or not pre["kept"]:  # keeping none, it need not wait
                         continue
-                    if not early[(k, seq)].wait(max(0.0, deadline - time.monotonic())):
-                        raise TimeoutError(f"early blocks of {k} (scatter {seq}) not here within {job.timeout_s:g} s")
-                    got = agent.execs[v].bufs["x"]
+                    ended(k, seq)
+                    got, buf = early_got.pop((k, seq)), agent.execs[v].bufs["x"]
                     for lo, hi in pre["kept"]:
-                        np.add(x[lo:hi], got[lo:hi], out=x[lo:hi])
+                        for a, b in got:
+                            a, b = max(a, lo), min(b, hi)
+                            if a < b:
+                                x = np.zeros(job.length, job.dtype) if x is None else x
+                                np.add(x[a:b], buf[a:b], out=x[a:b])
             ex.advance(pid)
             ex.prepare(x)
-            armed[pid] = (ex, rounds, bool(chunk_times))
+            armed[pid] = (ex, rounds, bool(chunk_times), delivered)
             agent.send({"msg": "armed", "pid": pid})
         except Exception as e:
             agent.abort_soon(f"arming task {pid}: {type(e).__name__}: {e}")
@@ -995,12 +1032,15 @@ def worker_loop(agent, Aborted: type[Exception]) -> int:
                 del agent.execs[v]
         ex.close()
 
-    def run_task(pid: int, ex, rounds: dict, chunk_times: bool) -> None:
+    def run_task(pid: int, ex, rounds: dict, chunk_times: bool, delivered: int | None) -> None:
         try:
             timing = ex.run(pid)
+            withdrawn = set(timing.get("withdrawn", ()))
             if chunk_times:  # [sender, first byte, last byte] of every chunk received (agent clock)
                 src = {op.xfer: op.peer for op in ex.prog if op.kind == "recv"}
-                timing["chunks"] = [[src[r[0]], r[2], r[3]] for r in timing["recvs"]]
+                timing["chunks"] = [[src[r[0]], r[2], r[3]] for r in timing["recvs"] if r[0] not in withdrawn]
+            early = {} if delivered is None else {  # chunks delivered early; of them, withdrawn here
+                "early_sent": delivered, "withdrawn": sum(op.kind == "send" and op.xfer in withdrawn for op in ex.prog)}
             check = {"receiver": me in rounds, "correct": True, "max_abs_err": 0.0, "digest": None}
             if me in rounds:
                 x = ex.bufs["x"]
@@ -1010,7 +1050,7 @@ def worker_loop(agent, Aborted: type[Exception]) -> int:
                          "max_abs_err": 0.0 if ok else float(np.nanmax(np.abs(x.astype(np.float64) - want))),
                          "digest": hashlib.sha256(memoryview(x).cast("B")).hexdigest()}
             agent.send({"msg": "task_done", "pid": pid, "comm_start_ns": timing["comm_start_ns"],
-                        "comm_done_ns": timing["comm_done_ns"], **check,
+                        "comm_done_ns": timing["comm_done_ns"], **check, **early,
                         **({"chunks": timing["chunks"]} if chunk_times else {})})
             running.pop(pid, None)  # after the report: a REJOIN names it running or carries the report
             if me in rounds and rounds[me] == done_round[0]:  # not a repair of a round already done
@@ -1063,22 +1103,22 @@ def worker_loop(agent, Aborted: type[Exception]) -> int:
         elif kind == "task":
             pid, v, rounds = int(msg["pid"]), int(msg["version"]), dict(msg["rounds"])
             seen_pid[0] = max(seen_pid[0], pid)
-            if msg.get("pre") is not None:  # waits for early blocks: in a thread
+            if msg.get("pre") is not None:  # waits for the early scatters to end: in a thread
                 spawn(arm, pid, agent.execs[v], rounds, msg["pre"], msg.get("chunk_times"))
             else:
                 arm(pid, agent.execs[v], rounds, None, msg.get("chunk_times"))
         elif kind == "pre":  # receive an early scatter (non-blocking, §IV-A2); PRE_ARMED once ready
             sender, v, seq = str(msg["of"]), int(msg["version"]), int(msg["seq"])
-            early[(sender, seq)] = threading.Event()
+            early.setdefault((sender, seq), threading.Event())
             spawn(pre_recv, sender, seq, agent.execs[v], early.get((sender, seq - 1)), early[(sender, seq)])
         elif kind == "pre_go":  # every receiver is armed: send this round's default blocks now
             v, seq = int(msg["version"]), int(msg["seq"])
-            early[(me, seq)] = threading.Event()
-            spawn(pre_send, seq, int(msg["round"]), agent.execs[v], early.get((me, seq - 1)), early[(me, seq)])
+            spawn(pre_send, seq, int(msg["round"]), agent.execs[v], early.get((me, seq - 1)),
+                  early.setdefault((me, seq), threading.Event()))
         elif kind == "start":
-            ex, rounds, chunk_times = armed.pop(int(msg["pid"]))
+            ex, rounds, chunk_times, delivered = armed.pop(int(msg["pid"]))
             running[int(msg["pid"])] = (ex, rounds)
-            spawn(run_task, int(msg["pid"]), ex, rounds, chunk_times)
+            spawn(run_task, int(msg["pid"]), ex, rounds, chunk_times, delivered)
         elif kind == "abandon":  # §IV-B: stop this task; its version is not used again
             pid = int(msg["pid"])
             abandoned.add(pid)

@@ -49,6 +49,12 @@ auxiliary connection is not an error: a send on it that moves no byte for
 go to their primary connections, relayed ones are dropped (their receivers ask for them);
 whichever copy of an asked-for chunk arrives second is dropped.
 
+Withdrawn transfers (CREW's non-blocking scatter, §IV-A2): ``withdraw(op)``, when set, is
+asked as a direct send is about to be written; True sends a header with ``FLAG_WITHDRAWN``
+and no payload instead (the receiver has the chunk already, or will not get it: a cut-short
+early scatter), without waiting for the link's turn; the receiver completes the recv op
+without touching its buffer.  ``run``'s result lists the withdrawn transfers.
+
 FL-FCFS across plan versions (CREW §IV-C): executors given the same ``gate(peer)`` (one
 :class:`LinkGate` per peer, shared by every version on an agent: concurrent partial-reduce
 tasks) serve their sends to that peer in the order the sends became ready, whichever version
@@ -77,7 +83,7 @@ import numpy as np
 
 from testbed.plan import RECV, SEND, Op
 
-from .wire import (ACK, DATA, FLAG_ACK_REQ, FLAG_AUX, TYPE_NAMES, Closed, Header, ProtocolError, Truncated,
+from .wire import (ACK, DATA, FLAG_ACK_REQ, FLAG_AUX, FLAG_WITHDRAWN, TYPE_NAMES, Closed, Header, ProtocolError, Truncated,
                    close_quietly, phase_code, recv_header, recv_into_exact, send_frame)
 
 log = logging.getLogger("agents.executor")
@@ -274,6 +280,7 @@ class Executor:
         self.iteration = 0  # the iteration whose data receivers accept
         self._gate = gate
         self._tickets: dict[int, int] = {}  # send op -> its LinkGate ticket (while queued)
+        self.withdraw = None  # op -> bool: send it withdrawn (no payload), asked as it is written
         self._init_aux(nodes or [], aux or {}, connect, on_missing)
 
     def _init_aux(self, nodes: list[str], aux: dict, connect, on_missing) -> None:
@@ -374,6 +381,14 @@ class Executor:
                 op, view = self.prog[i], self._views[i] if payload is None else payload
                 self._tx_bytes[i] = 0
                 t = self._tickets.get(i)
+                if not route and self.withdraw is not None and self.withdraw(op):
+                    if t is not None:  # no payload: it needs no turn on the link
+                        self._gate(peer).release(self._tickets.pop(i))
+                    send_frame(sock, Header(DATA, phase_code(op.phase), flags | FLAG_WITHDRAWN, it, op.xfer,
+                                            op.flow, op.chunk, 0, start))
+                    self._await_ack(sock, hbuf, op, it)
+                    self._events.put(("sent", i, start, time.time_ns(), True))
+                    continue
                 if t is not None:  # FL-FCFS: this link's turn among every task's flows
                     self._gate(peer).acquire(t, sock, self.timeout_s, lambda: self._tick() or self._closing)
                     start = time.time_ns()
@@ -384,12 +399,8 @@ class Executor:
                 finally:
                     if t is not None:
                         self._gate(peer).release(self._tickets.pop(i), sock)
-                if self.stop_and_wait:
-                    a = recv_header(sock, hbuf, 0)
-                    if a.type != ACK or a.xfer != op.xfer or a.op_id != it:
-                        raise ProtocolError(f"expected ACK of transfer {op.xfer}, got {TYPE_NAMES[a.type]} "
-                                            f"of transfer {a.xfer}")
-                self._events.put(("sent", i, start, time.time_ns()))
+                self._await_ack(sock, hbuf, op, it)
+                self._events.put(("sent", i, start, time.time_ns(), False))
         except broken as e:
             self._give_up(key, sock, q, item, e)
         except Closed:
@@ -416,6 +427,14 @@ class Executor:
                         self._gate(peer).release(self._tickets.pop(rest[0]))
                 if item is not None and item[0] is not None and item[0] in self._tickets:
                     self._gate(peer).release(self._tickets.pop(item[0]))
+
+    def _await_ack(self, sock: socket.socket, hbuf: bytearray, op: Op, it: int) -> None:
+        """Stop-and-wait: the receiver's ACK of ``op`` in iteration ``it``."""
+        if self.stop_and_wait:
+            a = recv_header(sock, hbuf, 0)
+            if a.type != ACK or a.xfer != op.xfer or a.op_id != it:
+                raise ProtocolError(f"expected ACK of transfer {op.xfer}, got {TYPE_NAMES[a.type]} "
+                                    f"of transfer {a.xfer}")
 
     def _recv_loop(self, key: tuple[str, int], sock: socket.socket) -> None:
         peer, ch = key
@@ -450,6 +469,13 @@ class Executor:
                     i = expect.get(h.xfer)
                 if i is None:
                     raise ProtocolError(f"unknown transfer {h.xfer}")
+                if h.flags & FLAG_WITHDRAWN:  # no payload: the receiver has the chunk
+                    self._check(h, i)
+                    self._got[i] = h.op_id
+                    if h.flags & FLAG_ACK_REQ:
+                        send_frame(sock, Header(ACK, op_id=h.op_id, xfer=h.xfer, send_ts_ns=first))
+                    self._events.put(("recv", i, h.send_ts_ns, first, first, True))
+                    continue
                 if aux or (i, h.op_id) in self._asked:  # a copy may also come the other way: commit once
                     self._receive_copy(sock, h, i, peer, ch, first)
                     continue
@@ -460,7 +486,7 @@ class Executor:
                 self._got[i] = h.op_id
                 if h.flags & FLAG_ACK_REQ:
                     send_frame(sock, Header(ACK, op_id=h.op_id, xfer=h.xfer, send_ts_ns=last))
-                self._events.put(("recv", i, h.send_ts_ns, first, last))
+                self._events.put(("recv", i, h.send_ts_ns, first, last, False))
         except lost:
             if not self._closing:
                 log.warning("auxiliary connection from %s closed or failed", peer)
@@ -543,7 +569,7 @@ class Executor:
             self._check(h, i)
             memoryview(self._rbuf[i]).cast("B")[:] = payload
             self._got[i] = h.op_id
-        self._events.put(("recv", i, h.send_ts_ns, first, last))
+        self._events.put(("recv", i, h.send_ts_ns, first, last, False))
 
     def resend(self, iteration: int, xfers: list[int]) -> int:
         """Send the kept copies of ``xfers`` of ``iteration`` (sent over auxiliary paths) again
@@ -586,7 +612,7 @@ class Executor:
 
     def _check(self, h: Header, i: int) -> None:
         """Every header field against recv op ``i`` (the transfer it names)."""
-        op, want = self.prog[i], self._rbuf[i].nbytes
+        op, want = self.prog[i], 0 if h.flags & FLAG_WITHDRAWN else self._rbuf[i].nbytes
         if h.payload_len != want:
             raise ProtocolError(f"transfer {h.xfer} has {h.payload_len} bytes, expected {want}")
         if h.op_id < self.iteration:
@@ -642,7 +668,7 @@ class Executor:
         load: dict[str, int] = defaultdict(int)  # sends queued on the direct connections to a peer (all channels)
         on_route: dict[int, tuple[int, ...]] = {}  # auxiliary sends in flight -> their route
         in_flight: dict[tuple[int, ...], int] = defaultdict(int)
-        sends, recvs, aux = [], [], []
+        sends, recvs, aux, withdrawn = [], [], [], []
         done = 0
         comm_start = time.time_ns()
         self._tick()
@@ -656,9 +682,11 @@ class Executor:
                 if waiting[u] == 0:
                     ready.append(u)
 
-        def apply(i: int, send_ts: int, first: int, last: int) -> None:
+        def apply(i: int, send_ts: int, first: int, last: int, without: bool) -> None:
             op = prog[i]
-            if op.reduce:
+            if without:
+                withdrawn.append(op.xfer)
+            elif op.reduce:
                 np.add(views[i], rbuf[i], out=views[i])
             else:
                 np.copyto(views[i], rbuf[i])
@@ -705,7 +733,9 @@ class Executor:
                 continue
             self._tick()
             if ev[0] == "sent":
-                _, i, start, end = ev
+                _, i, start, end, without = ev
+                if without:
+                    withdrawn.append(prog[i].xfer)
                 queued.discard(i)
                 if i in on_route:
                     in_flight[on_route.pop(i)] -= 1
@@ -729,7 +759,7 @@ class Executor:
                 raise ev[1]
         self.iteration = iteration + 1
         return {"comm_start_ns": comm_start, "comm_done_ns": time.time_ns(), "sends": sends, "recvs": recvs,
-                **({"aux": aux} if aux else {})}
+                **({"aux": aux} if aux else {}), **({"withdrawn": withdrawn} if withdrawn else {})}
 
     def _ask_missing(self, iteration: int) -> None:
         """Ask once per iteration for the re-send of every transfer not arrived (its senders

@@ -11,7 +11,9 @@ off   size    field          meaning
 5     1       type           HELLO, AUTH, CTRL (JSON payload), DATA, ACK, ERROR (JSON)
 6     1       phase          plan phase label as a small code (``PHASES``), 0 if none
 7     1       flags          ``FLAG_ACK_REQ``: the receiver must answer with an ACK;
-                             ``FLAG_AUX``: an auxiliary chunk, source-routed by ``route``
+                             ``FLAG_AUX``: an auxiliary chunk, source-routed by ``route``;
+                             ``FLAG_WITHDRAWN``: no payload, the receiver has the chunk already
+                             (CREW's non-blocking scatter, §IV-A2)
 8     4       op_id          iteration number
 12    4       xfer           transfer id from the plan
 16    4       flow           flow label from the plan
@@ -72,7 +74,8 @@ HELLO, AUTH, CTRL, DATA, ACK, ERROR = 1, 2, 3, 4, 5, 6
 TYPE_NAMES = {HELLO: "HELLO", AUTH: "AUTH", CTRL: "CTRL", DATA: "DATA", ACK: "ACK", ERROR: "ERROR"}
 FLAG_ACK_REQ = 0x01
 FLAG_AUX = 0x02
-FLAGS_KNOWN = FLAG_ACK_REQ | FLAG_AUX
+FLAG_WITHDRAWN = 0x04
+FLAGS_KNOWN = FLAG_ACK_REQ | FLAG_AUX | FLAG_WITHDRAWN
 RESERVED = bytes(7)
 
 PHASES = ("", "reduce", "bcast", "reduce-scatter", "all-gather", "scatter", "gather", "relay")
@@ -158,6 +161,9 @@ def decode_header(buf, max_payload: int) -> Header:
     if bool(flags & FLAG_AUX) != (rlen > 0) or rlen in (1, 2):
         raise ProtocolError(f"route of {rlen} nodes with flags 0x{flags:02x} (an auxiliary chunk has "
                             "FLAG_AUX and a route of sender, relays and receiver; a direct one neither)")
+    if flags & FLAG_WITHDRAWN and (plen or rlen or typ != DATA):
+        raise ProtocolError(f"a withdrawn transfer is a DATA frame without payload or route, got "
+                            f"{TYPE_NAMES[typ]} with {plen} bytes and a route of {rlen}")
     if phase >= len(PHASES) and phase != PHASE_OTHER:
         raise ProtocolError(f"unknown phase code {phase}")
     if reserved != RESERVED:

@@ -24,7 +24,7 @@ from agents.executor import ExecError, Executor
 from agents.inputs import bound, expected_sum, make_input
 from agents.local import LocalCluster, local_address, run_local
 from testbed.errors import ConfigError, RunError
-from testbed.plan import RECV, Op, Plan, ProgramBuilder, Tree, interpret, split_lengths, trees_plan
+from testbed.plan import RECV, SEND, Op, Plan, ProgramBuilder, Tree, interpret, split_lengths, trees_plan
 
 
 # -- plans -------------------------------------------------------------------------
@@ -135,6 +135,12 @@ def test_header_round_trip_and_validation():
         wire.decode_header(raw[:5] + b"\x63" + raw[6:], 4000)
     with pytest.raises(wire.ProtocolError, match="exceeds"):
         wire.decode_header(raw, 3999)
+    w = wire.Header(wire.DATA, flags=wire.FLAG_WITHDRAWN, xfer=5)  # a withdrawn transfer: no payload, no route
+    assert wire.decode_header(wire.encode_header(w), 0) == w
+    for bad in (w._replace(payload_len=16), w._replace(flags=wire.FLAG_WITHDRAWN | wire.FLAG_AUX, route=(1, 5, 2)),
+                w._replace(type=wire.CTRL)):
+        with pytest.raises(wire.ProtocolError, match="withdrawn"):
+            wire.decode_header(wire.encode_header(bad), 4000)
 
 
 def test_handshake_mutual_and_refusals():
@@ -226,6 +232,33 @@ def test_executor_applies_valid_frame(lone_receiver):
     wire.send_frame(sa, _data(5, 16), np.arange(4, dtype=np.float32))
     ex.run(0)
     assert ex.bufs["x"].tolist() == [1, 2, 3, 4]
+
+
+def test_executor_withdrawn_transfer_completes_without_touching_the_buffer(lone_receiver):
+    """CREW's non-blocking scatter: a withdrawn transfer (header, no payload) completes the
+    recv op and leaves the buffer as it was; the sender's ``withdraw`` decides per op."""
+    ex, sa = lone_receiver
+    ex.prepare(np.ones(4, np.float32))
+    wire.send_frame(sa, _data(5, 0)._replace(flags=wire.FLAG_WITHDRAWN))
+    assert ex.run(0)["withdrawn"] == [5] and ex.bufs["x"].tolist() == [1, 1, 1, 1]
+    ex.prepare(np.ones(4, np.float32))
+    wire.send_frame(sa, _data(5, 16, it=1), np.arange(4, dtype=np.float32))
+    assert "withdrawn" not in ex.run(1) and ex.bufs["x"].tolist() == [1, 2, 3, 4]
+    # the sending side: ``withdraw(op)`` true -> the receiver's op completes, its buffer untouched
+    tx = Executor("a", [Op(0, SEND, "b", 5, 0, 4)], length=4, timeout_s=5.0)
+    sb, sc = socket.socketpair()
+    rx = Executor("b", [Op(0, RECV, "a", 5, 0, 4, reduce=True)], length=4, timeout_s=5.0)
+    try:
+        tx.attach_outgoing("b", 0, sb)
+        rx.attach_incoming("a", 0, sc)
+        tx.prepare(np.full(4, 7, np.float32))
+        rx.prepare(np.ones(4, np.float32))
+        tx.withdraw = lambda op: op.xfer == 5
+        assert tx.run(0)["withdrawn"] == [5]
+        assert rx.run(0)["withdrawn"] == [5] and rx.bufs["x"].tolist() == [1, 1, 1, 1]
+    finally:
+        tx.close()
+        rx.close()
 
 
 @pytest.mark.parametrize("frame, match", [

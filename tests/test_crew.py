@@ -209,44 +209,51 @@ def test_alg2_moves_each_chunk_at_most_once_and_only_the_largest(seed):
     assert gone == taken and len(gone) == moved
 
 
-@pytest.mark.parametrize("late", [False, True])
+@pytest.mark.parametrize("cut", ["none sent", "all sent", "random prefixes"])
 @pytest.mark.parametrize("members", [["n0", "n3", "n5"], ["n1", "n2", "n4", "n6", "n7"]])
-def test_prescattered_plan_completes_the_early_scatter_exactly(members, late):
-    """Non-blocking: each member's prescatter plan sends its default blocks to every other
-    aggregator; the task's plan (Alg. 2 blocks) sends only moved chunks.  Interpreting the
-    task plan from x = own input + the early copies each aggregator keeps gives every member
-    the exact sum; the task moves fewer bytes than the blocking plan.  A ``late`` member (the
-    one that completed P did not scatter early) sends all its chunks in the task."""
+def test_prescattered_plan_is_exact_wherever_the_early_scatters_were_cut(members, cut):
+    """Non-blocking (§IV-A2): each member's early scatter sends its default blocks, chunk by
+    chunk in increasing index order, and is cut short when P forms, having delivered a prefix
+    of each block (none, all, or a random one per aggregator).  The task's plan (Alg. 2
+    blocks) scatters every chunk; a member withdraws each chunk it delivered to the chunk's
+    aggregator in P's split (modelled: it sends zeros there), and the aggregator starts with
+    the early copies it keeps (``meta.kept``); copies Alg. 2 moved away are discarded.  Every
+    member ends with the exact sum."""
     from testbed.plan import Plan, interpret
-    from testbed.planners.crew import prescatter_plan
+    from testbed.planners.crew import default_split, prescatter_plan
 
     g = crew_mesh(8, 1)
     length = 10_007
     nodes = list(g.nodes)
-    lates = members[-1:] if late else []
-    plan = make_plan("crew", g, length, {"active": members, "prescattered": True, "late": lates})
+    plan = make_plan("crew", g, length, {"active": members, "prescattered": True})
     plan.validate()
+    k, edges, default = default_split(g, length, nodes, "network-aware", 0, "floor")
+    kept = {j: {c for c in range(k) for lo, hi in plan.meta["kept"].get(j, []) if lo <= edges[c] < hi}
+            for j in nodes}
+    assert all(kept[j] <= set(default[j]) for j in nodes)
     inputs = {n: np.random.default_rng(i).integers(-99, 99, length).astype(np.float64) for i, n in enumerate(nodes)}
-    early = {}
-    for m in [m for m in members if m not in lates]:
+    rng = np.random.default_rng(len(members))
+    start = {j: inputs[j].copy() if j in members else np.zeros(length) for j in nodes}
+    for m in members:
         pre = prescatter_plan(g, length, m)
         pre.validate()
-        early[m] = interpret(pre, {**{n: np.zeros(length) for n in nodes}, m: inputs[m]})
-    start = {}
-    for j in nodes:
-        x = inputs[j].copy() if j in members else np.zeros(length)
-        for lo, hi in plan.meta["kept"].get(j, []):
-            for m in early:
-                if m != j:
-                    x[lo:hi] += early[m][j][lo:hi]
-        start[j] = x
+        early = interpret(pre, {**{n: np.zeros(length) for n in nodes}, m: inputs[m]})
+        for j in [j for j in nodes if j != m]:
+            n = {"none sent": 0, "all sent": len(default[j])}.get(cut) if cut != "random prefixes" \
+                else int(rng.integers(0, len(default[j]) + 1))
+            for c in default[j][:n]:  # delivered early
+                lo, hi = edges[c], edges[c + 1]
+                if c in kept[j]:  # withdrawn in the task: j adds the early copy, m sends nothing
+                    start[j][lo:hi] += early[j][lo:hi]
+                    start[m][lo:hi] = 0
     whole = Plan(plan.scheme, plan.nodes, length, plan.programs, scratch=plan.scratch)  # every x as given
     out = interpret(whole, start)
     want = sum(inputs[m] for m in members)
     for m in members:
         assert np.array_equal(out[m], want), m
-    blocking = make_plan("crew", g, length, {"active": members})
-    assert plan.bytes_sent(4) < blocking.bytes_sent(4)
+    owner = {c: j for j, rs in plan.meta["blocks"].items() for lo, hi in rs for c in range(lo, hi)}  # chunk ranges
+    scatters = sum(op.kind == "send" and op.phase == "scatter" for prog in plan.programs.values() for op in prog)
+    assert scatters == sum(len(members) - (owner[c] in members) for c in range(k))  # every chunk, every member
     assert 0 <= plan.meta["moved_chunks"] < plan.meta["chunks"]
     with pytest.raises(ConfigError):
         make_plan("crew", g, length, {"active": members, "prescattered": True, "aggregators": "members"})

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from testbed.emulator.linkcheck import delay_ok, expected_jitter_ms, jitter_ok, loss_check, queue_ok, rate_ok
-from testbed.emulator.shaping import standing_queue_ms
+from testbed.emulator.shaping import netem_limit, standing_queue_ms
 from testbed.topology import LinkDir
 
 
@@ -41,12 +41,22 @@ def test_delay_rate_and_queue_rules():
 def test_standing_queue_is_queue_pkts_full_frames_at_the_rate():
     d = LinkDir(20.0, 30.0, 0.0, 2e-4, queue_pkts=1000)
     assert standing_queue_ms(d, "relay", 1490) == pytest.approx(1000 * 1514 * 8 / 20e3)
-    assert standing_queue_ms(d, "netem", 1490) == pytest.approx(1000 * 1490 * 8 / 20e3)
+    # netem: 1000 + 50 frames on the wire (20 Mbit/s x 30 ms = 49.5 frames of 1514 bytes) in its limit
+    assert netem_limit(d) == 1050
+    assert standing_queue_ms(d, "netem", 1490) == pytest.approx(1050 * 1490 * 8 / 20e3 - 30)
+    assert standing_queue_ms(d, "netem", 1514) == pytest.approx(1000 * 1514 * 8 / 20e3, abs=0.5 * 1514 * 8 / 20e3)
+    # jitter adds nothing on average: its mean is zero
+    j = LinkDir(20.0, 30.0, 5.0, 0.0, queue_pkts=1000)
+    assert netem_limit(j) == 1050 and standing_queue_ms(j, "netem", 1490) == standing_queue_ms(d, "netem", 1490)
 
 
-def test_probe_sender_waits_for_go_after_saying_ready():
+@pytest.mark.parametrize("skip", [None, 0])
+def test_probe_sender_waits_for_go_after_saying_ready(skip):
     """linkcheck starts its probes ahead (Python's start-up takes seconds on slow machines) and
-    lets them go when the standing queue is full: nothing may leave before the go."""
+    lets them go when the standing queue is full: nothing may leave before the go.  The delay
+    statistics leave out the first SKIP datagrams, or ``--skip`` of them (the queue probes: 0)."""
+    from testbed.emulator.probe import SKIP
+
     import json
     import select
     import socket
@@ -57,7 +67,8 @@ def test_probe_sender_waits_for_go_after_saying_ready():
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     probe = [sys.executable, "-m", "testbed.emulator.probe"]
-    rx = subprocess.Popen([*probe, "recv", str(port), "--seconds", "20", "--ready"], stdout=subprocess.PIPE, text=True)
+    rx = subprocess.Popen([*probe, "recv", str(port), "--seconds", "20", "--ready",
+                           *(["--skip", str(skip)] if skip is not None else [])], stdout=subprocess.PIPE, text=True)
     tx = subprocess.Popen([*probe, "send", "127.0.0.1", str(port), "--pps", "100", "--seconds", "0.5", "--ready"],
                           stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
@@ -70,6 +81,7 @@ def test_probe_sender_waits_for_go_after_saying_ready():
         assert json.loads(tx.communicate(timeout=20)[0]) == {"sent": 50}
         got = json.loads(rx.communicate(timeout=20)[0])
         assert got["unique"] == 50 and got["max_seq"] == 49
+        assert got["owd_n"] == 50 - (SKIP if skip is None else skip)
     finally:
         for p in (rx, tx):
             p.kill()

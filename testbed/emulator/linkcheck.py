@@ -60,6 +60,7 @@ PROBE_PORT = 6201
 PROBE_PPS = 2000  # idle probes a second (at most 25 % of the link rate, spaced >= 6 jitter sigmas)
 PROBE_BYTES = 64  # UDP payload of a probe
 QUEUE_PROBE_SHARE = 0.02  # the standing-queue probes' share of the link's packets at most
+QUEUE_PROBES = 30  # standing-queue probes at least (a slow link's check runs longer to send them)
 READY_S = 60  # the longest a probe process may take to start
 IPERF_SETUP_RTTS = 5  # round trips before iperf3's first datagram (connect, parameters, streams, start)
 UDP_PAYLOAD = MTU - 20 - 8 - 4  # iperf3 datagram: 1468 bytes (+ UDP/IP headers: 1496, under the MTU)
@@ -197,12 +198,14 @@ class _Probe:
     """One-way probe src -> dst, receiver and sender both started and past their start-up
     (:mod:`.probe`'s ``--ready``); the first datagram leaves at :meth:`go`."""
 
-    def __init__(self, net, src: str, dst: str, seconds: float, interval_s: float, port: int = PROBE_PORT):
+    def __init__(self, net, src: str, dst: str, seconds: float, interval_s: float, port: int = PROBE_PORT,
+                 skip: int | None = None):
         d = net.directions[(src, dst)].spec
         self.seconds, self.wait = seconds, seconds + (d.delay_ms + 3 * d.jitter_ms) / 1e3 + 10
         # the receiver stops once the probes stop: no datagram for a few (possibly dropped) intervals
         self.rx = net.popen(dst, _probe_cmd("recv", str(port), "--seconds", f"{self.wait + READY_S}", "--idle",
-                                            f"{max(1.0, 5 * interval_s):.3f}", "--ready"),
+                                            f"{max(1.0, 5 * interval_s):.3f}", "--ready",
+                                            *(["--skip", str(skip)] if skip is not None else [])),
                             stdout=subprocess.PIPE, text=True)
         self._await_ready(self.rx, f"probe receiver on {dst}")
         self.tx = net.popen(src, _probe_cmd("send", net.peer_address(src, dst), str(port), "--pps",
@@ -255,19 +258,22 @@ def _queue_and_udp_rate(net, src: str, dst: str, seconds: float) -> dict:
     dirn = net.directions[(src, dst)]
     d = dirn.spec
     expect_q = standing_queue_ms(d, dirn.method, UDP_FRAME)
-    fill_s = 2.5 * expect_q / 1e3 / (OVERLOAD - 1) + 0.5  # time for the excess to fill the queue
-    total = fill_s + seconds  # iperf3's -t: counted from its first datagram
-    # which comes only after its TCP control connection and stream set-up, a few round trips
-    # over this very link (0.8 s each on GScale's 400 ms links): the probes must wait for it too
-    setup_s = IPERF_SETUP_RTTS * (d.delay_ms + net.directions[(dst, src)].spec.delay_ms) / 1e3
     # probes in the same (bulk) queue, spaced wider than the queue's delay variation, started
     # before the load so that they go exactly when the queue is full and end before the load;
     # at most QUEUE_PROBE_SHARE of the link's packets: netem's queue limit counts packets, and
     # small probes at 50 a second, 5-17 % of a slow link's packets, held as many of its places
     # and made the standing queue 2-12 % shorter (measured in the VM).  Small, not iperf3-sized:
-    # in a byte-limited FIFO (htb, relay) a small probe fits where a full-size one is dropped
+    # in a byte-limited FIFO (htb, relay) a small probe fits where a full-size one is dropped.
+    # At least QUEUE_PROBES of them, all counted (the neighbour is resolved by now): with the
+    # idle probe's first 10 left out, a 2 Mbit/s link's 4 s gave none (measured in the VM)
     interval = max(0.02, 6 * d.jitter_ms / 1e3, UDP_FRAME * 8 / (QUEUE_PROBE_SHARE * d.rate_mbps * 1e6))
-    probe = _Probe(net, src, dst, seconds - 0.5, interval, port=PROBE_PORT + 1)
+    seconds = max(seconds, QUEUE_PROBES * interval + 0.5)
+    fill_s = 2.5 * expect_q / 1e3 / (OVERLOAD - 1) + 0.5  # time for the excess to fill the queue
+    total = fill_s + seconds  # iperf3's -t: counted from its first datagram
+    # which comes only after its TCP control connection and stream set-up, a few round trips
+    # over this very link (0.8 s each on GScale's 400 ms links): the probes must wait for it too
+    setup_s = IPERF_SETUP_RTTS * (d.delay_ms + net.directions[(dst, src)].spec.delay_ms) / 1e3
+    probe = _Probe(net, src, dst, seconds - 0.5, interval, port=PROBE_PORT + 1, skip=0)
     srv = net.popen(dst, ["iperf3", "-s", "-1", "-p", str(BASE_PORT), "-J", "-i", "0.5"],
                     stdout=subprocess.PIPE, text=True)
     time.sleep(0.5)
@@ -292,7 +298,7 @@ def _queue_and_udp_rate(net, src: str, dst: str, seconds: float) -> dict:
     queue = r["owd_p50_ms"] - d.delay_ms if r.get("owd_p50_ms") is not None else None
     ratio = mbps / expect_mbps if mbps else None
     return {"measured_mbps": mbps, "rate_method": "udp", "rate_ratio": ratio,
-            "measured_queue_ms": queue, "expected_queue_ms": expect_q,
+            "measured_queue_ms": queue, "expected_queue_ms": expect_q, "queue_probes": r.get("owd_n", 0),
             "checks": {"rate": rate_ok(ratio), "queue": queue_ok(queue, expect_q)}}
 
 

@@ -29,7 +29,7 @@ import numpy as np
 from agents.clock import SO_TIMESTAMPNS, kernel_rx_ns
 
 HEADER = struct.Struct("!QQ")  # sequence number, send time (ns, CLOCK_REALTIME)
-SKIP = 10  # first packets left out of delay statistics (neighbour resolution may hold them)
+SKIP = 10  # first packets left out of delay statistics by default (neighbour resolution may hold them)
 
 
 READY_WAIT_S = 120  # the longest a --ready sender waits for its "go"
@@ -59,9 +59,10 @@ def send(addr: str, port: int, pps: float, seconds: float, size: int, ready: boo
     return {"sent": n}
 
 
-def recv(port: int, seconds: float, idle_s: float = 1.0, ready: bool = False) -> dict:
+def recv(port: int, seconds: float, idle_s: float = 1.0, ready: bool = False, skip: int = SKIP) -> dict:
     """Receive until ``idle_s`` without a datagram (after the first) or ``seconds`` in all;
-    return one-way delay statistics (ms) and the sequence numbers seen."""
+    return one-way delay statistics (ms) of the datagrams from sequence number ``skip`` on,
+    and the sequence numbers seen."""
     s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     s.setsockopt(socket.SOL_SOCKET, SO_TIMESTAMPNS, 1)
     s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 8 << 20)
@@ -87,7 +88,7 @@ def recv(port: int, seconds: float, idle_s: float = 1.0, ready: bool = False) ->
         seqs.append(seq)
         owd.append((rx_ns - sent_ns) / 1e6)
     return {"received": len(seqs), "unique": len(set(seqs)), "max_seq": max(seqs, default=-1),
-            **owd_stats([o for q, o in zip(seqs, owd) if q >= SKIP])}
+            **owd_stats([o for q, o in zip(seqs, owd) if q >= skip])}
 
 
 def owd_stats(owd: list[float]) -> dict:
@@ -108,6 +109,8 @@ def main(argv=None) -> int:
     r.add_argument("port", type=int)
     r.add_argument("--seconds", type=float, required=True, help="give up after this long in all")
     r.add_argument("--idle", type=float, default=1.0, help="stop after this long without a datagram (default 1 s)")
+    r.add_argument("--skip", type=int, default=SKIP,
+                   help=f"leave the first datagrams out of the delay statistics (default {SKIP})")
     t = sub.add_parser("send")
     t.add_argument("addr")
     t.add_argument("port", type=int)
@@ -117,7 +120,7 @@ def main(argv=None) -> int:
     for p in (r, t):
         p.add_argument("--ready", action="store_true", help="print 'ready' when set up (send: then wait for a line)")
     a = ap.parse_args(argv)
-    out = (recv(a.port, a.seconds, a.idle, ready=a.ready) if a.verb == "recv"
+    out = (recv(a.port, a.seconds, a.idle, ready=a.ready, skip=a.skip) if a.verb == "recv"
            else send(a.addr, a.port, a.pps, a.seconds, a.size, ready=a.ready))
     print(json.dumps(out))
     return 0

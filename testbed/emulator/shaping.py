@@ -21,7 +21,6 @@ read :data:`METHODS`.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 from testbed.topology import LinkDir
@@ -83,8 +82,12 @@ def htb_class_args(rate_mbps: float) -> list[str]:
             "burst", str(burst), "cburst", str(burst), "quantum", str(MTU + 14)]
 
 
-def bdp_packets(d: LinkDir) -> int:
-    return math.ceil(d.rate_mbps * 1e6 / 8 * (d.delay_ms + 3 * d.jitter_ms) / 1e3 / MTU)
+def netem_limit(d: LinkDir) -> int:
+    """netem's packet limit: ``queue_pkts`` plus the full-size frames on the emulated wire at
+    the link rate.  On average (Little's law; the jitter's mean is zero) ``rate x delay`` of
+    them are in flight, so the standing queue is ``queue_pkts`` to half a frame.  (Counting
+    3 jitter sigmas and rounding up, as before, made it up to 15 % longer: measured in the VM.)"""
+    return d.queue_pkts + round(d.rate_mbps * 1e6 / 8 * d.delay_ms / 1e3 / (MTU + 14))
 
 
 def _leaf(d: LinkDir, method: str) -> list[str]:
@@ -92,7 +95,7 @@ def _leaf(d: LinkDir, method: str) -> list[str]:
         raise ValueError(f"unknown shaping method {method!r}")
     if METHODS[method].leaf == "bfifo":
         return ["bfifo", "limit", str(d.queue_pkts * (MTU + 14))]
-    leaf = ["netem", "limit", str(d.queue_pkts + bdp_packets(d))]
+    leaf = ["netem", "limit", str(netem_limit(d))]
     if d.delay_ms or d.jitter_ms:
         leaf += ["delay", f"{d.delay_ms}ms"]
         if d.jitter_ms:
@@ -138,7 +141,9 @@ def rate_change_commands(intf: str, rate_mbps: float, icmp_priority: bool = Fals
 
 def standing_queue_ms(d: LinkDir, method: str, frame_bytes: int) -> float:
     """Queueing delay (ms) of a full sender queue of ``frame_bytes`` frames: the relay/htb
-    leaf is a byte FIFO of ``queue_pkts`` full-size frames, netem's a packet limit of which
-    ``queue_pkts`` are the standing queue (the rest are on the emulated wire)."""
-    qbytes = d.queue_pkts * (MTU + 14) if METHODS[method].leaf == "bfifo" else d.queue_pkts * frame_bytes
-    return qbytes * 8 / (d.rate_mbps * 1e3)
+    leaf is a byte FIFO of ``queue_pkts`` full-size frames, netem's a packet limit
+    (:func:`netem_limit`) whose packets not on the emulated wire (``rate x delay``) are the
+    standing queue."""
+    if METHODS[method].leaf == "bfifo":
+        return d.queue_pkts * (MTU + 14) * 8 / (d.rate_mbps * 1e3)
+    return netem_limit(d) * frame_bytes * 8 / (d.rate_mbps * 1e3) - d.delay_ms

@@ -15,10 +15,15 @@ agents/crew.py (``scheme.groups``); it calls this planner per group, with ``excl
 
 Non-blocking scatter (§IV-A2, Alg. 2; ``prescattered``): before P is known, every ready
 worker sends its *default* blocks (LP (2) with P = N, Alg. 1) to every aggregator
-(:func:`prescatter_plan`, one plan per sender); the task's plan then uses Alg. 2's
-rearrangement of the default split for P's weights (:func:`rearrange`): the chunks an
-aggregator keeps are in its ``x`` at the task's start (the agent adds the early-sent copies,
-agents/crew.py), and only the chunks Alg. 2 moved are scattered again, to their new owner.
+(:func:`prescatter_plan`, one plan per sender, chunks in increasing index order); the task's
+plan then uses Alg. 2's rearrangement of the default split for P's weights (:func:`rearrange`,
+which moves the highest-indexed chunks: the last to be sent).  When P forms, the early
+scatters are cut short; the task's plan scatters every chunk of every member, and at run time
+a member *withdraws* (:mod:`agents.executor`) each chunk it already delivered to that chunk's
+aggregator, whose agent adds the early copy into its input instead (agents/crew.py).  A chunk
+delivered early to an aggregator Alg. 2 moved it away from is discarded there and sent again
+("the worker will discard them", §IV-A2).  So the plan of a group does not depend on how far
+each member's early scatter got, and one plan version serves every task of that group.
 """
 
 from __future__ import annotations
@@ -199,15 +204,14 @@ def prescatter_plan(graph: nx.DiGraph, length: int, sender: str, *, split: str =
                                   "task (one connection) and across concurrent tasks (one gate per link, "
                                   "agents.executor.LinkGate) (FL-FCFS, §IV-C); fs = every flow on its own "
                                   "connection, sharing the link (FS)", choices=("fcfs", "fs")),
-    prescattered=Param(bool, False, "non-blocking scatter (§IV-A2): members sent their default blocks (P = N) "
-                                    "before P formed; blocks by Alg. 2, only moved chunks scattered here"),
-    late=Param(list, [], "with prescattered: members that did not scatter early (the one completing P "
-                         "need not): all their chunks are scattered here", kind=NODES),
+    prescattered=Param(bool, False, "non-blocking scatter (§IV-A2): members began sending their default blocks "
+                                    "(P = N) before P formed; blocks by Alg. 2, chunks already delivered are "
+                                    "withdrawn at run time"),
 )
 def plan_crew(graph: nx.DiGraph, length: int, *, elem_bytes: int = 4, active=None, aggregators: str = "all",
               split: str = "network-aware", chunks: int = 0, pipelined: bool = True,
               scheduling: str = "fcfs", rounding: str = "floor", exclude=(), reassign=None,
-              prescattered: bool = False, late=()) -> Plan:
+              prescattered: bool = False) -> Plan:
     """CREW (or OPR) partial reduce of group ``active`` (§III, LP (2), Alg. 1, FL-FCFS);
     ``exclude`` and ``reassign``: the run-time failover (agents/crew.py)."""
     nodes = check_graph(graph, "crew")
@@ -231,7 +235,6 @@ def plan_crew(graph: nx.DiGraph, length: int, *, elem_bytes: int = 4, active=Non
             x[r] += x.pop(j)
         aggs = [j for j in aggs if j not in reassign]
         t_s, t_m = phase_times(b, x, members)
-    kept: dict[str, set] = {j: set() for j in aggs}  # chunks already at j (non-blocking)
     moved = 0
     if prescattered:
         if aggregators != "all":
@@ -244,7 +247,7 @@ def plan_crew(graph: nx.DiGraph, length: int, *, elem_bytes: int = 4, active=Non
         for j, r in reassign.items():  # Eq. (3): j's chunks to r, none of them at r yet
             start[r] = sorted(start[r] + start.pop(j))
         blocks = {j: start[j] for j in aggs}
-        kept = {j: set(blocks[j]) & set(default[j]) for j in aggs}
+        kept = {j: sorted(set(blocks[j]) & set(default[j])) for j in aggs}  # early copies j may keep
     else:
         k = min(chunks or 8 * len(aggs), length)
         blocks = dict(zip(aggs, split_model([x[j] for j in aggs], k, rounding)))
@@ -259,7 +262,7 @@ def plan_crew(graph: nx.DiGraph, length: int, *, elem_bytes: int = 4, active=Non
         for c in blocks[j]:
             off, size = edges[c], edges[c + 1] - edges[c]
             got = []
-            for i in peers if c not in kept[j] else [i for i in peers if i in late]:  # kept: early copies at j
+            for i in peers:
                 sent[(i, c)], r = bld.transfer(i, j, off, size, reduce=True, flow=f, chunk=c, phase="scatter")
                 got.append(r)
             reduced += got
@@ -286,8 +289,8 @@ def plan_crew(graph: nx.DiGraph, length: int, *, elem_bytes: int = 4, active=Non
         "rounding": rounding,
         "blocks": {j: [r.start, r.stop] for j, r in blocks.items()} if not prescattered
         else {j: _ranges(c, list(range(k + 1))) for j, c in blocks.items()},  # chunk index ranges
-        **({"prescattered": True, "moved_chunks": moved, "late": sorted(late or (), key=nodes.index),
-            "kept": {j: _ranges(sorted(kept[j]), edges) for j in aggs}} if prescattered else {}),
+        **({"prescattered": True, "moved_chunks": moved,
+            "kept": {j: _ranges(kept[j], edges) for j in aggs}} if prescattered else {}),
         "pipelined": pipelined,
         "scheduling": scheduling,
         "t_scatter_s": t_s * model_mbit,
