@@ -36,15 +36,18 @@ early scatter of the default blocks (installed before BEGIN); at i's ENQUEUE of 
     receivers -> coordinator: pre_armed {of, seq}
     coordinator -> i:         pre_go {version, seq, round} (i sends its round-r blocks at once)
 
-and TASK carries ``pre`` {from: {k: [version, seq]}, kept: element ranges}.  At TASK a
-member cuts its own early scatter short (the chunks not yet written go *withdrawn*, a header
-without payload: :mod:`agents.executor`) and, in the task, withdraws every chunk it delivered
-to that chunk's aggregator in P's split (Alg. 2); a node that keeps chunks waits until every
-member's early scatter ended there, adds the delivered chunks it keeps into its input
-(discarding those Alg. 2 moved away: their senders send them again to the new owner, §IV-A2),
-then answers ARMED.  The worker whose ENQUEUE completes a group scatters nothing early (P is
-known at once: it withdraws nothing).  The task records count, per member, the chunks its
-early scatter delivered and how many of them it withdrew (the rest were sent in vain).
+and TASK carries ``pre`` {from: {k: [version, seq]}}.  At TASK a member cuts its own early
+scatter short (the chunks not yet written go *withdrawn*, a header without payload:
+:mod:`agents.executor`) and, in the task, withdraws every chunk it delivered to that chunk's
+aggregator in P's split (Alg. 2); the aggregator applies the early copy it holds instead.
+Chunks delivered to an aggregator Alg. 2 moved them away from are not used there (§IV-A2:
+"discard"); their senders send them again to the new owner.  ARMED comes at once, as in
+blocking mode: a member asks whether a chunk was delivered only as the chunk is about to go
+(its early scatter has ended by then), an aggregator reads an early copy only when the
+withdrawn chunk arrives (once that early scatter ended there).  The worker whose ENQUEUE
+completes a group scatters nothing early (P is known at once: it withdraws nothing).  The
+task records count, per member, the chunks its early scatter delivered and how many of them
+it withdrew (the rest were sent in vain).
 
 ARMED before START is the one message more than the iteration barrier: a member may send
 chunks of task ``pid`` to an aggregator only once that aggregator's executor accepts
@@ -507,13 +510,12 @@ class TaskRun:
         self.busy[t.version] = t.pid
         t.state, t.waiting = "arming", set(t.involved)
         t.times["arm_ns"] = time.time_ns()
-        kept = self.plans[t.version].meta.get("kept") if self.prescatter_for else None
+        pre = {"from": {k: [self.pre_v[k], self.seq[k]] for k in t.members if k not in self.late}} \
+            if self.plans[t.version].meta.get("prescattered") else None
         for n in t.involved:
             self.c._send(n, {"msg": "task", "pid": t.pid, "version": t.version, "rounds": t.rounds,
                              **({"chunk_times": True} if self.chunk_times else {}),
-                             **({"pre": {"from": {k: [self.pre_v[k], self.seq[k]] for k in t.members
-                                                  if k not in self.late},
-                                         "kept": kept.get(n, [])}} if kept is not None else {})})
+                             **({"pre": pre} if pre is not None else {})})
 
     def _start(self, t: Task) -> None:
         t.state, t.waiting = "running", set(t.involved)
@@ -553,7 +555,8 @@ class TaskRun:
                 **({"chunks": {n: d["chunks"] for n, d in t.done.items() if d.get("chunks")}} if self.chunk_times
                    else {}),
                 **({"early": {m: [t.done[m]["early_sent"], t.done[m]["withdrawn"]] for m in t.members
-                              if t.done[m].get("early_sent") is not None}} if self.prescatter_for else {}), "cct_s": (end - start) / 1e9, "correct": not wrong, "members_done": members}
+                              if t.done[m].get("early_sent") is not None}} if self.prescatter_for else {}),
+                "cct_s": (end - start) / 1e9, "correct": not wrong, "members_done": members}
 
     def _install(self, plan) -> int:
         """``plan`` as a new version on the nodes that have a program in it (PLAN; their
@@ -927,7 +930,6 @@ def worker_loop(agent, Aborted: type[Exception]) -> int:
     early: dict[tuple, threading.Event] = {}  # (sender, seq) -> its early scatter ended here
     cut: dict[int, threading.Event] = {}  # seq -> this worker's early scatter seq is cut short (P formed)
     early_sent: dict[int, set] = {}  # seq -> (aggregator, chunk) this worker's early scatter delivered
-    early_got: dict[tuple, list] = {}  # (sender, seq) -> element ranges its early scatter delivered here
 
     def spawn(fn, *args) -> None:
         th = threading.Thread(target=fn, args=args, daemon=True, name=f"crew-{fn.__name__}")
@@ -960,10 +962,7 @@ def worker_loop(agent, Aborted: type[Exception]) -> int:
             ex.advance(seq)
             ex.prepare(None)
             agent.send({"msg": "pre_armed", "of": sender, "seq": seq})
-            withdrawn = set(ex.run(seq).get("withdrawn", ()))
-            early_got.pop((sender, seq - 1), None)  # a node keeping none of its chunks never took it
-            early_got[(sender, seq)] = [(op.offset, op.offset + op.length) for op in ex.prog
-                                        if op.kind == "recv" and op.xfer not in withdrawn]
+            ex.run(seq)
             done.set()
         except Exception as e:
             agent.abort_soon(f"early scatter {seq} of {sender}: {type(e).__name__}: {e}")
@@ -974,54 +973,61 @@ def worker_loop(agent, Aborted: type[Exception]) -> int:
         written go withdrawn: the task's plan sends them to their owner in P's split."""
         try:
             after(prev, f"early scatter {seq}")
+            early_sent.pop(seq - 1, None)  # its task is over: this worker enqueued again
             ex.advance(seq)
             ex.prepare(make_input(job.seed, job.nodes.index(me), rnd_, job.length, job.dtype))
             stop = cut.setdefault(seq, threading.Event())
             ex.withdraw = lambda op: stop.is_set()
             withdrawn = set(ex.run(seq).get("withdrawn", ()))
             early_sent[seq] = {(op.peer, op.chunk) for op in ex.prog if op.kind == "send" and op.xfer not in withdrawn}
+            cut.pop(seq, None)
             done.set()
         except Exception as e:
             agent.abort_soon(f"early scatter {seq}: {type(e).__name__}: {e}")
 
+    def ended(k: str, seq: int) -> None:
+        """Wait (at most the job's timeout) until ``k``'s early scatter ``seq`` ended here."""
+        if not early.setdefault((k, seq), threading.Event()).wait(job.timeout_s):
+            raise TimeoutError(f"early scatter {seq} of {k} not ended here within {job.timeout_s:g} s")
+
     def arm(pid: int, ex, rounds: dict, pre: dict | None, chunk_times: bool = False) -> None:
         """TASK: the executor moves to iteration ``pid`` with this node's input.  Non-blocking
-        (``pre``: the members' early scatters): this worker's own is cut short and the chunks
-        it delivered to their owner in P's split are withdrawn in the task; once every
-        member's early scatter ended here, the delivered chunks this node keeps are added in
-        (the others, moved by Alg. 2, are discarded: §IV-A2)."""
+        (``pre``: the members' early scatters, §IV-A2): this worker's own is cut short, and in
+        the task it withdraws each scatter chunk its early scatter delivered to the same
+        aggregator (asked as the chunk is about to go, once the early scatter ended); a
+        withdrawn chunk's receiver applies the early copy it holds instead (once that
+        member's early scatter ended here).  Early copies of chunks Alg. 2 moved away are
+        not used: their senders send them again to the new owner."""
         try:
             x = make_input(job.seed, job.nodes.index(me), rounds[me], job.length, job.dtype) if me in rounds \
                 else None
-            ex.withdraw, delivered = None, None
+            ex.withdraw = ex.on_withdrawn = None
+            seq = None
             if pre is not None:
-                deadline = time.monotonic() + job.timeout_s
-
-                def ended(k: str, seq: int) -> None:
-                    if not early.setdefault((k, seq), threading.Event()).wait(max(0.0, deadline - time.monotonic())):
-                        raise TimeoutError(f"early scatter {seq} of {k} not ended here within {job.timeout_s:g} s")
                 if me in pre["from"]:
                     seq = pre["from"][me][1]
-                    cut.setdefault(seq, threading.Event()).set()
-                    ended(me, seq)
-                    sent = frozenset(early_sent.pop(seq))
-                    ex.withdraw = lambda op: op.phase == "scatter" and (op.peer, op.chunk) in sent
-                    delivered = len(sent)
-                    cut.pop(seq, None)
-                for k, (v, seq) in pre["from"].items():
-                    if k == me or not pre["kept"]:  # keeping none, it need not wait
-                        continue
-                    ended(k, seq)
-                    got, buf = early_got.pop((k, seq)), agent.execs[v].bufs["x"]
-                    for lo, hi in pre["kept"]:
-                        for a, b in got:
-                            a, b = max(a, lo), min(b, hi)
-                            if a < b:
-                                x = np.zeros(job.length, job.dtype) if x is None else x
-                                np.add(x[a:b], buf[a:b], out=x[a:b])
+                    if not early.setdefault((me, seq), threading.Event()).is_set():
+                        cut.setdefault(seq, threading.Event()).set()  # (pre_send may not have begun)
+
+                    def withdraw(op, seq=seq) -> bool:
+                        if op.phase != "scatter":
+                            return False
+                        ended(me, seq)
+                        return (op.peer, op.chunk) in early_sent[seq]
+                    ex.withdraw = withdraw
+                sources = {k: (agent.execs[v], s) for k, (v, s) in pre["from"].items() if k != me}
+
+                def on_withdrawn(op) -> np.ndarray:
+                    if op.peer not in sources or op.buf != "x":
+                        raise wire.ProtocolError(f"transfer {op.xfer} withdrawn by {op.peer}, which sent this "
+                                                 "node no early scatter into x")
+                    early_ex, s = sources[op.peer]
+                    ended(op.peer, s)
+                    return early_ex.bufs["x"][op.offset:op.offset + op.length]
+                ex.on_withdrawn = on_withdrawn
             ex.advance(pid)
             ex.prepare(x)
-            armed[pid] = (ex, rounds, bool(chunk_times), delivered)
+            armed[pid] = (ex, rounds, bool(chunk_times), seq)
             agent.send({"msg": "armed", "pid": pid})
         except Exception as e:
             agent.abort_soon(f"arming task {pid}: {type(e).__name__}: {e}")
@@ -1032,15 +1038,16 @@ def worker_loop(agent, Aborted: type[Exception]) -> int:
                 del agent.execs[v]
         ex.close()
 
-    def run_task(pid: int, ex, rounds: dict, chunk_times: bool, delivered: int | None) -> None:
+    def run_task(pid: int, ex, rounds: dict, chunk_times: bool, seq: int | None) -> None:
         try:
             timing = ex.run(pid)
             withdrawn = set(timing.get("withdrawn", ()))
             if chunk_times:  # [sender, first byte, last byte] of every chunk received (agent clock)
                 src = {op.xfer: op.peer for op in ex.prog if op.kind == "recv"}
                 timing["chunks"] = [[src[r[0]], r[2], r[3]] for r in timing["recvs"] if r[0] not in withdrawn]
-            early = {} if delivered is None else {  # chunks delivered early; of them, withdrawn here
-                "early_sent": delivered, "withdrawn": sum(op.kind == "send" and op.xfer in withdrawn for op in ex.prog)}
+            early = {} if seq is None else {  # chunks delivered early; of them, withdrawn here
+                "early_sent": len(early_sent.get(seq, ())),
+                "withdrawn": sum(op.kind == "send" and op.xfer in withdrawn for op in ex.prog)}
             check = {"receiver": me in rounds, "correct": True, "max_abs_err": 0.0, "digest": None}
             if me in rounds:
                 x = ex.bufs["x"]
@@ -1103,10 +1110,7 @@ def worker_loop(agent, Aborted: type[Exception]) -> int:
         elif kind == "task":
             pid, v, rounds = int(msg["pid"]), int(msg["version"]), dict(msg["rounds"])
             seen_pid[0] = max(seen_pid[0], pid)
-            if msg.get("pre") is not None:  # waits for the early scatters to end: in a thread
-                spawn(arm, pid, agent.execs[v], rounds, msg["pre"], msg.get("chunk_times"))
-            else:
-                arm(pid, agent.execs[v], rounds, None, msg.get("chunk_times"))
+            arm(pid, agent.execs[v], rounds, msg.get("pre"), msg.get("chunk_times"))
         elif kind == "pre":  # receive an early scatter (non-blocking, §IV-A2); PRE_ARMED once ready
             sender, v, seq = str(msg["of"]), int(msg["version"]), int(msg["seq"])
             early.setdefault((sender, seq), threading.Event())
@@ -1116,9 +1120,9 @@ def worker_loop(agent, Aborted: type[Exception]) -> int:
             spawn(pre_send, seq, int(msg["round"]), agent.execs[v], early.get((me, seq - 1)),
                   early.setdefault((me, seq), threading.Event()))
         elif kind == "start":
-            ex, rounds, chunk_times, delivered = armed.pop(int(msg["pid"]))
+            ex, rounds, chunk_times, seq = armed.pop(int(msg["pid"]))
             running[int(msg["pid"])] = (ex, rounds)
-            spawn(run_task, int(msg["pid"]), ex, rounds, chunk_times, delivered)
+            spawn(run_task, int(msg["pid"]), ex, rounds, chunk_times, seq)
         elif kind == "abandon":  # §IV-B: stop this task; its version is not used again
             pid = int(msg["pid"])
             abandoned.add(pid)

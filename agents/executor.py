@@ -52,8 +52,9 @@ whichever copy of an asked-for chunk arrives second is dropped.
 Withdrawn transfers (CREW's non-blocking scatter, §IV-A2): ``withdraw(op)``, when set, is
 asked as a direct send is about to be written; True sends a header with ``FLAG_WITHDRAWN``
 and no payload instead (the receiver has the chunk already, or will not get it: a cut-short
-early scatter), without waiting for the link's turn; the receiver completes the recv op
-without touching its buffer.  ``run``'s result lists the withdrawn transfers.
+early scatter), without waiting for the link's turn; the receiver applies what
+``on_withdrawn(op)`` gives it as the payload (the copy it holds), or nothing (None, or no
+``on_withdrawn``).  ``run``'s result lists the withdrawn transfers.
 
 FL-FCFS across plan versions (CREW §IV-C): executors given the same ``gate(peer)`` (one
 :class:`LinkGate` per peer, shared by every version on an agent: concurrent partial-reduce
@@ -281,6 +282,7 @@ class Executor:
         self._gate = gate
         self._tickets: dict[int, int] = {}  # send op -> its LinkGate ticket (while queued)
         self.withdraw = None  # op -> bool: send it withdrawn (no payload), asked as it is written
+        self.on_withdrawn = None  # recv op -> the payload this node holds for a withdrawn transfer, or None
         self._init_aux(nodes or [], aux or {}, connect, on_missing)
 
     def _init_aux(self, nodes: list[str], aux: dict, connect, on_missing) -> None:
@@ -684,12 +686,16 @@ class Executor:
 
         def apply(i: int, send_ts: int, first: int, last: int, without: bool) -> None:
             op = prog[i]
+            data = rbuf[i]
             if without:
                 withdrawn.append(op.xfer)
+                data = self.on_withdrawn(op) if self.on_withdrawn is not None else None
+            if data is None:
+                pass
             elif op.reduce:
-                np.add(views[i], rbuf[i], out=views[i])
+                np.add(views[i], data, out=views[i])
             else:
-                np.copyto(views[i], rbuf[i])
+                np.copyto(views[i], data)
             recvs.append([op.xfer, send_ts, first, last, time.time_ns()])
             complete(i)
 

@@ -96,7 +96,8 @@ TOP_KEYS = {"name", "topology", "scheme", *DEFAULTS}
 # noise: lambda of §V-H: the controller plans on b(1+x), x ~ U[-lambda, lambda] per link direction
 # (drawn once per run from the seed), while the emulator shapes the true b.
 # blocking: false = CREW's non-blocking scatter (§IV-A2, Alg. 2): a ready worker sends its
-# default blocks (P = N) at once, before P forms (crew with every worker aggregating; no faults).
+# default blocks (P = N) at once, before P forms; when P forms, that early scatter is cut short
+# and the task sends what is left by Alg. 2's split (crew with every worker aggregating; no faults).
 # controller_down: {at_s, for_s} (optional; blocking only): the controller is lost at_s into the
 # window for for_s (§IV-B: workers go standalone, then rejoin the restarted controller).
 GROUPS_DEFAULTS = {"p": 2, "window_s": 30.0, "link_timeout_s": 2.0, "noise": 0.0, "blocking": True}

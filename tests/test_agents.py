@@ -236,7 +236,8 @@ def test_executor_applies_valid_frame(lone_receiver):
 
 def test_executor_withdrawn_transfer_completes_without_touching_the_buffer(lone_receiver):
     """CREW's non-blocking scatter: a withdrawn transfer (header, no payload) completes the
-    recv op and leaves the buffer as it was; the sender's ``withdraw`` decides per op."""
+    recv op and leaves the buffer as it was, or applies the copy ``on_withdrawn`` gives; the
+    sender's ``withdraw`` decides per op."""
     ex, sa = lone_receiver
     ex.prepare(np.ones(4, np.float32))
     wire.send_frame(sa, _data(5, 0)._replace(flags=wire.FLAG_WITHDRAWN))
@@ -244,6 +245,11 @@ def test_executor_withdrawn_transfer_completes_without_touching_the_buffer(lone_
     ex.prepare(np.ones(4, np.float32))
     wire.send_frame(sa, _data(5, 16, it=1), np.arange(4, dtype=np.float32))
     assert "withdrawn" not in ex.run(1) and ex.bufs["x"].tolist() == [1, 2, 3, 4]
+    # a receiver holding the chunk already (``on_withdrawn``) applies its copy as the payload
+    ex.on_withdrawn = lambda op: np.full(op.length, 5, np.float32)
+    ex.prepare(np.ones(4, np.float32))
+    wire.send_frame(sa, _data(5, 0, it=2)._replace(flags=wire.FLAG_WITHDRAWN))
+    assert ex.run(2)["withdrawn"] == [5] and ex.bufs["x"].tolist() == [6, 6, 6, 6]
     # the sending side: ``withdraw(op)`` true -> the receiver's op completes, its buffer untouched
     tx = Executor("a", [Op(0, SEND, "b", 5, 0, 4)], length=4, timeout_s=5.0)
     sb, sc = socket.socketpair()

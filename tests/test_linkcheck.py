@@ -36,18 +36,27 @@ def test_delay_rate_and_queue_rules():
     assert delay_ok(13, 10, slack_ms=3) and not delay_ok(None, 10)
     assert rate_ok(0.95) and not rate_ok(0.92) and not rate_ok(1.03) and not rate_ok(None)
     assert queue_ok(31, 30.28) and not queue_ok(15, 30.28) and queue_ok(600, 606) and not queue_ok(560, 606)
+    assert queue_ok(68.5, 72.5, frame_ms=4.83) and not queue_ok(68.5, 72.5)  # one frame at 2.5 Mbit/s
 
 
-def test_standing_queue_is_queue_pkts_full_frames_at_the_rate():
+def test_standing_queue_is_what_a_probe_finds_ahead_in_a_full_queue():
+    """A tail-drop queue takes an arrival only while it fits: a small probe finds the most
+    frames ahead that leave it room -- a byte FIFO of queue_pkts full-size frames (relay),
+    or netem's packet limit less one, less the frames on the emulated wire."""
     d = LinkDir(20.0, 30.0, 0.0, 2e-4, queue_pkts=1000)
-    assert standing_queue_ms(d, "relay", 1490) == pytest.approx(1000 * 1514 * 8 / 20e3)
+    frame_ms = 1490 * 8 / 20e3
+    assert standing_queue_ms(d, "relay", 1490, 106) == pytest.approx((1000 * 1514 - 106) // 1490 * frame_ms)
+    assert standing_queue_ms(d, "relay", 1514, 106) == pytest.approx(999 * 1514 * 8 / 20e3)  # no room: one less
     # netem: 1000 + 50 frames on the wire (20 Mbit/s x 30 ms = 49.5 frames of 1514 bytes) in its limit
     assert netem_limit(d) == 1050
-    assert standing_queue_ms(d, "netem", 1490) == pytest.approx(1050 * 1490 * 8 / 20e3 - 30)
-    assert standing_queue_ms(d, "netem", 1514) == pytest.approx(1000 * 1514 * 8 / 20e3, abs=0.5 * 1514 * 8 / 20e3)
+    assert standing_queue_ms(d, "netem", 1490, 106) == pytest.approx(1049 * frame_ms - 30)
     # jitter adds nothing on average: its mean is zero
     j = LinkDir(20.0, 30.0, 5.0, 0.0, queue_pkts=1000)
-    assert netem_limit(j) == 1050 and standing_queue_ms(j, "netem", 1490) == standing_queue_ms(d, "netem", 1490)
+    assert netem_limit(j) == 1050 and standing_queue_ms(j, "netem", 1490, 106) == standing_queue_ms(d, "netem", 1490, 106)
+    # measured in the VM (netstorm-internet2-9, scale 0.1, netem): 100 packets + the wire at
+    # 2.0 Mbit/s, 30 ms; the probes read 597.8 ms, one frame (6 ms) under netem_limit's 604.2
+    slow = LinkDir(2.0, 30.0, 0.0, 2e-4, queue_pkts=100)
+    assert standing_queue_ms(slow, "netem", 1510, 106) == pytest.approx(598.2, abs=0.1)
 
 
 @pytest.mark.parametrize("skip", [None, 0])

@@ -139,11 +139,14 @@ def rate_change_commands(intf: str, rate_mbps: float, icmp_priority: bool = Fals
             for cid in classes]
 
 
-def standing_queue_ms(d: LinkDir, method: str, frame_bytes: int) -> float:
-    """Queueing delay (ms) of a full sender queue of ``frame_bytes`` frames: the relay/htb
-    leaf is a byte FIFO of ``queue_pkts`` full-size frames, netem's a packet limit
-    (:func:`netem_limit`) whose packets not on the emulated wire (``rate x delay``) are the
-    standing queue."""
+def standing_queue_ms(d: LinkDir, method: str, frame_bytes: int, probe_bytes: int) -> float:
+    """Queueing delay (ms) a packet of ``probe_bytes`` sees on arrival at a full sender queue
+    of ``frame_bytes`` frames.  The queue drops at its tail, so an arrival gets in only while
+    it fits: ahead of it is the most that leaves room for it.  The relay/htb leaf is a byte
+    FIFO of ``queue_pkts`` full-size frames; netem's limit counts packets (:func:`netem_limit`)
+    -- ``limit - 1`` ahead, of which ``rate x delay`` are on the emulated wire.  (Measured in
+    the VM, netem: the probes read one frame less than ``netem_limit`` frames, on every link.)"""
+    frame_ms = frame_bytes * 8 / (d.rate_mbps * 1e3)
     if METHODS[method].leaf == "bfifo":
-        return d.queue_pkts * (MTU + 14) * 8 / (d.rate_mbps * 1e3)
-    return netem_limit(d) * frame_bytes * 8 / (d.rate_mbps * 1e3) - d.delay_ms
+        return (d.queue_pkts * (MTU + 14) - probe_bytes) // frame_bytes * frame_ms
+    return (netem_limit(d) - 1) * frame_ms - d.delay_ms
