@@ -295,12 +295,13 @@ def _queue_and_udp_rate(net, src: str, dst: str, seconds: float) -> dict:
         ivals = [i for i in ivals if i["start"] >= fill_s]
         mbps = sum(i["bits_per_second"] * (i["end"] - i["start"]) for i in ivals) / sum(
             i["end"] - i["start"] for i in ivals) / 1e6
+        per_interval = [round(i["bits_per_second"] / 1e6, 3) for i in ivals]  # where a dip was, if any
     except (ValueError, KeyError, TypeError, ZeroDivisionError):
-        mbps = None
+        mbps, per_interval = None, []
     expect_mbps = d.rate_mbps * UDP_PAYLOAD / UDP_FRAME * (1 - d.loss)
     queue = r["owd_p50_ms"] - d.delay_ms if r.get("owd_p50_ms") is not None else None
     ratio = mbps / expect_mbps if mbps else None
-    return {"measured_mbps": mbps, "rate_method": "udp", "rate_ratio": ratio,
+    return {"measured_mbps": mbps, "rate_method": "udp", "rate_ratio": ratio, "udp_mbps_per_interval": per_interval,
             "measured_queue_ms": queue, "expected_queue_ms": expect_q, "queue_probes": r.get("owd_n", 0),
             "checks": {"rate": rate_ok(ratio), "queue": queue_ok(queue, expect_q, UDP_FRAME * 8 / (d.rate_mbps * 1e3))}}
 
