@@ -40,7 +40,7 @@ def main(argv=None) -> int:
     sub.choices["stage"].add_argument("--scale", type=float, default=0.1,
                                       help="rate scale of the guest's link checks and quickstart (default 0.1: TCG)")
     sub.choices["stage"].add_argument("--linkchecks", action="store_true",
-                                      help="also the link checks (~20 min under TCG; CI leaves them out)")
+                                      help="also the link checks (~20 min under TCG; CI runs them)")
     sub.choices["stage"].add_argument("--strict", action="store_true",
                                       help="link-check verdicts gate the stage (default: reported; README)")
     c = sub.add_parser("compare", help="two linkcheck.json files (relay on the host, netem in the guest) side by side")
