@@ -64,10 +64,12 @@ def test_compare_puts_the_two_paths_side_by_side_and_summarises_each():
     def result(method, ratio, delay, ok):
         row = {"phase": "single", "src": "a", "dst": "b", "rate_mbps": 5.0, "delay_ms": 10.0, "jitter_ms": 1.0,
                "loss": 0.01, "rate_ratio": ratio, "measured_delay_ms": delay, "measured_jitter_ms": 1.1,
-               "measured_loss": 0.012, "checks": {"rate": ok, "delay": True}, "ok": ok}
+               "measured_loss": 0.012, "expected_queue_ms": 100.0, "measured_queue_ms": 100.0 + delay - 10.0,
+               "checks": {"rate": ok, "delay": True}, "ok": ok}
         return {"topology": "t", "scale": 0.1, "method": method, "directions": [row]}
 
     text = vm.compare_linkchecks(result("relay", 0.95, 10.2, True), result("netem", 0.90, 11.5, False))
     assert "0.950  0.900" in text and "+0.20  +1.50" in text and "ok / rate" in text
-    assert "single relay: rate ratio 0.950-0.950, |delay error| <= 0.20 ms, 1/1" in text
-    assert "single netem: rate ratio 0.900-0.900, |delay error| <= 1.50 ms, 0/1" in text
+    assert "+0.2   +1.5 | ok / rate" in text  # the standing queue's error
+    assert "single relay: rate ratio 0.950-0.950, |delay error| <= 0.20 ms, |queue error| <= 0.2 ms, 1/1" in text
+    assert "single netem: rate ratio 0.900-0.900, |delay error| <= 1.50 ms, |queue error| <= 1.5 ms, 0/1" in text

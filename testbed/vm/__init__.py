@@ -151,8 +151,9 @@ def compare_linkchecks(a: dict, b: dict, labels=("relay", "netem")) -> str:
     """Two ``linkcheck.json`` results of the same topology and scale (e.g. the host's
     relay and the guest's netem) side by side, per direction and phase: rate ratio; delay
     error (ms: idle one-way median - configured in the single phase, RTT/2 under load -
-    configured in the concurrent one); measured jitter and loss (single phase); the checks
-    that failed.  Then, per phase and path, the range of each over all directions."""
+    configured in the concurrent one); measured jitter and loss, and the standing queue's
+    error (ms: measured - expected; single phase); the checks that failed.  Then, per phase
+    and path, the range of each over all directions."""
     def rows(r):
         return {(d["phase"], d["src"], d["dst"]): d for d in r["directions"]}
 
@@ -160,6 +161,10 @@ def compare_linkchecks(a: dict, b: dict, labels=("relay", "netem")) -> str:
         if d["phase"] == "single" and d.get("measured_delay_ms") is not None:
             return d["measured_delay_ms"] - d["delay_ms"]
         return d["loaded_owd_ms"] - d["expected_owd_ms"] if d.get("loaded_owd_ms") is not None else None
+
+    def qerr(d):
+        q = d.get("measured_queue_ms")
+        return None if q is None or d.get("expected_queue_ms") is None else q - d["expected_queue_ms"]
 
     def f(x, spec, width):
         return f"{'-':>{width}}" if x is None else format(format(x, spec), f">{width}")
@@ -172,9 +177,9 @@ def compare_linkchecks(a: dict, b: dict, labels=("relay", "netem")) -> str:
     keys = sorted(set(ra) & set(rb), key=lambda k: (k[0] != "single", k[1], k[2]))
     out = [f"{a.get('topology')} at scale {a.get('scale')}: {la} = {a.get('method')}, {lb} = {b.get('method')}",
            f"{'phase':10} {'src':>4} {'dst':>4} {'Mbit/s':>6} | {'ratio':>6} {'ratio':>6} | {'delay err ms':>13} | "
-           f"{'jitter ms':>17} | {'loss %':>20} | failed checks",
+           f"{'jitter ms':>17} | {'loss %':>20} | {'queue err ms':>13} | failed checks",
            f"{'':27} | {la:>6} {lb:>6} | {la:>6} {lb:>6} | {'conf':>5} {la:>5} {lb:>5} | {'conf':>6} {la:>6} {lb:>6} | "
-           f"{la} / {lb}"]
+           f"{la:>6} {lb:>6} | {la} / {lb}"]
     for k in keys:
         da, db = ra[k], rb[k]
         ja, jb = da.get("measured_jitter_ms"), db.get("measured_jitter_ms")
@@ -183,7 +188,7 @@ def compare_linkchecks(a: dict, b: dict, labels=("relay", "netem")) -> str:
                    f"{f(db.get('rate_ratio'), '.3f', 6)} | {f(err(da), '+.2f', 6)} {f(err(db), '+.2f', 6)} | "
                    f"{da['jitter_ms']:5.2f} {f(ja, '.2f', 5)} {f(jb, '.2f', 5)} | {100 * da['loss']:6.3f} "
                    f"{f(None if pa is None else 100 * pa, '.3f', 6)} {f(None if pb is None else 100 * pb, '.3f', 6)} | "
-                   f"{bad(da)} / {bad(db)}")
+                   f"{f(qerr(da), '+.1f', 6)} {f(qerr(db), '+.1f', 6)} | {bad(da)} / {bad(db)}")
     for phase in ("single", "concurrent"):
         for lab, r in ((la, ra), (lb, rb)):
             ds = [r[k] for k in keys if k[0] == phase]
@@ -191,7 +196,9 @@ def compare_linkchecks(a: dict, b: dict, labels=("relay", "netem")) -> str:
                 continue
             ratios = [d["rate_ratio"] for d in ds if d.get("rate_ratio") is not None]
             errs = [abs(err(d)) for d in ds if err(d) is not None]
+            qerrs = [abs(qerr(d)) for d in ds if qerr(d) is not None]
             out.append(f"{phase} {lab}: rate ratio {min(ratios, default=0):.3f}-{max(ratios, default=0):.3f}, "
-                       f"|delay error| <= {max(errs, default=0):.2f} ms, {sum(d['ok'] for d in ds)}/{len(ds)} "
-                       "directions pass every check")
+                       f"|delay error| <= {max(errs, default=0):.2f} ms, "
+                       + (f"|queue error| <= {max(qerrs):.1f} ms, " if qerrs else "")
+                       + f"{sum(d['ok'] for d in ds)}/{len(ds)} directions pass every check")
     return "\n".join(out)
