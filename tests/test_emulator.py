@@ -21,7 +21,11 @@ def _linkcheck(topo, method, seconds=3):
 
 
 def _out_of_tolerance(res) -> list:
-    return [(d["phase"], d["src"], d["dst"], [k for k, ok in d["checks"].items() if not ok])
+    """(phase, src, dst, failed checks, what was measured) per failing direction."""
+    shown = ("rate_ratio", "udp_mbps_per_interval", "measured_queue_ms", "expected_queue_ms", "measured_delay_ms",
+             "measured_jitter_ms", "measured_loss")
+    return [(d["phase"], d["src"], d["dst"], [k for k, ok in d["checks"].items() if not ok],
+             {k: d[k] for k in shown if k in d}, res["emulation_kept_up"]["reasons"])
             for d in res["directions"] if not d["ok"]]
 
 
