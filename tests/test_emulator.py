@@ -76,6 +76,24 @@ def test_lossy_jittery_link_is_measured_within_tolerance(netenv):
         assert d["tcp_cc"] == "cubic" and d["tcp_goodput_mbps"] < 0.5 * d["measured_mbps"]
 
 
+def test_all_at_once_check_waits_out_cubic_regrowth_on_a_long_fat_link(netenv):
+    """The concurrent phase: BBR on the lossy link, the experiment's cubic on the lossless one,
+    both measured over CUBIC's regrowth time of the long fat link (its queue of 100 packets is
+    under 0.43 of its bandwidth-delay product, 990 segments: K = 9.35 s)."""
+    from testbed.emulator.linkcheck import cubic_regrowth_s
+
+    topo = load_topology({"name": "longfat", "datacenters": ["a", "b", "c"],
+                          "links": [{"between": ["a", "b"], "rate_mbps": 20, "delay_ms": 300, "queue_pkts": 100},
+                                    {"between": ["b", "c"], "rate_mbps": 30, "delay_ms": 5, "loss": 0.01}]})
+    k = cubic_regrowth_s(topo.links[0].ab, topo.links[0].ba)
+    assert k == pytest.approx(9.35, abs=0.01)
+    res = run_linkcheck(topo, seconds=2, phases=("concurrent",), progress=lambda m: None)
+    rows = {(d["src"], d["dst"]): d for d in res["directions"]}
+    assert {d["tcp_seconds"] for d in rows.values()} == {10}
+    assert rows[("b", "c")]["rate_method"] == "tcp-bbr" and rows[("a", "b")]["rate_method"] == "tcp-cubic"
+    assert rows[("a", "b")]["measured_mbps"] > 0 and rows[("b", "c")]["measured_mbps"] > 0
+
+
 def test_standing_queue_behind_a_long_round_trip(netenv):
     """GScale's g2-g5 (130 Mbit/s, 400 ms): iperf3 needs ~4 round trips (3.2 s) before its first
     datagram; probes sent before then read an empty queue (measured 3-29 ms for 93 ms)."""

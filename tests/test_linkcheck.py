@@ -3,7 +3,8 @@
 import numpy as np
 import pytest
 
-from testbed.emulator.linkcheck import delay_ok, expected_jitter_ms, jitter_ok, loss_check, queue_ok, rate_ok
+from testbed.emulator.linkcheck import (cubic_regrowth_s, delay_ok, expected_jitter_ms, jitter_ok, loss_check, queue_ok,
+                                        rate_ok)
 from testbed.emulator.shaping import netem_limit, standing_queue_ms
 from testbed.topology import LinkDir
 
@@ -57,6 +58,16 @@ def test_standing_queue_is_what_a_probe_finds_ahead_in_a_full_queue():
     # 2.0 Mbit/s, 30 ms; the probes read 597.8 ms, one frame (6 ms) under netem_limit's 604.2
     slow = LinkDir(2.0, 30.0, 0.0, 2e-4, queue_pkts=100)
     assert standing_queue_ms(slow, "netem", 1510, 106) == pytest.approx(598.2, abs=0.1)
+
+
+def test_loss_based_flows_are_measured_over_cubic_regrowth_where_the_queue_is_short():
+    """RFC 9438's K where 0.7 x (BDP + queue) < BDP, else 0: GScale's g2->g5 at scale 1
+    (130 Mbit/s, 400 ms each way, 1000 packets: BDP 8586 segments of 1514 bytes)."""
+    long_fat, back = LinkDir(130.0, 400.0, 0.0, 0.0, queue_pkts=1000), LinkDir(130.0, 400.0, 0.0, 0.0, queue_pkts=1000)
+    assert cubic_regrowth_s(long_fat, back) == pytest.approx((9586.5 * 0.3 / 0.4) ** (1 / 3), rel=1e-3)  # 19.3 s
+    # the queue keeps the link busy after a loss: 3680 >= 0.3/0.7 x 8586
+    assert cubic_regrowth_s(LinkDir(130.0, 400.0, 0.0, 0.0, queue_pkts=3680), back) == 0.0
+    assert cubic_regrowth_s(LinkDir(50.0, 30.0, 0.0, 0.0, queue_pkts=200), LinkDir(50.0, 30.0, 0.0, 0.0)) == 0.0
 
 
 @pytest.mark.parametrize("skip", [None, 0])
