@@ -466,8 +466,7 @@ def build_parser() -> argparse.ArgumentParser:
                                     "fuzz", "emulator"), help="which benchmark")
     b.add_argument("--topology", help="emulator: topology whose largest passing scale is searched "
                                       "(default netstorm-internet2-9)")
-    b.add_argument("--tcp-cc", help=f"emulator: the hosts' TCP congestion control through the relay "
-                                    f"(default {DEFAULT_TCP_CC}; the HTB-only reference: cubic)")
+    b.add_argument("--tcp-cc", help=f"emulator: the hosts' TCP congestion control (default {DEFAULT_TCP_CC})")
     b.add_argument("--seconds", type=float, help="emulator: linkcheck measuring time per scale (default 6)")
     b.add_argument("--sizes", help="efficiency, peers: comma-separated model sizes before the scale (e.g. 16MB,64MB)")
     b.add_argument("--schemes", help="efficiency, peers: comma-separated schemes (default: the tree schemes)")
