@@ -283,7 +283,7 @@ def cmd_linkcheck(args) -> int:
     phases = ("concurrent",) if args.concurrent else ("single",) if args.single else ("single", "concurrent")
     out = Path(args.out) if args.out else new_run_dir("results", f"linkcheck-{topo.name}")
     result = run_linkcheck(topo, seconds=args.seconds, phases=phases, method=args.method, tcp_cc=args.tcp_cc,
-                           progress=Progress())
+                           parallel=args.parallel, progress=Progress())
     result["environment"] = environment()
     write_json_atomic(Path(out) / "linkcheck.json", result)
     print(format_table(result))
@@ -455,6 +455,9 @@ def build_parser() -> argparse.ArgumentParser:
     lc.add_argument("--single", action="store_true", help="only the link-by-link phase")
     lc.add_argument("--seconds", type=float, default=6.0,
                     help="measuring time per direction and measurement after warm-up (default 6)")
+    lc.add_argument("--parallel", type=int, default=0,
+                    help="link by link: directions of node-disjoint links checked at once (default: 1 up to "
+                         "40 directions, else enough for about 40 rounds)")
     lc.add_argument("--method", choices=SHAPING_CHOICES, default="auto", help="link shaping method")
     lc.add_argument("--tcp-cc", default=DEFAULT_TCP_CC,
                     help=f"TCP congestion control of the hosts (as emulator.tcp_cc; default {DEFAULT_TCP_CC}): "

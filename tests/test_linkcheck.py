@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from testbed.emulator.linkcheck import (cubic_regrowth_s, delay_ok, expected_jitter_ms, jitter_ok, loss_check, queue_ok,
-                                        rate_ok)
+                                        rate_ok, single_batches, single_parallel, udp_payload)
 from testbed.emulator.shaping import netem_limit, standing_queue_ms
 from testbed.topology import LinkDir
 
@@ -60,6 +60,22 @@ def test_standing_queue_is_what_a_probe_finds_ahead_in_a_full_queue():
     assert standing_queue_ms(slow, "netem", 1510, 106) == pytest.approx(598.2, abs=0.1)
 
 
+def test_queue_check_datagrams_leave_a_probe_room_in_a_full_byte_queue():
+    """A byte FIFO of q x 1514 bytes full of 1510-byte datagrams leaves 4q bytes: under a probe's
+    106 for q < 27, so the probes would get in only just after a departure.  There the
+    datagrams shrink until the rest fits a probe; the expected queue follows the frame used."""
+    for q in (1, 2, 10, 16, 26):
+        p = udp_payload(LinkDir(2.0, 160.0, queue_pkts=q), "relay")
+        frame, limit = p + 42, q * 1514
+        assert p < 1468 and limit % frame >= 106 and limit >= frame
+        assert all(limit % (b + 42) < 106 for b in range(p + 1, 1469))  # the largest that fits
+    for q in (27, 100, 1000):
+        assert udp_payload(LinkDir(2.0, 160.0, queue_pkts=q), "relay") == 1468
+    assert udp_payload(LinkDir(2.0, 160.0, queue_pkts=10), "netem") == 1468  # netem counts packets
+    d = LinkDir(2.0, 160.0, queue_pkts=10)
+    assert standing_queue_ms(d, "relay", udp_payload(d, "relay") + 42, 106) == pytest.approx(10 * 1503 * 8 / 2e3)
+
+
 def test_loss_based_flows_are_measured_over_cubic_regrowth_where_the_queue_is_short():
     """RFC 9438's K where 0.7 x (BDP + queue) < BDP, else 0: GScale's g2->g5 at scale 1
     (130 Mbit/s, 400 ms each way, 1000 packets: BDP 8586 segments of 1514 bytes)."""
@@ -68,6 +84,32 @@ def test_loss_based_flows_are_measured_over_cubic_regrowth_where_the_queue_is_sh
     # the queue keeps the link busy after a loss: 3680 >= 0.3/0.7 x 8586
     assert cubic_regrowth_s(LinkDir(130.0, 400.0, 0.0, 0.0, queue_pkts=3680), back) == 0.0
     assert cubic_regrowth_s(LinkDir(50.0, 30.0, 0.0, 0.0, queue_pkts=200), LinkDir(50.0, 30.0, 0.0, 0.0)) == 0.0
+
+
+def test_link_by_link_rounds_never_share_a_datacenter():
+    """Larger topologies are checked link by link in rounds of node-disjoint directions (each on
+    its own link, queue and hosts); small ones one direction at a time, in order."""
+    import itertools
+
+    from testbed.topology import load_topology
+
+    topo = load_topology("equinix-like-20")
+    rtt = {}
+    for link in topo.links:
+        for s, d in ((link.a, link.b), (link.b, link.a)):
+            rtt[(s, d)] = 2 * link.ab.delay_ms
+    assert len(rtt) == 282 and single_parallel(282) == 8 and single_parallel(40) == 1 and single_parallel(26) == 1
+    rounds = single_batches(rtt, 8)
+    assert sorted(sd for r in rounds for sd in r) == sorted(rtt)  # every direction exactly once
+    for r in rounds:
+        assert 1 <= len(r) <= 8
+        nodes = [n for sd in r for n in sd]
+        assert len(nodes) == len(set(nodes))  # no datacenter twice, so never a direction and its reverse
+    degree = max(sum(n in sd for sd in rtt) for n in topo.nodes)  # a datacenter's directions, in and out
+    assert degree <= len(rounds) <= 60  # about SINGLE_ROUNDS, bounded below by the busiest datacenter
+    assert [r[0][0] for r in rounds[:1]] and max(rtt[sd] for sd in rounds[0]) == max(rtt.values())
+    small = {sd: 1.0 for sd in itertools.permutations("abc", 2)}
+    assert single_batches(small, 1) == [[sd] for sd in small]
 
 
 @pytest.mark.parametrize("skip", [None, 0])

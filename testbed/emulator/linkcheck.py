@@ -4,7 +4,9 @@ The verdict is about the emulated link, measured without depending on TCP's loss
 (issue 15: cubic cannot fill a 60 ms path with 0.02 % random loss, so a cubic goodput check
 measured cubic, not the link).  Per direction:
 
-``single`` (link by link, nothing else on the network):
+``single`` (link by link, nothing else on the link or its hosts; on a topology of more than
+SINGLE_ROUNDS directions, directions of node-disjoint links are checked at the same time in
+about SINGLE_ROUNDS rounds -- :func:`single_batches`, ``--parallel``):
 
 * **delay, jitter, loss** -- an idle one-way UDP probe (:mod:`.probe`; all namespaces share
   the clock): mean one-way delay vs ``delay_ms``; jitter (robust sigma, IQR / 1.349) vs the
@@ -24,7 +26,9 @@ the rate, with BBR wherever a direction has random loss (its rate does not colla
 loss, so it measures the link) and the experiment's congestion control elsewhere; ping under
 load.  UDP is not used here: at full load its per-packet cost (no GSO) would measure the
 emulation host's CPU.  Where BBR replaced the experiment's congestion control, a second
-all-at-once pass measures the informative TCP goodput under it.
+all-at-once pass measures the informative TCP goodput under it.  TCP load comes from
+:mod:`.load`, one process per datacenter (an iperf3 pair per direction made 564 processes
+on ``equinix-like-20``).
 
 Pass rules: rate ratio = goodput / (rate x payload share x (1 - loss)) in [0.93, 1.02], the
 payload share being what HTB's L2 rate leaves for payload (UDP 1468/1510, TCP 1448/1514); under
@@ -45,12 +49,13 @@ import select
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from scipy.stats import binomtest, truncnorm
 
 from testbed.emulator import DEFAULT_TCP_CC
-from testbed.emulator.shaping import MTU, standing_queue_ms
+from testbed.emulator.shaping import METHODS, MTU, standing_queue_ms
 from testbed.errors import RunError
 from testbed.results import STEAL_MAX, CpuMeter
 
@@ -65,10 +70,12 @@ QUEUE_PROBES = 30  # standing-queue probes sent at least (a long queue's check r
 READY_S = 60  # the longest a probe process may take to start
 IPERF_SETUP_RTTS = 5  # round trips before iperf3's first datagram (connect, parameters, streams, start)
 UDP_PAYLOAD = MTU - 20 - 8 - 4  # iperf3 datagram: 1468 bytes (+ UDP/IP headers: 1496, under the MTU)
-UDP_FRAME = UDP_PAYLOAD + 8 + 20 + 14  # what HTB counts per datagram
+UDP_HEADERS = 8 + 20 + 14  # what HTB counts per datagram beyond its payload
+UDP_FRAME = UDP_PAYLOAD + UDP_HEADERS
 TCP_SHARE = (MTU - 52) / (MTU + 14)  # TCP payload per L2 byte at MTU 1500 (1448 with timestamps): 0.956
 OVERLOAD = 1.5  # UDP offered load / link rate when filling the queue
 LOSSY_CC = "bbr"
+SINGLE_ROUNDS = 40  # link by link: rounds of directions checked at once on larger topologies
 
 
 # ---------------------------------------------------------------------------
@@ -121,14 +128,6 @@ def _ping_rtt_ms(text: str) -> float | None:
     return float(m.group(1)) if m else None
 
 
-def _iperf_mbps(text: str) -> float | None:
-    try:
-        end = json.loads(text)["end"]
-        return end["sum_received"]["bits_per_second"] / 1e6
-    except (ValueError, KeyError, TypeError):
-        return None
-
-
 def _probe_cmd(*args: str) -> list[str]:
     return [sys.executable, "-m", "testbed.emulator.probe", *args]
 
@@ -158,35 +157,40 @@ def _streams(net, src: str, dst: str, phase: str) -> int:
     return 4 if phase == "single" and rtt_ms >= 100 else 1
 
 
-def _tcp(net, directions, seconds: float, phase: str, cc: dict) -> list[dict]:
-    """TCP goodput (iperf3, congestion control ``cc[(src, dst)]``) and ping under that load
-    (ICMP priority class) on ``directions``, all at the same time."""
-    servers, clients, pings = [], [], []
+def _tcp(net, directions, seconds: float, phase: str, cc: dict, port: int = BASE_PORT) -> list[dict]:
+    """TCP goodput (:mod:`.load`: one process per datacenter, congestion control ``cc[(src,
+    dst)]``) and ping under that load (ICMP priority class) on ``directions``, all at once."""
     omit = _warmup_s(net, directions)
-    for k, (src, dst) in enumerate(directions):
-        servers.append(net.popen(dst, ["iperf3", "-s", "-1", "-p", str(BASE_PORT + k)]))
-    time.sleep(0.5)
-    for k, (src, dst) in enumerate(directions):
-        clients.append(net.popen(src, ["iperf3", "-c", net.peer_address(src, dst), "-p", str(BASE_PORT + k),
-                                       "-t", str(seconds + omit), "-O", str(omit), "-C", cc[(src, dst)],
-                                       "-P", str(_streams(net, src, dst, phase)), "-J"],
-                                 stdout=subprocess.PIPE, text=True))
-    time.sleep(omit)  # ping once the load is on
+    hosts = sorted({h for sd in directions for h in sd})
+    procs = {}
+    for h in hosts:
+        flows = [a for s, d in directions if s == h
+                 for a in ("--flow", f"{net.peer_address(s, d)},{net.directions[(s, d)].spec.rate_mbps},"
+                                     f"{cc[(s, d)]},{_streams(net, s, d, phase)}")]
+        procs[h] = net.popen(h, [sys.executable, "-m", "testbed.emulator.load", str(port), "--name", h,
+                                 "--omit", str(omit), "--seconds", str(seconds), *flows],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    # ping once the load is on; started ahead, held until then (under the load of hundreds of
+    # directions starting a process takes up to a second: equinix-like-20's last pings began late)
     count = max(5, int(seconds / 0.2))
-    for src, dst in directions:
-        pings.append(net.popen(src, ["ping", "-n", "-q", "-c", str(count), "-i", "0.2", net.peer_address(src, dst)],
-                               stdout=subprocess.PIPE, text=True))
+    pings = [net.popen(src, ["sh", "-c", f"read go && exec ping -n -q -c {count} -i 0.2 {net.peer_address(src, dst)}"],
+                       stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True) for src, dst in directions]
+    for h, p in procs.items():
+        _Probe._await_ready(p, f"TCP load on {h}")
+    t0 = time.time() + 0.2
+    for p in procs.values():
+        p.stdin.write(f"go {t0:.6f}\n")
+        p.stdin.flush()
+    time.sleep(max(0.0, t0 + omit - time.time()))
+    for p in pings:
+        p.stdin.write("go\n")
+        p.stdin.flush()
+    got = {h: _json(p.communicate(timeout=omit + seconds + 60)[0]).get("received", {}) for h, p in procs.items()}
     out = []
-    for c, p in zip(clients, pings):
-        out_c, _ = c.communicate(timeout=seconds + omit + 60)
-        out_p, _ = p.communicate(timeout=seconds + omit + 60)
-        rtt = _ping_rtt_ms(out_p)
-        out.append({"mbps": _iperf_mbps(out_c), "owd_ms": rtt / 2 if rtt is not None else None})
-    for s in servers:
-        try:
-            s.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            s.kill()
+    for (src, dst), p in zip(directions, pings):
+        rtt = _ping_rtt_ms(p.communicate(timeout=seconds + 60)[0])
+        rx = got[dst].get(src, {})
+        out.append({"mbps": rx.get("mbps"), "per_s": rx.get("per_s", []), "owd_ms": rtt / 2 if rtt is not None else None})
     return out
 
 
@@ -233,13 +237,13 @@ class _Probe:
         return {**_json(out_rx), "sent": _json(out_tx).get("sent", 0)}
 
 
-def _idle_probe(net, src: str, dst: str, seconds: float) -> dict:
+def _idle_probe(net, src: str, dst: str, seconds: float, port: int = PROBE_PORT) -> dict:
     """Delay, jitter and loss of src -> dst with nothing else on the link."""
     d = net.directions[(src, dst)].spec
     # resolve the neighbour first (ARP crosses the emulated link and may be lost: its 1 s
     # retry would hold the first probes back)
     net.popen(src, ["ping", "-n", "-q", "-c", "3", "-i", "0.2", "-W", "3", net.peer_address(src, dst)]).wait(30)
-    probe = _Probe(net, src, dst, seconds, _probe_interval_s(d))
+    probe = _Probe(net, src, dst, seconds, _probe_interval_s(d), port=port)
     probe.go()
     r = probe.result()
     sigma = r.get("owd_iqr_ms")
@@ -254,12 +258,28 @@ def _idle_probe(net, src: str, dst: str, seconds: float) -> dict:
             **loss}
 
 
-def _queue_and_udp_rate(net, src: str, dst: str, seconds: float) -> dict:
+def udp_payload(d, method: str) -> int:
+    """iperf3's datagram payload for the queue check: UDP_PAYLOAD, or where a full byte FIFO
+    of those would leave less room than a probe's frame (``queue_pkts`` x 1514 mod 1510 < 106:
+    queues under 27 packets) the largest payload that leaves room -- else a probe gets in only
+    in the moment after a departure (a 10-packet queue: 0 of 39 probes in one direction, 37
+    in the other).  netem's limit counts packets: UDP_PAYLOAD."""
+    if METHODS[method].leaf != "bfifo":
+        return UDP_PAYLOAD
+    limit = d.queue_pkts * (MTU + 14)
+    return next((p for p in range(UDP_PAYLOAD, 0, -1) if limit % (p + UDP_HEADERS) >= PROBE_FRAME
+                 and limit >= p + UDP_HEADERS), UDP_PAYLOAD)
+
+
+def _queue_and_udp_rate(net, src: str, dst: str, seconds: float, port: int = BASE_PORT,
+                        probe_port: int = PROBE_PORT + 1) -> dict:
     """iperf3 UDP at OVERLOAD x the rate keeps the sender's queue full: receiver goodput =
     link rate; probes through the same queue measure the standing-queue delay."""
     dirn = net.directions[(src, dst)]
     d = dirn.spec
-    expect_q = standing_queue_ms(d, dirn.method, UDP_FRAME, PROBE_FRAME)
+    payload = udp_payload(d, dirn.method)
+    frame = payload + UDP_HEADERS
+    expect_q = standing_queue_ms(d, dirn.method, frame, PROBE_FRAME)
     # probes in the same (bulk) queue, started before the load so that they go exactly when the
     # queue is full and end before the load; spaced wider than the queue's delay (and 6 jitter
     # sigmas), so that no probe ever waits behind another: each probe in the queue holds one of
@@ -276,36 +296,59 @@ def _queue_and_udp_rate(net, src: str, dst: str, seconds: float) -> dict:
     # which comes only after its TCP control connection and stream set-up, a few round trips
     # over this very link (0.8 s each on GScale's 400 ms links): the probes must wait for it too
     setup_s = IPERF_SETUP_RTTS * (d.delay_ms + net.directions[(dst, src)].spec.delay_ms) / 1e3
-    probe = _Probe(net, src, dst, seconds - 0.5, interval, port=PROBE_PORT + 1, skip=0)
-    srv = net.popen(dst, ["iperf3", "-s", "-1", "-p", str(BASE_PORT), "-J", "-i", "0.5"],
+    probe = _Probe(net, src, dst, seconds - 0.5, interval, port=probe_port, skip=0)
+    srv = net.popen(dst, ["iperf3", "-s", "-1", "-p", str(port), "-J", "-i", "0.5"],
                     stdout=subprocess.PIPE, text=True)
     time.sleep(0.5)
     # the sender's socket buffer must hold the whole queue (about 2.3 KB of kernel memory per
     # queued datagram), else it throttles iperf3 before the queue is full
     sndbuf = min(16 << 20, max(2 << 20, 3 * d.queue_pkts * (MTU + 14)))
-    cli = net.popen(src, ["iperf3", "-c", net.peer_address(src, dst), "-p", str(BASE_PORT), "-u", "-w", str(sndbuf),
-                          "-b", f"{OVERLOAD * d.rate_mbps * 1e6:.0f}", "-l", str(UDP_PAYLOAD), "-t", f"{total:.1f}"])
-    time.sleep(setup_s + fill_s)
+    cli = net.popen(src, ["iperf3", "-c", net.peer_address(src, dst), "-p", str(port), "-u", "-w", str(sndbuf),
+                          "-b", f"{OVERLOAD * d.rate_mbps * 1e6:.0f}", "-l", str(payload), "-t", f"{total:.1f}"])
+    full_after = _await_full_queue(net, src, dst, frame, setup_s + fill_s + 10)
     probe.go()
     r = probe.result()
     cli.wait(timeout=setup_s + total + 30)
     out, _ = srv.communicate(timeout=30)
     try:
         ivals = [i["sum"] for i in json.loads(out)["intervals"]]
-        # from a full queue on, without the last interval: the sender stops in it (a CI run:
-        # six intervals at 13.1-13.6 Mbit/s for 13.6, the last at 6.0, the mean 0.929 of the rate)
-        ivals = [i for i in ivals if i["start"] >= fill_s][:-1]
+        # from a full queue on, and ending half an interval before the sender stops: the
+        # receiver's last intervals are the tail (a CI run: six at 13.1-13.6 Mbit/s for 13.6,
+        # the last at 6.0; equinix-like-20 at scale 0.01: 1.93-1.95 of 1.94, then 1.64, 0.0)
+        ivals = [i for i in ivals if i["start"] >= fill_s and i["end"] <= total - 0.5]
         mbps = sum(i["bits_per_second"] * (i["end"] - i["start"]) for i in ivals) / sum(
             i["end"] - i["start"] for i in ivals) / 1e6
         per_interval = [round(i["bits_per_second"] / 1e6, 3) for i in ivals]  # where a dip was, if any
     except (ValueError, KeyError, TypeError, ZeroDivisionError):
         mbps, per_interval = None, []
-    expect_mbps = d.rate_mbps * UDP_PAYLOAD / UDP_FRAME * (1 - d.loss)
+    expect_mbps = d.rate_mbps * payload / frame * (1 - d.loss)
     queue = r["owd_p50_ms"] - d.delay_ms if r.get("owd_p50_ms") is not None else None
     ratio = mbps / expect_mbps if mbps else None
     return {"measured_mbps": mbps, "rate_method": "udp", "rate_ratio": ratio, "udp_mbps_per_interval": per_interval,
             "measured_queue_ms": queue, "expected_queue_ms": expect_q, "queue_probes": r.get("owd_n", 0),
-            "checks": {"rate": rate_ok(ratio), "queue": queue_ok(queue, expect_q, UDP_FRAME * 8 / (d.rate_mbps * 1e3))}}
+            "queue_full_after_s": full_after,
+            "checks": {"rate": rate_ok(ratio), "queue": queue_ok(queue, expect_q, frame * 8 / (d.rate_mbps * 1e3))},
+            "udp_payload": payload}
+
+
+def _await_full_queue(net, src: str, dst: str, frame: int, timeout_s: float) -> float | None:
+    """Seconds until the sender's bulk queue (leaf ``10:``, see ``shaping.shape_commands``) is
+    within two datagrams of its limit, polled with ``tc -s``; None if it never was within
+    ``timeout_s``.  The standing-queue probes go then: a fixed wait for iperf3's set-up and the
+    fill read an empty queue when starting took longer (equinix-like-20 at scale 0.01, eight
+    directions checked at once: 0.03-0.06 ms for 70 ms)."""
+    intf = net.directions[(src, dst)].intf
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout_s:
+        out, _ = net.popen(src, ["tc", "-s", "qdisc", "show", "dev", intf], stdout=subprocess.PIPE,
+                           text=True).communicate(timeout=30)
+        m = re.search(r"qdisc \S+ 10: .*?limit (\d+)(b?).*?backlog (\d+)b (\d+)p", out, re.S)
+        if m:
+            limit, in_bytes, backlog_b, backlog_p = int(m[1]), m[2] == "b", int(m[3]), int(m[4])
+            if (backlog_b if in_bytes else backlog_p) >= limit - 2 * (frame if in_bytes else 1):
+                return round(time.monotonic() - t0, 3)
+        time.sleep(0.05)
+    return None
 
 
 def _loaded_row(net, src, dst, phase, tcp: dict, verdict_cc: str | None) -> dict:
@@ -317,20 +360,53 @@ def _loaded_row(net, src, dst, phase, tcp: dict, verdict_cc: str | None) -> dict
            "checks": {"loaded_delay": delay_ok(tcp["owd_ms"], expect_owd, slack)}}
     if verdict_cc:
         ratio = tcp["mbps"] / (d.spec.rate_mbps * TCP_SHARE * (1 - d.spec.loss)) if tcp["mbps"] else None
-        row.update({"measured_mbps": tcp["mbps"], "rate_method": f"tcp-{verdict_cc}", "rate_ratio": ratio})
+        row.update({"measured_mbps": tcp["mbps"], "rate_method": f"tcp-{verdict_cc}", "rate_ratio": ratio,
+                    "tcp_mbps_per_s": tcp["per_s"]})  # where a dip was, if any
         row["checks"]["rate"] = rate_ok(ratio)
     return row
 
 
-def _single(net, src: str, dst: str, seconds: float, tcp_cc: str) -> dict:
+def _single(net, src: str, dst: str, seconds: float, tcp_cc: str, slot: int = 0) -> dict:
+    """Every check of one direction; ``slot`` k picks its ports, so that directions of other
+    links can be checked at the same time (:func:`single_batches`)."""
     probe_s = max(2.0, seconds / 2)
-    idle = _idle_probe(net, src, dst, probe_s)
-    tcp = _tcp(net, [(src, dst)], seconds, "single", {(src, dst): tcp_cc})[0]
+    idle = _idle_probe(net, src, dst, probe_s, port=PROBE_PORT + 2 * slot)
+    tcp = _tcp(net, [(src, dst)], seconds, "single", {(src, dst): tcp_cc}, port=BASE_PORT + slot)[0]
     row = _loaded_row(net, src, dst, "single", tcp, None)
     row.update({"tcp_cc": tcp_cc, "tcp_goodput_mbps": tcp["mbps"]})
-    udp = _queue_and_udp_rate(net, src, dst, min(seconds, 4.0))
+    udp = _queue_and_udp_rate(net, src, dst, min(seconds, 4.0), port=BASE_PORT + slot,
+                              probe_port=PROBE_PORT + 2 * slot + 1)
     checks = {**idle.pop("checks"), **row.pop("checks"), **udp.pop("checks")}
     return {**row, **idle, **udp, "checks": checks}
+
+
+def single_parallel(n_directions: int) -> int:
+    """How many directions the link-by-link phase checks at once by default: one while a
+    topology has at most SINGLE_ROUNDS directions, else enough to finish in about
+    SINGLE_ROUNDS rounds (a direction takes 15-30 s: equinix-like-20's 282 one at a time
+    took over two hours)."""
+    return max(1, math.ceil(n_directions / SINGLE_ROUNDS))
+
+
+def single_batches(rtt_ms: dict, parallel: int) -> list[list]:
+    """The directions (keys of ``rtt_ms``, their round-trip times) in rounds of at most
+    ``parallel``, no datacenter in two directions of one round: each is then measured on its
+    own link, queue and hosts (a direction and its reverse share a link, never a round), and
+    only the machine's CPU is shared, which the keep-up verdict watches.  Longest round trips
+    first, first fit, so that a round's directions take about as long.  ``parallel`` 1: one
+    at a time, in the given order."""
+    if parallel <= 1:
+        return [[sd] for sd in rtt_ms]
+    rounds: list[tuple[set, list]] = []
+    for sd in sorted(rtt_ms, key=lambda sd: -rtt_ms[sd]):
+        for used, batch in rounds:
+            if len(batch) < parallel and not used & set(sd):
+                used.update(sd)
+                batch.append(sd)
+                break
+        else:
+            rounds.append((set(sd), [sd]))
+    return [batch for _, batch in rounds]
 
 
 def cubic_regrowth_s(d, back) -> float:
@@ -364,7 +440,9 @@ def _concurrent(net, directions, seconds: float, tcp_cc: str) -> list[dict]:
 
 
 def run_linkcheck(topo, *, seconds: float = 6.0, phases=("single", "concurrent"), method: str = "auto",
-                  max_late_ms: float = 2.0, tcp_cc: str = DEFAULT_TCP_CC, progress=print) -> dict:
+                  max_late_ms: float = 2.0, tcp_cc: str = DEFAULT_TCP_CC, parallel: int = 0,
+                  progress=print) -> dict:
+    """``parallel``: directions checked at once link by link (0: :func:`single_parallel`)."""
     from testbed.emulator.network import WanNetwork
 
     result: dict = {"topology": topo.name, "scale": topo.scale, "tcp_cc": tcp_cc, "directions": [],
@@ -374,9 +452,16 @@ def run_linkcheck(topo, *, seconds: float = 6.0, phases=("single", "concurrent")
         all_dirs = list(net.directions)
         whole = CpuMeter().start()
         if "single" in phases:
-            for k, (src, dst) in enumerate(all_dirs):
-                progress(f"single {k + 1}/{len(all_dirs)}: {src} -> {dst}")
-                result["directions"].append(_single(net, src, dst, seconds, tcp_cc))
+            result["single_parallel"] = parallel = parallel or single_parallel(len(all_dirs))
+            rows, done = {}, 0
+            rtt = {sd: net.directions[sd].spec.delay_ms + net.directions[sd[::-1]].spec.delay_ms for sd in all_dirs}
+            for batch in single_batches(rtt, parallel):
+                progress(f"single {done + 1}/{len(all_dirs)}: " + ", ".join(f"{s} -> {d}" for s, d in batch))
+                with ThreadPoolExecutor(len(batch)) as pool:
+                    futures = {sd: pool.submit(_single, net, *sd, seconds, tcp_cc, k) for k, sd in enumerate(batch)}
+                rows.update({sd: f.result() for sd, f in futures.items()})
+                done += len(batch)
+            result["directions"] += [rows[sd] for sd in all_dirs]
         if "concurrent" in phases:
             progress(f"concurrent: all {len(all_dirs)} directions loaded at once")
             net.reset_relay_window()

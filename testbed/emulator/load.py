@@ -1,0 +1,172 @@
+"""TCP load for ``linkcheck``: one process per datacenter sends to and receives from all its
+measured neighbours at once, and reports each incoming direction's goodput.
+
+One iperf3 client and one server per direction cost 564 processes on ``equinix-like-20``
+(282 directions): on two cores the load generator, not the links, was measured (load average
+155, the relay up to 122 ms late).  Here a datacenter is one process with one event loop, and
+each receiving socket wakes it only once ``RCV_WAKE_S`` of its link's data is queued
+(``SO_RCVLOWAT``), so wake-ups scale with the data, not with the packets.
+
+    python3 -m testbed.emulator.load PORT --name N --omit O --seconds S \\
+        [--flow ADDR,RATE_MBPS,CC,STREAMS ...]
+
+The process binds PORT, prints ``ready``, and waits (at most READY_WAIT_S) for ``go T0`` on
+standard input, T0 a CLOCK_REALTIME epoch shared by every namespace; then it connects its
+flows (TCP congestion control CC, STREAMS connections each) and sends until the window
+[T0 + O, T0 + O + S] has passed.  Bytes read in that window count; it prints one JSON line
+``{"received": {SRC: {"bytes", "mbps", "per_s": [...]}}, "refused": n}``.  Each connection
+starts with a fixed-size header naming its sender and rate; a connection whose header is
+malformed is closed and counted in ``refused``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import selectors
+import socket
+import sys
+import time
+
+HEADER_LEN = 64  # "<sender name> <rate in Mbit/s>", space-padded
+READY_WAIT_S = 120  # the longest the process waits for its "go"
+RCV_WAKE_S = 0.01  # a receiving socket wakes the loop once this much of its link's data is queued
+SEND_BYTES = 1 << 18  # bytes offered to a sending socket per call
+TAIL_S = 0.5  # sending goes on this long after the window, so that the window ends under load
+
+
+def header(name: str, rate_mbps: float) -> bytes:
+    h = f"{name} {rate_mbps:.6g}".encode()
+    if len(h) > HEADER_LEN or b"\n" in h:
+        raise ValueError(f"load: sender name {name!r} too long for the {HEADER_LEN}-byte header")
+    return h.ljust(HEADER_LEN)
+
+
+def parse_header(raw: bytes) -> tuple[str, float]:
+    """(sender, rate Mbit/s) from a connection's first HEADER_LEN bytes; ValueError if malformed."""
+    parts = raw.decode("ascii").split()
+    if len(parts) != 2:
+        raise ValueError(f"malformed load header {raw[:HEADER_LEN]!r}")
+    rate = float(parts[1])
+    if not 0 < rate < 1e6:
+        raise ValueError(f"load header rate {parts[1]!r} out of range")
+    return parts[0], rate
+
+
+def rcvlowat(rate_mbps: float) -> int:
+    """SO_RCVLOWAT for a link of ``rate_mbps``: RCV_WAKE_S of its data, 4 KB to 256 KB (a
+    window edge then miscounts at most that much: 10 ms of a 6 s window, 0.2 %)."""
+    return int(min(256 << 10, max(4096, rate_mbps * 1e6 / 8 * RCV_WAKE_S)))
+
+
+class _Conn:
+    def __init__(self, sock: socket.socket):
+        self.sock, self.head, self.src = sock, b"", None
+
+
+def run(port: int, name: str, flows: list[tuple[str, float, str, int]], omit: float, seconds: float,
+        bind: str = "0.0.0.0", stdin=sys.stdin, emit=print) -> dict:
+    lsock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    lsock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    lsock.bind((bind, port))
+    lsock.listen(256)
+    lsock.setblocking(False)
+    emit("ready", flush=True)
+    sel = selectors.DefaultSelector()
+    sel.register(stdin, selectors.EVENT_READ)
+    ready = sel.select(READY_WAIT_S)
+    line = stdin.readline().split() if ready else []
+    if len(line) != 2 or line[0] != "go":
+        raise SystemExit(f"load on {name}: no 'go T0' on standard input within {READY_WAIT_S} s")
+    sel.unregister(stdin)
+    t0 = float(line[1])
+    start, end = t0 + omit, t0 + omit + seconds
+    sel.register(lsock, selectors.EVENT_READ, "listen")
+    for addr, rate, cc, streams in flows:
+        for _ in range(streams):
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            s.setsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, cc.encode())
+            s.setblocking(False)
+            s.connect_ex((addr, port))
+            pending = memoryview(header(name, rate / streams))
+            sel.register(s, selectors.EVENT_WRITE, ["send", pending])
+    payload = memoryview(bytes(SEND_BYTES))
+    buf = bytearray(1 << 20)
+    received: dict[str, dict] = {}
+    refused = 0
+    while (now := time.time()) < end + TAIL_S:
+        for key, _ in sel.select(min(1.0, end + TAIL_S - now)):
+            now = time.time()
+            if key.data == "listen":
+                try:
+                    s, _ = lsock.accept()
+                except BlockingIOError:
+                    continue
+                s.setblocking(False)
+                sel.register(s, selectors.EVENT_READ, _Conn(s))
+            elif isinstance(key.data, list):  # a sending socket: the rest of its header, then zeros
+                head = key.data[1]
+                try:
+                    sent = key.fileobj.send(head if head else payload)
+                    if head:
+                        key.data[1] = head[sent:]
+                except (BlockingIOError, InterruptedError):
+                    pass
+                except OSError:  # refused or reset: the receiver counts what arrived
+                    sel.unregister(key.fileobj)
+                    key.fileobj.close()
+            else:
+                c: _Conn = key.data
+                try:
+                    n = c.sock.recv_into(buf, HEADER_LEN - len(c.head) if c.src is None else len(buf))
+                except (BlockingIOError, InterruptedError):
+                    continue
+                except OSError:
+                    n = 0
+                if n == 0:
+                    sel.unregister(c.sock)
+                    c.sock.close()
+                    continue
+                if c.src is None:
+                    c.head += bytes(buf[:n])
+                    if len(c.head) == HEADER_LEN:
+                        try:
+                            c.src, rate = parse_header(c.head)
+                        except (ValueError, UnicodeDecodeError):
+                            refused += 1
+                            sel.unregister(c.sock)
+                            c.sock.close()
+                            continue
+                        c.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, rcvlowat(rate))
+                        received.setdefault(c.src, {"bytes": 0, "per_s": [0] * max(1, int(seconds + 0.999))})
+                elif start <= now < end:
+                    r = received[c.src]
+                    r["bytes"] += n
+                    r["per_s"][min(len(r["per_s"]) - 1, int(now - start))] += n
+    for r in received.values():
+        r["mbps"] = r["bytes"] * 8 / seconds / 1e6
+        r["per_s"] = [round(b * 8 / 1e6, 3) for b in r["per_s"]]
+    return {"received": received, "refused": refused}
+
+
+def _flow(text: str) -> tuple[str, float, str, int]:
+    addr, rate, cc, streams = text.split(",")
+    return addr, float(rate), cc, int(streams)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python3 -m testbed.emulator.load", description=__doc__.splitlines()[0])
+    ap.add_argument("port", type=int)
+    ap.add_argument("--name", required=True, help="this datacenter (named in each connection's header)")
+    ap.add_argument("--bind", default="0.0.0.0", help="listening address (default: every address)")
+    ap.add_argument("--omit", type=float, default=0.0, help="seconds after T0 not counted (TCP's start-up)")
+    ap.add_argument("--seconds", type=float, required=True, help="the counted window")
+    ap.add_argument("--flow", type=_flow, action="append", default=[],
+                    help="ADDR,RATE_MBPS,CC,STREAMS: load one neighbour (RATE sets its receiver's wake-ups)")
+    a = ap.parse_args(argv)
+    print(json.dumps(run(a.port, a.name, a.flow, a.omit, a.seconds, a.bind)), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
