@@ -39,7 +39,7 @@ def test_header_round_trip_and_malformed_headers_refused():
             parse_header(bad)
     with pytest.raises(ValueError, match="too long"):
         header("n" * 70, 1.0)
-    assert rcvlowat(0.1) == 4096 and rcvlowat(20.0) == 25000 and rcvlowat(1e5) == 256 << 10
+    assert rcvlowat(0.1) == 4096 and rcvlowat(20.0) == 25000 and rcvlowat(125.0) == 32 << 10
 
 
 def test_each_datacenter_counts_what_each_neighbour_sent_in_the_window():

@@ -2,8 +2,7 @@
 measured neighbours at once, and reports each incoming direction's goodput.
 
 One iperf3 client and one server per direction cost 564 processes on ``equinix-like-20``
-(282 directions): on two cores the load generator, not the links, was measured (load average
-155, the relay up to 122 ms late).  Here a datacenter is one process with one event loop, and
+(282 directions), started one by one.  Here a datacenter is one process with one event loop, and
 each receiving socket wakes it only once ``RCV_WAKE_S`` of its link's data is queued
 (``SO_RCVLOWAT``), so wake-ups scale with the data, not with the packets.
 
@@ -54,9 +53,12 @@ def parse_header(raw: bytes) -> tuple[str, float]:
 
 
 def rcvlowat(rate_mbps: float) -> int:
-    """SO_RCVLOWAT for a link of ``rate_mbps``: RCV_WAKE_S of its data, 4 KB to 256 KB (a
-    window edge then miscounts at most that much: 10 ms of a 6 s window, 0.2 %)."""
-    return int(min(256 << 10, max(4096, rate_mbps * 1e6 / 8 * RCV_WAKE_S)))
+    """SO_RCVLOWAT for a link of ``rate_mbps``: RCV_WAKE_S of its data, 4 KB to 32 KB (a window
+    edge then miscounts at most that much: 10 ms of a 6 s window, 0.2 %).  At most 32 KB: a low
+    mark whose buffer space exceeds the socket's initial receive buffer (128 KB) also clamps the
+    receive window to the mark (Linux ``tcp_set_rcvlowat``), and on crew-mesh-8 a 125 Mbit/s
+    direction whose ACKs queued behind the reverse direction's data then read 0.62 of its rate."""
+    return int(min(32 << 10, max(4096, rate_mbps * 1e6 / 8 * RCV_WAKE_S)))
 
 
 class _Conn:
