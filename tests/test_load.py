@@ -47,8 +47,8 @@ def test_each_datacenter_counts_what_each_neighbour_sent_in_the_window():
     over the counted window only, per second too; a stranger's garbage connection is refused
     and counted, and spoils nothing."""
     port = _free_port()
-    a = _start(port, "a", "127.0.0.2", f"127.0.0.3,100,cubic,2")
-    b = _start(port, "b", "127.0.0.3", f"127.0.0.2,50,reno,1")
+    a = _start(port, "a", "127.0.0.2", "127.0.0.3,100,cubic,2")
+    b = _start(port, "b", "127.0.0.3", "127.0.0.2,50,reno,1")
     try:
         t0 = time.time() + 0.3
         for p in (a, b):

@@ -179,7 +179,7 @@ def _tcp(net, directions, seconds: float, phase: str, cc: dict, port: int = BASE
     pings = [net.popen(src, ["sh", "-c", f"read go && exec ping -n -q -c {count} -i 0.2 {net.peer_address(src, dst)}"],
                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True) for src, dst in directions]
     for h, p in procs.items():
-        _Probe._await_ready(p, f"TCP load on {h}")
+        _await_ready(p, f"TCP load on {h}")
     t0 = time.time() + 0.2
     for p in procs.values():
         p.stdin.write(f"go {t0:.6f}\n")
@@ -203,6 +203,13 @@ def _probe_interval_s(spec) -> float:
     return max(1 / PROBE_PPS, PROBE_FRAME * 8 / (0.25 * spec.rate_mbps * 1e6), 6 * spec.jitter_ms / 1e3)
 
 
+def _await_ready(p: subprocess.Popen, who: str) -> None:
+    """Wait (at most READY_S) for a helper process's ``ready`` line (probe or TCP load)."""
+    if not select.select([p.stdout], [], [], READY_S)[0] or p.stdout.readline().strip() != "ready":
+        p.kill()
+        raise RunError(f"linkcheck: the {who} did not start within {READY_S} s")
+
+
 class _Probe:
     """One-way probe src -> dst, receiver and sender both started and past their start-up
     (:mod:`.probe`'s ``--ready``); the first datagram leaves at :meth:`go`."""
@@ -216,18 +223,12 @@ class _Probe:
                                             f"{max(1.0, 5 * interval_s):.3f}", "--ready",
                                             *(["--skip", str(skip)] if skip is not None else [])),
                             stdout=subprocess.PIPE, text=True)
-        self._await_ready(self.rx, f"probe receiver on {dst}")
+        _await_ready(self.rx, f"probe receiver on {dst}")
         self.tx = net.popen(src, _probe_cmd("send", net.peer_address(src, dst), str(port), "--pps",
                                             f"{1 / interval_s:.3f}", "--seconds", str(seconds), "--size",
                                             str(PROBE_BYTES), "--ready"),
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        self._await_ready(self.tx, f"probe sender on {src}")
-
-    @staticmethod
-    def _await_ready(p: subprocess.Popen, who: str) -> None:
-        if not select.select([p.stdout], [], [], READY_S)[0] or p.stdout.readline().strip() != "ready":
-            p.kill()
-            raise RunError(f"linkcheck: the {who} did not start within {READY_S} s")
+        _await_ready(self.tx, f"probe sender on {src}")
 
     def go(self) -> None:
         self.tx.stdin.write("go\n")

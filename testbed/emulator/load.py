@@ -91,7 +91,7 @@ def run(port: int, name: str, flows: list[tuple[str, float, str, int]], omit: fl
             s.setblocking(False)
             s.connect_ex((addr, port))
             pending = memoryview(header(name, rate / streams))
-            sel.register(s, selectors.EVENT_WRITE, ["send", pending])
+            sel.register(s, selectors.EVENT_WRITE, [pending])  # [what is left of its header]
     payload = memoryview(bytes(SEND_BYTES))
     buf = bytearray(1 << 20)
     received: dict[str, dict] = {}
@@ -107,11 +107,11 @@ def run(port: int, name: str, flows: list[tuple[str, float, str, int]], omit: fl
                 s.setblocking(False)
                 sel.register(s, selectors.EVENT_READ, _Conn(s))
             elif isinstance(key.data, list):  # a sending socket: the rest of its header, then zeros
-                head = key.data[1]
+                head = key.data[0]
                 try:
                     sent = key.fileobj.send(head if head else payload)
                     if head:
-                        key.data[1] = head[sent:]
+                        key.data[0] = head[sent:]
                 except (BlockingIOError, InterruptedError):
                     pass
                 except OSError:  # refused or reset: the receiver counts what arrived
