@@ -76,3 +76,35 @@ def test_no_go_means_a_clear_exit_within_its_deadline(monkeypatch):
     r, w = socket.socketpair()
     with r, w, r.makefile("r") as stdin, pytest.raises(SystemExit, match="no 'go T0'"):
         load.run(_free_port(), "a", [], 0.0, 1.0, bind="127.0.0.1", stdin=stdin, emit=lambda *a, **k: None)
+
+
+def _lingering(port: int) -> list[str]:
+    """TCP sockets to or from ``port`` in this namespace (ss), listeners aside."""
+    out = subprocess.run(["ss", "-Htan", f"( sport = :{port} or dport = :{port} )"], capture_output=True,
+                         text=True, timeout=10).stdout
+    return [l for l in out.splitlines() if l.strip() and not l.startswith("LISTEN")]
+
+
+def test_queued_data_is_dropped_not_orphaned_at_the_end():
+    """A receiver that never reads leaves the sender's queue full; when the load ends its
+    connection is reset, so no orphaned socket keeps that data (and its memory) afterwards."""
+    port = _free_port()
+    with socket.socket() as sink:
+        sink.bind(("127.0.0.5", port))
+        sink.listen(4)
+        a = _start(port, "a", "127.0.0.4", "127.0.0.5,100,cubic,1", seconds=0.5, omit=0.1)
+        try:
+            a.stdin.write(f"go {time.time():.6f}\n")
+            a.stdin.flush()
+            got = json.loads(a.communicate(timeout=30)[0])
+        finally:
+            a.kill()
+            a.wait()
+        conn, _ = sink.accept()
+        with conn:
+            assert got["received"] == {} and conn.recv(HEADER_LEN)  # it did connect and send
+            deadline = time.monotonic() + 5
+            while (left := [l for l in _lingering(port) if not l.startswith("ESTAB")]) \
+                    and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert not left, f"the sender's socket outlived the load: {left}"

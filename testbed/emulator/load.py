@@ -15,7 +15,12 @@ flows (TCP congestion control CC, STREAMS connections each) and sends until the 
 [T0 + O, T0 + O + S] has passed.  Bytes read in that window count; it prints one JSON line
 ``{"received": {SRC: {"bytes", "mbps", "per_s": [...]}}, "refused": n}``.  Each connection
 starts with a fixed-size header naming its sender and rate; a connection whose header is
-malformed is closed and counted in ``refused``.
+malformed is closed and counted in ``refused``.  At the end every connection is reset (an
+abortive close): a graceful one left the senders' queued megabytes to orphaned sockets that
+outlived the emulated network for minutes (GScale: 4 orphans, 107 MB, after one check), on top
+of the ~1 GB of TCP memory a check takes against tcp_mem's pressure mark (1.5 GB on a 24 GB
+machine); in five consecutive GScale checks the 4th and 5th read their long-RTT links at
+0.17-0.57 of their rate; with resets, 5 of 5 passed and no orphan was left.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import argparse
 import json
 import selectors
 import socket
+import struct
 import sys
 import time
 
@@ -145,10 +151,23 @@ def run(port: int, name: str, flows: list[tuple[str, float, str, int]], omit: fl
                     r = received[c.src]
                     r["bytes"] += n
                     r["per_s"][min(len(r["per_s"]) - 1, int(now - start))] += n
+    for key in list(sel.get_map().values()):
+        if key.fileobj is not lsock:
+            _reset(key.fileobj)
+    lsock.close()
     for r in received.values():
         r["mbps"] = r["bytes"] * 8 / seconds / 1e6
         r["per_s"] = [round(b * 8 / 1e6, 3) for b in r["per_s"]]
     return {"received": received, "refused": refused}
+
+
+def _reset(sock: socket.socket) -> None:
+    """Close ``sock`` with a reset (SO_LINGER 0): its queued data is dropped, not orphaned."""
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    except OSError:
+        pass
+    sock.close()
 
 
 def _flow(text: str) -> tuple[str, float, str, int]:
