@@ -92,6 +92,7 @@ def test_queued_data_is_dropped_not_orphaned_at_the_end():
     with socket.socket() as sink:
         sink.bind(("127.0.0.5", port))
         sink.listen(4)
+        sink.settimeout(10)
         a = _start(port, "a", "127.0.0.4", "127.0.0.5,100,cubic,1", seconds=0.5, omit=0.1)
         try:
             a.stdin.write(f"go {time.time():.6f}\n")
