@@ -20,7 +20,7 @@ abortive close): a graceful one left the senders' queued megabytes to orphaned s
 outlived the emulated network for minutes (GScale: 4 orphans, 107 MB, after one check), on top
 of the ~1 GB of TCP memory a check takes against tcp_mem's pressure mark (1.5 GB on a 24 GB
 machine); in five consecutive GScale checks the 4th and 5th read their long-RTT links at
-0.17-0.57 of their rate; with resets, 5 of 5 passed and no orphan was left.
+0.17-0.57 of their rate, likely that pressure; with resets, 5 of 5 passed and no orphan was left.
 """
 
 from __future__ import annotations
