@@ -92,6 +92,21 @@ def stats(values: list[float]) -> dict:
 STEAL_MAX = 0.03
 
 
+def tcp_memory(sockstat: str = "/proc/net/sockstat", tcp_mem: str = "/proc/sys/net/ipv4/tcp_mem") -> dict:
+    """The machine's TCP memory in use and orphaned sockets (both counted over every network
+    namespace), and tcp_mem's low/pressure/high marks, in MB.  Orphans of earlier runs holding
+    their queued data count against the same marks, and TCP under memory pressure cuts the
+    windows of long-RTT flows (README, "Emulator headroom")."""
+    page_mb = os.sysconf("SC_PAGE_SIZE") / 1e6
+    with open(sockstat) as f:
+        tcp = next(l.split()[1:] for l in f if l.startswith("TCP:"))
+    counts = dict(zip(tcp[::2], (int(x) for x in tcp[1::2])))
+    with open(tcp_mem) as f:
+        marks = [int(x) * page_mb for x in f.read().split()]
+    return {"mem_mb": round(counts["mem"] * page_mb, 1), "orphans": counts["orphan"],
+            "marks_mb": [round(m, 1) for m in marks]}
+
+
 class CpuMeter:
     """Whole-machine CPU use between start() and stop(), from /proc/stat: stop() returns
     (busy, steal), each a fraction of all CPU time (steal: taken by the hypervisor)."""

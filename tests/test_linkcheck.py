@@ -148,3 +148,20 @@ def test_probe_sender_waits_for_go_after_saying_ready(skip):
         for p in (rx, tx):
             p.kill()
             p.wait()
+
+
+def test_tcp_memory_reads_every_namespace_s_tcp_pages_and_the_pressure_marks(tmp_path):
+    """What the check records before and after (orphans of earlier runs count against tcp_mem)."""
+    import os
+
+    from testbed.results import tcp_memory
+
+    stat, mem = tmp_path / "sockstat", tmp_path / "tcp_mem"
+    stat.write_text("sockets: used 8\nTCP: inuse 1 orphan 4 tw 0 alloc 5 mem 27529\nUDP: inuse 0 mem 0\n")
+    mem.write_text("287901\t383868\t575802\n")
+    page_mb = os.sysconf("SC_PAGE_SIZE") / 1e6
+    got = tcp_memory(str(stat), str(mem))
+    assert got["orphans"] == 4 and got["mem_mb"] == round(27529 * page_mb, 1)
+    assert got["marks_mb"] == [round(x * page_mb, 1) for x in (287901, 383868, 575802)]
+    live = tcp_memory()  # this machine's /proc
+    assert live["mem_mb"] >= 0 and len(live["marks_mb"]) == 3 and live["marks_mb"][0] <= live["marks_mb"][1]

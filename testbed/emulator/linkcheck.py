@@ -57,7 +57,7 @@ from scipy.stats import binomtest, truncnorm
 from testbed.emulator import DEFAULT_TCP_CC
 from testbed.emulator.shaping import METHODS, MTU, standing_queue_ms
 from testbed.errors import RunError
-from testbed.results import STEAL_MAX, CpuMeter
+from testbed.results import STEAL_MAX, CpuMeter, tcp_memory
 
 RATE_OK = (0.93, 1.02)
 LOSS_ALPHA = 1e-3  # two-sided binomial test level for measured vs configured loss
@@ -450,7 +450,11 @@ def run_linkcheck(topo, *, seconds: float = 6.0, phases=("single", "concurrent")
     from testbed.emulator.network import WanNetwork
 
     result: dict = {"topology": topo.name, "scale": topo.scale, "tcp_cc": tcp_cc, "directions": [],
-                    "load_before": os.getloadavg()}
+                    "load_before": os.getloadavg(), "tcp_memory_before": tcp_memory()}
+    held, marks = result["tcp_memory_before"]["mem_mb"], result["tcp_memory_before"]["marks_mb"]
+    if held > 0.1 * marks[1]:
+        progress(f"warning: TCP already holds {held:g} MB ({result['tcp_memory_before']['orphans']} orphaned "
+                 f"sockets), against memory pressure at {marks[1]:g} MB: long-RTT links may read short")
     with WanNetwork(topo, method=method, log=progress, icmp_priority=True, tcp_cc=tcp_cc) as net:
         result["method"] = net.method
         all_dirs = list(net.directions)
@@ -473,7 +477,7 @@ def run_linkcheck(topo, *, seconds: float = 6.0, phases=("single", "concurrent")
             result["directions"] += _concurrent(net, all_dirs, seconds, tcp_cc)
             result["concurrent_cpu_util"], result["concurrent_steal"] = cpu.stop()
         result["cpu_util"], result["steal"] = whole.stop()
-        result["load_after"] = os.getloadavg()
+        result["load_after"], result["tcp_memory_after"] = os.getloadavg(), tcp_memory()
         result["relay"] = net.relay_stats()
         result["relay_layout"] = net.relay_layout  # keep-up window: the concurrent phase if there was one
         result["emulation_kept_up"] = _kept_up(result["relay"], max_late_ms, result["steal"])
