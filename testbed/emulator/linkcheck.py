@@ -449,12 +449,12 @@ def run_linkcheck(topo, *, seconds: float = 6.0, phases=("single", "concurrent")
     """``parallel``: directions checked at once link by link (0: :func:`single_parallel`)."""
     from testbed.emulator.network import WanNetwork
 
+    before = tcp_memory()
     result: dict = {"topology": topo.name, "scale": topo.scale, "tcp_cc": tcp_cc, "directions": [],
-                    "load_before": os.getloadavg(), "tcp_memory_before": tcp_memory()}
-    held, marks = result["tcp_memory_before"]["mem_mb"], result["tcp_memory_before"]["marks_mb"]
-    if held > 0.1 * marks[1]:
-        progress(f"warning: TCP already holds {held:g} MB ({result['tcp_memory_before']['orphans']} orphaned "
-                 f"sockets), against memory pressure at {marks[1]:g} MB: long-RTT links may read short")
+                    "load_before": os.getloadavg(), "tcp_memory_before": before}
+    if before["mem_mb"] > 0.1 * before["marks_mb"][1]:
+        progress(f"warning: TCP already holds {before['mem_mb']:g} MB ({before['orphans']} orphaned sockets), "
+                 f"against memory pressure at {before['marks_mb'][1]:g} MB: long-RTT links may read short")
     with WanNetwork(topo, method=method, log=progress, icmp_priority=True, tcp_cc=tcp_cc) as net:
         result["method"] = net.method
         all_dirs = list(net.directions)
