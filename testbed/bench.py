@@ -16,10 +16,10 @@
 * ``chaos`` / ``fuzz`` — ``testbed.chaos``: 100 seeded SIGSTOP/SIGKILL trials on loopback
   (share ending right, time to end); 10^5 mutated wire frames (share detected per field).
 * ``emulator`` — emulator headroom (issue 11): for a topology, the largest scale at which
-  ``linkcheck --concurrent`` passes every direction with the emulator kept up, once through
-  the user-space delay relay and once with HTB alone (delays, jitter and loss removed: the
-  kernel's shaping capacity), and their ratio — the share of that capacity the delay
-  emulation preserves.
+  ``linkcheck --concurrent`` passes every direction with the emulator kept up: through the
+  user-space delay relay under TCP, and under UDP both through the relay and with HTB alone
+  (delays, jitter and loss removed: the kernel's shaping capacity), and the UDP ratio — the
+  share of that capacity the delay emulation preserves.
 """
 
 from __future__ import annotations
@@ -186,8 +186,16 @@ def without_delays(topo):
                     topo.source, topo.scale, {n: dict(a) for n, a in topo.node_attrs.items()})
 
 
+EMULATOR_SEARCHES = (("relay", "tcp"), ("relay", "udp"), ("htb", "udp"))  # (path, linkcheck load)
+
+
 def bench_emulator(out: Path, progress, topology: str = "netstorm-internet2-9", tcp_cc: str | None = None,
-                   seconds: float = 6.0, lo: float = 0.1, hi: float = 4.0) -> dict:
+                   seconds: float = 6.0, lo: float = 0.02, hi: float = 4.0) -> dict:
+    """Three searches of the largest passing scale: through the relay under TCP (what the
+    experiments get), and through the relay and HTB alone under UDP, whose ratio is the share
+    of the kernel's shaping capacity the delay emulation keeps.  The reference is not TCP: with
+    the delays removed, TCP on an asymmetric link loaded both ways reads its ACKs starving
+    behind the slow direction's data (NetStorm's overlay failed at every scale down to 0.1)."""
     from testbed.emulator import DEFAULT_TCP_CC
     from testbed.emulator.linkcheck import run_linkcheck
     from testbed.results import write_json_atomic
@@ -197,28 +205,35 @@ def bench_emulator(out: Path, progress, topology: str = "netstorm-internet2-9", 
     topo = load_topology(topology, source=topology)
     result = {"topology": topo.name, "tcp_cc": cc, "seconds": seconds,
               "capacity_mbps_at_scale_1": sum(l.ab.rate_mbps + l.ba.rate_mbps for l in topo.links)}
-    for path, base in (("relay", topo), ("htb", without_delays(topo))):
-        runs = []
+    for path, load in EMULATOR_SEARCHES:
+        base, name, runs = topo if path == "relay" else without_delays(topo), f"{path}-{load}", []
 
-        def passes(scale: float) -> bool:
-            progress(f"{path}: linkcheck --concurrent at scale {scale:g}")
-            r = run_linkcheck(base.scaled(scale), seconds=seconds, phases=("concurrent",), tcp_cc=cc,
+        def check(scale: float, attempt: int) -> tuple[bool, bool]:
+            """(passed, worth measuring again: a near miss, at least half the directions in tolerance)."""
+            progress(f"{name}: linkcheck --concurrent --load {load} at scale {scale:g}")
+            r = run_linkcheck(base.scaled(scale), seconds=seconds, phases=("concurrent",), tcp_cc=cc, load=load,
                               progress=lambda m: None)
             rows = r["directions"]
-            ok = r["ok"]  # directions in tolerance and emulator kept up
-            runs.append({"scale": scale, "ok": ok, "directions_ok": sum(d["ok"] for d in rows),
+            ok, n_ok = r["ok"], sum(d["ok"] for d in rows)  # ok: directions in tolerance and emulator kept up
+            runs.append({"scale": scale, "attempt": attempt, "ok": ok, "directions_ok": n_ok,
                          "directions": len(rows), "worst_rate_ratio": min((d.get("rate_ratio") or 0) for d in rows),
                          "kept_up": r["emulation_kept_up"], "cpu_util": r.get("concurrent_cpu_util"),
                          "steal": r.get("steal"), "method": r.get("method"), "relay_layout": r.get("relay_layout")})
-            write_json_atomic(out / f"{path}-scale-{scale:g}.json", r)
-            progress(f"{path}: scale {scale:g}: {runs[-1]['directions_ok']}/{len(rows)} directions, "
+            write_json_atomic(out / f"{name}-scale-{scale:g}-{attempt}.json", r)
+            progress(f"{name}: scale {scale:g}: {n_ok}/{len(rows)} directions, "
                      f"kept up {r['emulation_kept_up']['ok']} -> {'pass' if ok else 'fail'}")
-            return ok
+            return ok, 2 * n_ok >= len(rows)
+
+        def passes(scale: float) -> bool:
+            # a near miss is measured once more, as the tests' fidelity rule: one machine-wide
+            # stall (this VM's host takes the vCPUs for 9-36 ms at times) must not set the limit
+            ok, near = check(scale, 1)
+            return ok or near and check(scale, 2)[0]
 
         best, _ = largest_passing(passes, lo=lo, hi=hi)
-        result[path] = {"max_scale": best, "max_capacity_mbps": best and best * result["capacity_mbps_at_scale_1"],
+        result[name] = {"max_scale": best, "max_capacity_mbps": best and best * result["capacity_mbps_at_scale_1"],
                         "runs": runs}
-    r, h = result["relay"]["max_scale"], result["htb"]["max_scale"]
+    r, h = result["relay-udp"]["max_scale"], result["htb-udp"]["max_scale"]
     result["ratio"] = r / h if r and h else None
     return result
 

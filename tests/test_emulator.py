@@ -94,6 +94,28 @@ def test_all_at_once_check_waits_out_cubic_regrowth_on_a_long_fat_link(netenv):
     assert rows[("a", "b")]["measured_mbps"] > 0 and rows[("b", "c")]["measured_mbps"] > 0
 
 
+def test_udp_load_reads_every_direction_at_its_own_rate(netenv):
+    """``load="udp"`` (bench emulator's reference): every direction loaded at once by UDP, its
+    rate read from the receiving interface.  Rates differ per direction, so reading the wrong
+    end of a link, or the sender's, cannot pass; a lossy relayed link delivers rate x (1 - loss)."""
+    topo = load_topology({"name": "udp", "datacenters": ["a", "b", "c"],
+                          "links": [{"between": ["a", "b"], "rate_mbps": [40, 10], "delay_ms": 0},
+                                    {"between": ["b", "c"], "rate_mbps": [30, 15], "delay_ms": [8, 4],
+                                     "loss": 0.05}]})
+
+    def measure():
+        res = run_linkcheck(topo, seconds=3, phases=("concurrent",), load="udp", progress=lambda m: None)
+        return res, res["steal"]
+
+    res = fidelity(measure, _out_of_tolerance)
+    assert res["concurrent_load"] == "udp"
+    rows = {(d["src"], d["dst"]): d for d in res["directions"]}
+    assert set(rows) == {("a", "b"), ("b", "a"), ("b", "c"), ("c", "b")}
+    for (s, d), rate in {("a", "b"): 40, ("b", "a"): 10, ("b", "c"): 30 * 0.95, ("c", "b"): 15 * 0.95}.items():
+        assert rows[(s, d)]["rate_method"] == "udp-l2" and set(rows[(s, d)]["checks"]) == {"rate"}
+        assert rows[(s, d)]["measured_mbps"] == pytest.approx(rate, rel=0.05)
+
+
 def test_standing_queue_behind_a_long_round_trip(netenv):
     """GScale's g2-g5 (130 Mbit/s, 400 ms): iperf3 needs ~4 round trips (3.2 s) before its first
     datagram; probes sent before then read an empty queue (measured 3-29 ms for 93 ms)."""

@@ -24,15 +24,18 @@ about SINGLE_ROUNDS rounds -- :func:`single_batches`, ``--parallel``):
 ``concurrent`` (every direction loaded at once: does the emulator keep up?): TCP goodput as
 the rate, with BBR wherever a direction has random loss (its rate does not collapse on random
 loss, so it measures the link) and the experiment's congestion control elsewhere; ping under
-load.  UDP is not used here: at full load its per-packet cost (no GSO) would measure the
-emulation host's CPU.  Where BBR replaced the experiment's congestion control, a second
-all-at-once pass measures the informative TCP goodput under it.  TCP load comes from
-:mod:`.load`, one process per datacenter (an iperf3 pair per direction made 564 processes
-on ``equinix-like-20``).
+load.  UDP is not used here by default: at full load its per-packet cost (no GSO) measures the
+emulation host's packet capacity, not what TCP experiments get (``load="udp"``, ``--load udp``:
+every direction iperf3 UDP at 1.05 x its rate, the rate being the bytes its receiving
+interface counted in one window common to all; ``bench emulator``'s HTB-only reference needs
+it).  Where BBR replaced the experiment's congestion control, a second all-at-once pass
+measures the informative TCP goodput under it.  TCP load comes from :mod:`.load`, one process
+per datacenter (an iperf3 pair per direction made 564 processes on ``equinix-like-20``).
 
 Pass rules: rate ratio = goodput / (rate x payload share x (1 - loss)) in [0.93, 1.02], the
-payload share being what HTB's L2 rate leaves for payload (UDP 1468/1510, TCP 1448/1514); under
-full load the reverse direction's ACKs also share each link, a few percent; delay (median one-way
+payload share being what HTB's L2 rate leaves for payload (UDP 1468/1510, TCP 1448/1514; 1 for
+the L2 bytes a receiving interface counts, ``--load udp``); under full load the reverse
+direction's ACKs also share each link, a few percent; delay (median one-way
 idle; RTT/2 under load): |delay - expected| <= max(1 ms, 3 %) (+ 3 jitter sigmas under load,
 where FIFO order shifts the delay); jitter within 4 standard errors + 0.2 ms; loss: binomial p-value >= 1e-3;
 standing queue within max(2 ms, 5 %, one frame's time).  CPU steal and load average are recorded: a failure
@@ -74,6 +77,7 @@ UDP_HEADERS = 8 + 20 + 14  # what HTB counts per datagram beyond its payload
 UDP_FRAME = UDP_PAYLOAD + UDP_HEADERS
 TCP_SHARE = (MTU - 52) / (MTU + 14)  # TCP payload per L2 byte at MTU 1500 (1448 with timestamps): 0.956
 OVERLOAD = 1.5  # UDP offered load / link rate when filling the queue
+UDP_LOAD_OVERLOAD = 1.05  # all at once with UDP: enough to keep every queue non-empty, little to drop
 LOSSY_CC = "bbr"
 SINGLE_ROUNDS = 40  # link by link: rounds of directions checked at once on larger topologies
 
@@ -443,15 +447,65 @@ def _concurrent(net, directions, seconds: float, tcp_cc: str) -> list[dict]:
     return rows
 
 
+def _rx_bytes(net, host: str) -> tuple[float, dict[str, int]]:
+    """(when, bytes received per interface) in ``host``'s namespace; when = the call's midpoint."""
+    t0 = time.monotonic()
+    out, _ = net.popen(host, ["ip", "-j", "-s", "link", "show"], stdout=subprocess.PIPE,
+                       text=True).communicate(timeout=30)
+    return (t0 + time.monotonic()) / 2, {i["ifname"]: i["stats64"]["rx"]["bytes"] for i in json.loads(out)}
+
+
+def _udp_concurrent(net, directions, seconds: float) -> list[dict]:
+    """Every direction loaded at once by iperf3 UDP at UDP_LOAD_OVERLOAD x its rate; its rate is
+    the L2 bytes the receiving interface counted in one window common to all directions (veth
+    and HTB both count the Ethernet header), against rate x (1 - loss).  A packet per 1.5 KB and
+    no GSO: this measures how many packets the emulation host carries, not what TCP gets.  The
+    reference for HTB alone (``bench emulator``): TCP over a near-zero round trip reads the ACKs
+    of a loaded asymmetric link starving behind the slow direction's data, not the shaper."""
+    servers = [net.popen(d, ["iperf3", "-s", "-1", "-p", str(BASE_PORT + k)]) for k, (_, d) in enumerate(directions)]
+    time.sleep(0.5)
+    rtt_s = max((net.directions[sd].spec.delay_ms + net.directions[sd[::-1]].spec.delay_ms) / 1e3 for sd in directions)
+    warm = IPERF_SETUP_RTTS * rtt_s + 1.0  # every client connected and sending
+    clients = []
+    for k, (s, d) in enumerate(directions):  # started ahead, held until all are (GScale's 38 took seconds)
+        bps = UDP_LOAD_OVERLOAD * net.directions[(s, d)].spec.rate_mbps * 1e6 * UDP_PAYLOAD / UDP_FRAME
+        clients.append(net.popen(s, ["sh", "-c", f"read go && exec iperf3 -c {net.peer_address(s, d)} -p {BASE_PORT + k} "
+                                                 f"-u -b {bps:.0f} -l {UDP_PAYLOAD} -t {warm + seconds + 5:.1f}"],
+                                 stdin=subprocess.PIPE, text=True))
+    for p in clients:
+        p.stdin.write("go\n")
+        p.stdin.flush()
+    time.sleep(warm)
+    receivers = sorted({d for _, d in directions})
+    first = {h: _rx_bytes(net, h) for h in receivers}
+    time.sleep(seconds)
+    last = {h: _rx_bytes(net, h) for h in receivers}
+    for p in clients + servers:
+        p.terminate()
+    rows = []
+    for s, d in directions:
+        dirn, intf = net.directions[(s, d)], net.directions[(d, s)].intf  # the receiver's end of the link
+        (t0, b0), (t1, b1) = first[d], last[d]
+        mbps = (b1[intf] - b0[intf]) * 8 / (t1 - t0) / 1e6
+        ratio = mbps / (dirn.spec.rate_mbps * (1 - dirn.spec.loss))
+        rows.append({"phase": "concurrent", **dirn.report(), "measured_mbps": mbps, "rate_method": "udp-l2",
+                     "rate_ratio": ratio, "checks": {"rate": rate_ok(ratio)}})
+    return rows
+
+
 def run_linkcheck(topo, *, seconds: float = 6.0, phases=("single", "concurrent"), method: str = "auto",
-                  max_late_ms: float = 2.0, tcp_cc: str = DEFAULT_TCP_CC, parallel: int = 0,
+                  max_late_ms: float = 2.0, tcp_cc: str = DEFAULT_TCP_CC, parallel: int = 0, load: str = "tcp",
                   progress=print) -> dict:
-    """``parallel``: directions checked at once link by link (0: :func:`single_parallel`)."""
+    """``parallel``: directions checked at once link by link (0: :func:`single_parallel`);
+    ``load``: what loads every direction at once, "tcp" (:func:`_concurrent`) or "udp"
+    (:func:`_udp_concurrent`)."""
     from testbed.emulator.network import WanNetwork
 
     before = tcp_memory()
-    result: dict = {"topology": topo.name, "scale": topo.scale, "tcp_cc": tcp_cc, "directions": [],
-                    "load_before": os.getloadavg(), "tcp_memory_before": before}
+    if load not in ("tcp", "udp"):
+        raise ValueError(f"linkcheck load must be tcp or udp, not {load!r}")
+    result: dict = {"topology": topo.name, "scale": topo.scale, "tcp_cc": tcp_cc, "concurrent_load": load,
+                    "directions": [], "load_before": os.getloadavg(), "tcp_memory_before": before}
     if before["mem_mb"] > 0.1 * before["marks_mb"][1]:
         progress(f"warning: TCP already holds {before['mem_mb']:g} MB ({before['orphans']} orphaned sockets), "
                  f"against memory pressure at {before['marks_mb'][1]:g} MB: long-RTT links may read short")
@@ -471,10 +525,11 @@ def run_linkcheck(topo, *, seconds: float = 6.0, phases=("single", "concurrent")
                 done += len(batch)
             result["directions"] += [rows[sd] for sd in all_dirs]
         if "concurrent" in phases:
-            progress(f"concurrent: all {len(all_dirs)} directions loaded at once")
+            progress(f"concurrent: all {len(all_dirs)} directions loaded at once ({load})")
             net.reset_relay_window()
             cpu = CpuMeter().start()
-            result["directions"] += _concurrent(net, all_dirs, seconds, tcp_cc)
+            result["directions"] += (_udp_concurrent(net, all_dirs, seconds) if load == "udp"
+                                     else _concurrent(net, all_dirs, seconds, tcp_cc))
             result["concurrent_cpu_util"], result["concurrent_steal"] = cpu.stop()
         result["cpu_util"], result["steal"] = whole.stop()
         result["load_after"], result["tcp_memory_after"] = os.getloadavg(), tcp_memory()
