@@ -113,7 +113,8 @@ def test_udp_load_reads_every_direction_at_its_own_rate(netenv):
     assert set(rows) == {("a", "b"), ("b", "a"), ("b", "c"), ("c", "b")}
     for (s, d), rate in {("a", "b"): 40, ("b", "a"): 10, ("b", "c"): 30 * 0.95, ("c", "b"): 15 * 0.95}.items():
         assert rows[(s, d)]["rate_method"] == "udp-l2" and set(rows[(s, d)]["checks"]) == {"rate"}
-        assert rows[(s, d)]["measured_mbps"] == pytest.approx(rate, rel=0.05)
+        # the verdict's tolerance is the pass rule (checked by fidelity); this says whose rate was read
+        assert rows[(s, d)]["measured_mbps"] == pytest.approx(rate, rel=0.1)
 
 
 def test_standing_queue_behind_a_long_round_trip(netenv):

@@ -448,11 +448,17 @@ def _concurrent(net, directions, seconds: float, tcp_cc: str) -> list[dict]:
 
 
 def _rx_bytes(net, host: str) -> tuple[float, dict[str, int]]:
-    """(when, bytes received per interface) in ``host``'s namespace; when = the call's midpoint."""
-    t0 = time.monotonic()
-    out, _ = net.popen(host, ["ip", "-j", "-s", "link", "show"], stdout=subprocess.PIPE,
-                       text=True).communicate(timeout=30)
-    return (t0 + time.monotonic()) / 2, {i["ifname"]: i["stats64"]["rx"]["bytes"] for i in json.loads(out)}
+    """(when, bytes received per interface) in ``host``'s namespace, read from the root
+    namespace through its shell's ``/proc/PID/net/dev``: no process to start, so the windows
+    of all hosts line up (starting ``ip -s link`` in each took up to hundreds of ms under load,
+    and a CI run read a 30 Mbit/s direction 6 % short over 3 s)."""
+    text = Path(f"/proc/{net.hosts[host].pid}/net/dev").read_text()
+    when = time.monotonic()
+    rx = {}
+    for line in text.splitlines()[2:]:
+        name, _, fields = line.partition(":")
+        rx[name.strip()] = int(fields.split()[0])
+    return when, rx
 
 
 def _udp_concurrent(net, directions, seconds: float) -> list[dict]:
