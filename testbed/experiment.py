@@ -331,6 +331,7 @@ def _run_on_network(exp: Experiment, planned: list, results: dict, out_dir: Path
         results["links"] = net.link_report()
         results["events_t0_s"] = net.t0  # events[].t_s count from here (Unix time), transfers are Unix ns
         results["environment"]["host_sysctls"] = net.host_sysctls
+        results["environment"]["memory_hold"] = net.memory_hold
         per_run = exp.dynamics_per_run and bool(exp.dynamics or exp.faults)
         scheds = [] if per_run else [Scheduler(net, exp.dynamics, exp.faults, log=progress).start()]
 

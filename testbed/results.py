@@ -62,6 +62,15 @@ def git_commit() -> str:
         return "unknown"
 
 
+def cpu_model(cpuinfo: str = "/proc/cpuinfo") -> str | None:
+    """The processor's name (machines of one kind may differ: compare like with like)."""
+    try:
+        with open(cpuinfo) as f:
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), None)
+    except OSError:
+        return None
+
+
 def environment(caps=None) -> dict:
     pkgs = {}
     for name in ("numpy", "networkx", "scipy", "mininet", "PyYAML", "matplotlib", "paramiko"):
@@ -74,6 +83,7 @@ def environment(caps=None) -> dict:
         "python": sys.version.split()[0],
         "host": platform.node(),
         "cpus": os.cpu_count(),
+        "cpu_model": cpu_model(),
         "packages": pkgs,
         "git_commit": git_commit(),
         "capabilities": caps.to_dict() if caps is not None else None,

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from testbed import config
+from testbed.emulator import memory
 from testbed.emulator.cleanup import leftovers
 from testbed.emulator.network import WanNetwork
 from testbed.planners import make_plan
@@ -37,6 +38,8 @@ def test_quickstart_smoke(netenv, tmp_path):
     assert {l["method"] for l in out["links"]} <= {"htb+netem", "htb+user-space-relay"}
     assert any(l["delay_ms"] > 0 for l in out["links"])
     assert out["environment"]["git_commit"]
+    env = out["environment"]
+    assert "cpu_model" in env and (env["memory_hold"] is not None) == memory.REPORTING_ORDER.exists()
     assert "kept_up" in out["emulation"]
     assert out["runs"][0]["transfers"]["rows"]
 

@@ -12,6 +12,8 @@ import shutil
 import subprocess
 from dataclasses import asdict, dataclass
 
+from testbed.emulator import memory
+
 
 def _run(cmd: list[str], timeout: float = 10) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
@@ -99,6 +101,10 @@ def probe() -> Capabilities:
     notes: list[str] = []
     if root and shutil.which("ip") and shutil.which("tc"):
         netns, htb, netem, bridge, notes = _probe_kernel()
+    if memory.REPORTING_ORDER.exists():
+        order = int(memory.REPORTING_ORDER.read_text())
+        notes.append(f"this VM reports free memory to its hypervisor (virtio-balloon free page reporting, order {order}): "
+                     + ("held" if order > memory.MAX_PAGE_ORDER else "the first network holds it until reboot"))
     bridge_nf_off = all(
         not os.path.exists(p) or open(p).read().strip() == "0"
         for p in (f"/proc/sys/net/bridge/bridge-nf-call-{t}tables" for t in ("ip", "ip6", "arp"))

@@ -185,13 +185,9 @@ def _tcp(net, directions, seconds: float, phase: str, cc: dict, port: int = BASE
     for h, p in procs.items():
         _await_ready(p, f"TCP load on {h}")
     t0 = time.time() + 0.2
-    for p in procs.values():
-        p.stdin.write(f"go {t0:.6f}\n")
-        p.stdin.flush()
+    _release(procs.values(), f"go {t0:.6f}")
     time.sleep(max(0.0, t0 + omit - time.time()))
-    for p in pings:
-        p.stdin.write("go\n")
-        p.stdin.flush()
+    _release(pings)
     got = {h: _json(p.communicate(timeout=omit + seconds + 60)[0]).get("received", {}) for h, p in procs.items()}
     out = []
     for (src, dst), p in zip(directions, pings):
@@ -205,6 +201,14 @@ def _probe_interval_s(spec) -> float:
     """Probe spacing: PROBE_PPS, at most 25 % of the link rate, and >= 6 jitter sigmas (the
     truncated jitter spans +-3 sigma) so FIFO order never holds a probe behind the previous."""
     return max(1 / PROBE_PPS, PROBE_FRAME * 8 / (0.25 * spec.rate_mbps * 1e6), 6 * spec.jitter_ms / 1e3)
+
+
+def _release(procs, line: str = "go") -> None:
+    """Start processes held at their first line of input (``sh -c "read go && exec ..."``, or
+    a helper waiting for its go), one write each: started ahead, they begin together."""
+    for p in procs:
+        p.stdin.write(line + "\n")
+        p.stdin.flush()
 
 
 def _await_ready(p: subprocess.Popen, who: str) -> None:
@@ -235,8 +239,7 @@ class _Probe:
         _await_ready(self.tx, f"probe sender on {src}")
 
     def go(self) -> None:
-        self.tx.stdin.write("go\n")
-        self.tx.stdin.flush()
+        _release([self.tx])
 
     def result(self) -> dict:
         """The receiver's statistics plus ``sent``."""
@@ -478,9 +481,7 @@ def _udp_concurrent(net, directions, seconds: float) -> list[dict]:
         clients.append(net.popen(s, ["sh", "-c", f"read go && exec iperf3 -c {net.peer_address(s, d)} -p {BASE_PORT + k} "
                                                  f"-u -b {bps:.0f} -l {UDP_PAYLOAD} -t {warm + seconds + 5:.1f}"],
                                  stdin=subprocess.PIPE, text=True))
-    for p in clients:
-        p.stdin.write("go\n")
-        p.stdin.flush()
+    _release(clients)
     time.sleep(warm)
     receivers = sorted({d for _, d in directions})
     first = {h: _rx_bytes(net, h) for h in receivers}
@@ -516,7 +517,7 @@ def run_linkcheck(topo, *, seconds: float = 6.0, phases=("single", "concurrent")
         progress(f"warning: TCP already holds {before['mem_mb']:g} MB ({before['orphans']} orphaned sockets), "
                  f"against memory pressure at {before['marks_mb'][1]:g} MB: long-RTT links may read short")
     with WanNetwork(topo, method=method, log=progress, icmp_priority=True, tcp_cc=tcp_cc) as net:
-        result["method"] = net.method
+        result["method"], result["memory_hold"] = net.method, net.memory_hold
         all_dirs = list(net.directions)
         whole = CpuMeter().start()
         if "single" in phases:

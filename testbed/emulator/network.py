@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from testbed.emulator import DEFAULT_TCP_CC, cleanup, shaping
+from testbed.emulator import DEFAULT_TCP_CC, cleanup, memory, shaping
 from testbed.emulator.capabilities import Capabilities, probe
 from testbed.errors import RunError
 from testbed.routing import shortest_paths
@@ -98,6 +98,7 @@ class WanNetwork:
         self._procs: list[tuple[str, subprocess.Popen]] = []  # (datacenter, process)
         self.events: list[dict] = []
         self.host_sysctls: dict = {}  # what every datacenter host was set to (for results.json)
+        self.memory_hold: dict | None = None  # memory.hold(): free page reporting held (results.json)
         self.t0 = time.time()
 
     # -- life cycle ------------------------------------------------------------
@@ -134,6 +135,9 @@ class WanNetwork:
         self.run_id = cleanup.claim()  # inherited by every process of this network (clean spares live runs)
         setLogLevel("error")
         self._owns_bridge = True  # from here on, stop() removes what this run made
+        self.memory_hold = memory.hold(log=self.log)
+        if self.memory_hold and not self.memory_hold["full"]:
+            self.log(f"warning: {self.memory_hold['note']}: the emulator may stall (README, Emulator headroom)")
         self.log(f"building {len(self.topo.nodes)} datacenters, {len(self.topo.links)} links "
                  f"(shaping: {method})")
         net = self.net = Mininet(build=False, controller=None, topo=None, autoSetMacs=False,

@@ -1,0 +1,69 @@
+"""Keep freed memory inside this machine (virtual machines only).
+
+A VM whose balloon device reports free pages (virtio-balloon free page reporting, Linux
+``mm/page_reporting.c``) hands every free block of at least 2^``page_reporting_order`` pages
+back to the hypervisor within seconds, and touching that memory again costs a page fault on
+the host.  Measured on this project's 2-core VMs (2026-11-27; README, "Emulator headroom"):
+a 4 KiB page the host does not back cost 5-9 us to touch, one it backs 0.4 us; a NetStorm link
+check at scale 1 frees and re-allocates ~1.4 GB of socket buffers, which the host took back
+during the check, and the relays stalled in kernel paths on every link at once (max lateness
+23-47 ms): 1 of 5 checks kept up with reporting on, 5 of 5 with it held (alternating runs).
+Memory never touched since boot is just as cold: held, but not warmed, the first three checks
+after the free memory had gone back to the host missed the 2 ms mark (p99 2.0-3.5 ms), the
+next ones passed.
+
+So the first network on a machine raises the order above the buddy allocator's largest
+(:data:`HOLD_ORDERS`) and touches :data:`WARM_MIB` once, which the kernel then reuses for the
+networks' buffers.  The hold stays until reboot -- restoring it after each run would hand the
+warmed memory back and make every run pay the warm-up again (~10 s).  Upstream kernels accept
+at most MAX_PAGE_ORDER (10): there 4 MiB blocks are still reported, a partial hold (recorded)."""
+
+from __future__ import annotations
+
+import mmap
+import time
+from pathlib import Path
+
+import numpy as np
+
+REPORTING_ORDER = Path("/sys/module/page_reporting/parameters/page_reporting_order")
+MAX_PAGE_ORDER = 10  # Linux x86-64: the largest free block is 2^10 pages (4 MiB)
+HOLD_ORDERS = (MAX_PAGE_ORDER + 1, MAX_PAGE_ORDER)  # no block is ever reported; else the largest allowed
+WARM_MIB = 4096  # a GScale check holds ~1 GB of TCP memory at scale 1; 4 GiB takes ~10 s to warm from cold
+
+
+def warm(mib: int) -> float:
+    """Touch ``mib`` MiB once and free them; the seconds it took."""
+    t = time.perf_counter()
+    buf = mmap.mmap(-1, mib << 20)
+    pages = np.frombuffer(buf, np.uint8)
+    pages[::mmap.PAGESIZE] = 1
+    del pages
+    buf.close()
+    return time.perf_counter() - t
+
+
+def hold(param: Path = REPORTING_ORDER, warm_mib: int = WARM_MIB, log=lambda msg: None) -> dict | None:
+    """Hold free memory in this VM (see the module); what was done, for results.json (None:
+    this machine reports no free pages)."""
+    if not param.exists():
+        return None
+    before = int(param.read_text())
+    rec = {"page_reporting_order": before, "held_at": None, "full": False, "warmed_mib": 0, "warm_s": 0.0}
+    errors = []
+    for order in HOLD_ORDERS:
+        if before >= order:  # held already (by an earlier run): the memory it warmed is still warm
+            rec.update(held_at=before, full=before > MAX_PAGE_ORDER)
+            break
+        try:
+            param.write_text(str(order))
+        except OSError as e:
+            errors.append(f"{order}: {e}")
+            continue
+        log(f"holding free memory in this VM until reboot (free page reporting order {before} -> {order}); "
+            f"warming {warm_mib} MiB once (up to ~10 s)")
+        rec.update(held_at=order, full=order > MAX_PAGE_ORDER, warmed_mib=warm_mib, warm_s=round(warm(warm_mib), 2))
+        break
+    rec["note"] = (None if rec["full"] else "free blocks of 4 MiB still go back to the hypervisor" if rec["held_at"]
+                   else f"free memory still goes back to the hypervisor ({'; '.join(errors)})")
+    return rec
