@@ -555,8 +555,10 @@ def test_loopback_concurrent_tasks_on_a_link_follow_the_scheduling_policy(schedu
     chunks on a link do not overlap; FS: each task's flow has its own connection and they
     overlap.  Every round exact either way."""
     g, length = topogen.crew_mesh(4, 1).graph(), 1_000_003
-    res, nodes, _ = _loopback_tasks(g, length, 0.03, 8, {"chunk_times": True}, lambda m, **kw: _paced(make_plan(
-        "crew", g, length, {"active": list(m), "scheduling": scheduling, "split": "even", **kw}), 400))
+    # an 8 s window: with 4 s a CI run saw tasks meet on a link only once (6-10 alone; 8 s: 14-26)
+    res, nodes, _ = _loopback_tasks(g, length, 0.03, 8, {"chunk_times": True, "window_s": 8.0},
+                                    lambda m, **kw: _paced(make_plan("crew", g, length, {
+                                        "active": list(m), "scheduling": scheduling, "split": "even", **kw}), 400))
     tm = res["tasks_mode"]
     assert not res["errors"], res["errors"]
     assert tm["tasks"] and all(t["correct"] for t in tm["tasks"])
