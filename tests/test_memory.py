@@ -37,4 +37,3 @@ def test_hold_raises_the_order_as_far_as_the_kernel_allows_and_warms_once(most, 
 
 def test_no_reporting_device_no_hold(tmp_path):
     assert memory.hold(tmp_path / "absent") is None
-

@@ -8,9 +8,8 @@ a 4 KiB page the host does not back cost 5-9 us to touch, one it backs 0.4 us; a
 check at scale 1 frees and re-allocates ~1.4 GB of socket buffers, which the host took back
 during the check, and the relays stalled in kernel paths on every link at once (max lateness
 23-47 ms): 1 of 5 checks kept up with reporting on, 5 of 5 with it held (alternating runs).
-Memory never touched since boot is just as cold: held, but not warmed, the first three checks
-after the free memory had gone back to the host missed the 2 ms mark (p99 2.0-3.5 ms), the
-next ones passed.
+Memory never touched since boot is just as cold: held but not warmed, right after the host
+had taken all free memory back, 3 of 8 checks kept up (narrower misses: p99 2.0-3.5 ms).
 
 So the first network on a machine raises the order above the buddy allocator's largest
 (:data:`HOLD_ORDERS`) and touches :data:`WARM_MIB` once, which the kernel then reuses for the
