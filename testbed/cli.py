@@ -191,8 +191,15 @@ def cmd_validate(args) -> int:
 
 
 def cmd_plan(args) -> int:
+    from dataclasses import replace
+
     from testbed import config
+    from testbed.emulator.dynamics import rates_at
     exp = config.load_experiment(args.experiment, args.overrides)
+    if args.at_s is not None:
+        if args.at_s < 0:
+            raise ConfigError(f"--at-s must be >= 0, got {args.at_s:g}", source=args.experiment)
+        exp = replace(exp, topology=exp.topology.with_rates(rates_at(exp.topology, list(exp.dynamics), args.at_s)))
     chosen = [v for v in exp.variants if args.variant in (None, v.label)]
     if not chosen:
         raise ConfigError(f"no variant {args.variant!r} (have: {', '.join(v.label for v in exp.variants)})",
@@ -208,11 +215,13 @@ def _print_plan(exp: dict, variant: dict, args) -> None:
     topo, graph, plan, prediction, bound = build_plan(exp, variant.scheme, source=args.experiment,
                                                       key=scheme_key(exp.variants.index(variant)))
     if args.json:
-        print(json.dumps({"label": variant.label, "plan": plan.to_dict() if args.full else plan.meta,
+        print(json.dumps({"label": variant.label, "at_s": args.at_s, "plan": plan.to_dict() if args.full else plan.meta,
                           "prediction": prediction, "bound": bound}, indent=1, default=str))
         return
     print(f"== {variant.label}")
-    print(f"scheme {plan.scheme} on {topo.name} (scale {topo.scale:g}): {exp.workload.bytes} bytes, "
+    print(f"scheme {plan.scheme} on {topo.name} (scale {topo.scale:g}"
+          + (f", rates at {args.at_s:g} s of the dynamics" if args.at_s is not None else "")
+          + f"): {exp.workload.bytes} bytes, "
           f"{sum(len(p) for p in plan.programs.values())} ops, {plan.bytes_sent(exp.workload.elem_bytes) / 1e6:.3g} MB on the wire")
     for i, t in enumerate(plan.meta.get("trees", [])):
         ch = {}
@@ -440,6 +449,9 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--json", action="store_true", help="print JSON (plan meta, prediction, bound)")
     pl.add_argument("--full", action="store_true", help="with --json: the whole plan including every op")
     pl.add_argument("--variant", help="only this variant (label); default: every scheme of the experiment")
+    pl.add_argument("--at-s", type=float, metavar="T",
+                    help="plan on the rates the experiment's dynamics give at T s into a run (faults aside), "
+                         "e.g. an oracle's plan after a redraw")
     pl.set_defaults(func=cmd_plan)
 
     d = sub.add_parser("doctor", help="report what this machine can do and which link shaping run will use")

@@ -94,6 +94,15 @@ class Topology:
         return Topology(self.name, list(self.nodes), links, self.source, self.scale * factor,
                         {n: dict(a) for n, a in self.node_attrs.items()})
 
+    def with_rates(self, rates: dict[tuple[str, str], float]) -> "Topology":
+        """A copy whose directions (src, dst) in ``rates`` have that ``rate_mbps`` (the rest
+        unchanged): the network at some point of its dynamics (``plan --at-s``)."""
+        def at(d: LinkDir, src: str, dst: str) -> LinkDir:
+            return replace(d, rate_mbps=rates.get((src, dst), d.rate_mbps))
+
+        links = [replace(l, ab=at(l.ab, l.a, l.b), ba=at(l.ba, l.b, l.a)) for l in self.links]
+        return replace(self, links=links)
+
     def graph(self) -> nx.DiGraph:
         """Directed view: nodes carry ``node_attrs``; each link gives edges u->v and
         v->u with attributes rate_mbps, delay_ms, jitter_ms, loss, queue_pkts."""

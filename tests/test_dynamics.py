@@ -5,7 +5,7 @@ import time
 import pytest
 
 from testbed import config
-from testbed.emulator.dynamics import Scheduler, scaled
+from testbed.emulator.dynamics import Scheduler, rates_at, scaled
 from testbed.errors import ConfigError
 from testbed.topology import load_topology
 
@@ -94,6 +94,58 @@ def test_netstorm_redraw_is_seeded_and_in_range():
     rates = [c[3] for c in runs[0]]
     assert len(rates) == 12 and all(40 <= r <= 310 and r % 2 == 0 for r in rates)  # integers in [20,155], x2
     assert {(c[1], c[2]) for c in runs[0][:6]} == {(l.a, l.b) for l in topo.links} | {(l.b, l.a) for l in topo.links}
+
+
+def test_rates_at_replays_what_the_scheduler_applies():
+    """``plan --at-s`` plans on the rates the live scheduler sets by then: same draws, same order,
+    a later change of one direction on top, the topology's rates before anything happened."""
+    topo = load_topology("small-3")
+    dyn = scaled([{"redraw": {"lo": 20, "hi": 155, "every_s": 0.3, "seed": 4}},
+                  {"at_s": 0.4, "src": "h2", "dst": "h3", "rate_mbps": 7.0}], 0.5)
+    net = FakeNet(topo)
+    s = Scheduler(net, dyn, []).start()
+    time.sleep(0.5)
+    s.stop()
+    live = {}
+    for _, _, src, dst, rate in [c for c in net.calls if c[1] == "rate"]:
+        live[(src, dst)] = rate
+    assert len(net.calls) == 7 and live[("h2", "h3")] == 3.5
+    assert rates_at(topo, dyn, 0.5) == live
+    nominal = {(l.a, l.b): l.ab.rate_mbps for l in topo.links} | {(l.b, l.a): l.ba.rate_mbps for l in topo.links}
+    assert rates_at(topo, dyn, 0.1) == nominal
+    assert rates_at(topo, dyn, 0.35) != nominal and rates_at(topo, dyn, 0.35)[("h2", "h3")] != 3.5
+
+
+def test_plan_at_a_time_plans_on_the_rates_then(tmp_path):
+    """`plan --at-s T` plans (and bounds) on the rates the dynamics give at T: an MST that
+    avoids a link slowed at 5 s, and a bound that follows the change."""
+    import json
+    import subprocess
+    import sys
+
+    import yaml
+
+    from testbed.results import REPO
+
+    f = tmp_path / "e.yaml"
+    f.write_text(yaml.safe_dump({**BASE, "scheme": {"name": "mst"},
+                                 "dynamics": [{"at_s": 5, "link": ["h1", "h2"], "rate_mbps": 1}]}))
+
+    def plan(*extra):
+        res = subprocess.run([sys.executable, "-m", "testbed", "plan", str(f), "--json", *extra], cwd=REPO,
+                             capture_output=True, text=True, timeout=120)
+        assert res.returncode == 0, res.stderr[-2000:]
+        return json.loads(res.stdout)
+
+    before, after = plan(), plan("--at-s", "5")
+    assert before["at_s"] is None and after["at_s"] == 5
+    edges = lambda p: {frozenset((c, q)) for c, q in p["plan"]["trees"][0]["parent"].items() if q}  # noqa: E731
+    assert frozenset(("h1", "h2")) in edges(before) and frozenset(("h1", "h2")) not in edges(after)
+    assert after["bound"]["cut_rate_mbps"] < before["bound"]["cut_rate_mbps"]
+    assert plan("--at-s", "4.9")["plan"]["trees"] == before["plan"]["trees"]
+    bad = subprocess.run([sys.executable, "-m", "testbed", "plan", str(f), "--at-s", "-1"], cwd=REPO,
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode != 0 and "--at-s" in bad.stderr
 
 
 @pytest.mark.net

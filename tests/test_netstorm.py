@@ -90,6 +90,28 @@ def test_plans_are_exact_allreduces(params):
         assert all(t["chunks"] >= 2 for t in plan.meta["trees"])
 
 
+def test_pace_splits_a_shared_direction_by_the_trees_shares():
+    """``pace: true``: on a direction several trees use, each tree's connection gets the
+    link's rate in proportion to its share (together the whole rate); a direction one tree
+    uses stays unpaced; the plan is still an exact AllReduce; ``pace: false`` paces nothing."""
+    g = overlay(NETSTORM_EDGES, 3)
+    plan = make_plan("netstorm", g, 20_011, {"pace": True, "roots": 3})
+    share = {t["root"]: t["share"] for t in plan.meta["trees"]}
+    on = {}  # (src, dst) -> {root: pacing rate}
+    for src, op in plan.transfers():
+        on.setdefault((src, op.peer), {})[plan.meta["trees"][op.channel]["root"]] = op.rate_mbps
+    shared = {d: r for d, r in on.items() if len(r) >= 2}
+    assert shared and any(len(r) == 1 for r in on.values())
+    for (a, b), rates in shared.items():
+        assert sum(rates.values()) == pytest.approx(g[a][b]["rate_mbps"])
+        for root, rate in rates.items():
+            assert rate == pytest.approx(g[a][b]["rate_mbps"] * share[root] / sum(share[x] for x in rates))
+    assert all(rate == 0 for r in on.values() if len(r) == 1 for rate in r.values())
+    rnd = np.random.default_rng(2)
+    check_allreduce(plan, {n: rnd.integers(-500, 500, 20_011).astype(np.float32) for n in g.nodes})
+    assert all(op.rate_mbps == 0 for _, op in make_plan("netstorm", g, 20_011, {}).transfers())
+
+
 @pytest.mark.parametrize("seed", range(5))
 def test_fapt_beats_star_balanced_tree_and_mst(seed):
     """§IX, Fig. 14: STAR, BKT and MST are slower than FAPT (cost model, NetStorm overlay).

@@ -150,12 +150,15 @@ def restore_network(net) -> None:
             net.set_rate(src, dst, nominal)
 
 
-class Scheduler:
-    """Applies dynamics (already :func:`scaled`) and faults to a running :class:`WanNetwork`
-    from a thread."""
+class Timeline:
+    """Dynamics (already :func:`scaled`) and faults in time order, each redraw drawn into its
+    rate changes when its time comes: the one sequence the :class:`Scheduler` applies live and
+    :func:`rates_at` replays on paper.  :meth:`pop` returns ``(at_s, event)``; rate changes
+    come out as ``{"rates": [(src, dst, rate_mbps), ...]}`` (a redraw: every direction of
+    ``links``), faults as given."""
 
-    def __init__(self, net, dynamics: list[dict], faults: list[dict], *, log=lambda msg: None):
-        self.net, self.log = net, log
+    def __init__(self, links, dynamics: list[dict], faults: list[dict] = ()):
+        self._directions = [d for l in links for d in ((l.a, l.b), (l.b, l.a))]
         self._queue: list[tuple[float, int, dict]] = []
         self._n = 0
         for ev in dynamics:
@@ -166,17 +169,52 @@ class Scheduler:
                 self._push(ev["at_s"], ev)
         for ev in faults:
             self._push(ev["at_s"], ev)
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, name="dynamics", daemon=True)
-        self.errors: list[str] = []
 
     def _push(self, at: float, ev: dict) -> None:
         heapq.heappush(self._queue, (at, self._n, ev))
         self._n += 1
 
+    def next_at(self) -> float | None:
+        return self._queue[0][0] if self._queue else None
+
+    def pop(self) -> tuple[float, dict]:
+        at, _, ev = heapq.heappop(self._queue)
+        if ev.get("redraw"):
+            r = self._redraw
+            self._push(at + r["every_s"], ev)
+            ev = {"rates": [(src, dst, r["rng"].randint(int(r["lo"]), int(r["hi"])) * r.get("scale", 1.0))
+                            for src, dst in self._directions]}
+        elif "rate_mbps" in ev:
+            ev = {"rates": [(ev["src"], ev["dst"], ev["rate_mbps"])]}
+        return at, ev
+
+
+def rates_at(topo: Topology, dynamics: list[dict], at_s: float) -> dict[tuple[str, str], float]:
+    """Every direction's rate (Mbit/s) ``at_s`` seconds into a run that replays ``dynamics``
+    from the topology's rates (faults aside): what ``plan --at-s`` plans on."""
+    rates = {(l.a, l.b): l.ab.rate_mbps for l in topo.links} | {(l.b, l.a): l.ba.rate_mbps for l in topo.links}
+    timeline = Timeline(topo.links, dynamics)
+    while timeline.next_at() is not None and timeline.next_at() <= at_s:
+        _, ev = timeline.pop()
+        for src, dst, rate in ev["rates"]:
+            rates[(src, dst)] = rate
+    return rates
+
+
+class Scheduler:
+    """Applies a :class:`Timeline` of dynamics and faults to a running :class:`WanNetwork`
+    from a thread."""
+
+    def __init__(self, net, dynamics: list[dict], faults: list[dict], *, log=lambda msg: None):
+        self.net, self.log = net, log
+        self._timeline = Timeline(net.topo.links, dynamics, faults)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="dynamics", daemon=True)
+        self.errors: list[str] = []
+
     def start(self) -> "Scheduler":
         self.t0 = time.monotonic()
-        if self._queue:
+        if self._timeline.next_at() is not None:
             self._thread.start()
         return self
 
@@ -186,11 +224,10 @@ class Scheduler:
             self._thread.join(timeout=10)
 
     def _loop(self) -> None:
-        while self._queue and not self._stop.is_set():
-            at, _, ev = self._queue[0]
+        while (at := self._timeline.next_at()) is not None and not self._stop.is_set():
             if self._stop.wait(max(0.0, at - (time.monotonic() - self.t0))):
                 return
-            heapq.heappop(self._queue)
+            at, ev = self._timeline.pop()
             try:
                 self._apply(at, ev)
             except Exception as e:  # a failed change is recorded, the run goes on
@@ -199,14 +236,9 @@ class Scheduler:
 
     def _apply(self, at: float, ev: dict) -> None:
         net = self.net
-        if ev.get("redraw"):
-            r = self._redraw
-            for link in net.topo.links:
-                for src, dst in ((link.a, link.b), (link.b, link.a)):
-                    net.set_rate(src, dst, r["rng"].randint(int(r["lo"]), int(r["hi"])) * r.get("scale", 1.0))
-            self._push(at + r["every_s"], ev)
-        elif "rate_mbps" in ev:
-            net.set_rate(ev["src"], ev["dst"], ev["rate_mbps"])
+        if "rates" in ev:
+            for src, dst, rate in ev["rates"]:
+                net.set_rate(src, dst, rate)
         elif "link_down" in ev or "link_up" in ev:
             up = "link_up" in ev
             net.set_link(*ev["link_up" if up else "link_down"], up=up)

@@ -8,9 +8,14 @@ the N best are the roots R (Alg. 1), each root's tree carries a share q_i / sum_
 model (§III step 4), in chunks of at most ``chunk_elems`` elements (CHUNK_SIZE), and
 each chunk is reduced up and broadcast down its tree (aggregate-forward).
 
-Only the static topology decision is here ("NetStorm-lite" in the paper's Fig. 18): the
-passive one-way-delay probing, the periodic re-planning, multipath auxiliary transmission
-(Alg. 3) and the policy consistency protocols are not built.
+Only the static topology decision is here ("NetStorm-lite" in the paper's Fig. 18); the
+closed loop (§V: passive probing, re-planning, switches: ``agents/probe.py``,
+``agents/netstate.py``) calls this planner on estimated rates, and the auxiliary paths of
+NetStorm-pro (§VI, Alg. 3) are :mod:`.auxpaths`.
+
+``pace`` (not in the paper, off by default): trees that share a link direction are paced in
+proportion to their shares so that each gets the part of the link its share needs (TCP would
+split it per connection, evenly); a direction only one tree uses stays unpaced.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ import math
 
 import networkx as nx
 
-from testbed.plan import Plan, Tree, trees_plan
+from testbed.plan import Plan, Tree, contended_pacing, trees_plan
 
 from testbed.planners import Param, ParamError, planner
 from testbed.planners.common import check_graph
@@ -77,9 +82,10 @@ def sync_delay(parent: dict[str, str | None], weight: dict[tuple[str, str], floa
     chunk_elems=Param(int, 1_000_000, "CHUNK_SIZE, elements per chunk at most (Table II: 1 million)", ge=1),
     direction=Param(str, "reduce", "which rate weighs an undirected edge (the paper does not say): reduce = "
                                    "child->parent, min = the slower direction", choices=("reduce", "min")),
+    pace=Param(bool, False, "not in the paper: pace trees sharing a link direction in proportion to their shares"),
 )
 def plan_netstorm(graph: nx.DiGraph, length: int, *, elem_bytes: int = 4, roots: int = 0,
-                  chunk_elems: int = 1_000_000, direction: str = "reduce") -> Plan:
+                  chunk_elems: int = 1_000_000, direction: str = "reduce", pace: bool = False) -> Plan:
     """NetStorm multi-root FAPT AllReduce (static topology decision, §IV-A)."""
     nodes = check_graph(graph, "netstorm")
     if roots > len(nodes):
@@ -104,4 +110,9 @@ def plan_netstorm(graph: nx.DiGraph, length: int, *, elem_bytes: int = 4, roots:
         "trees": [{"root": t.root, "parent": t.parent, "share": t.share, "chunks": t.chunks,
                    "rate_mbps": t.rate_mbps, "height": t.height()} for t in plan_trees],
     }
-    return trees_plan("netstorm", nodes, length, plan_trees, meta=meta)
+    if pace:  # contended_pacing scales the trees' rates on a shared direction up to fill it: give it
+        # the shares in units of the slowest link's rate, never more than a direction carries
+        capacity = {(u, v): float(d["rate_mbps"]) for u, v, d in graph.edges(data=True)}
+        unit = min(capacity.values())
+        pace = contended_pacing([Tree(t.root, t.parent, rate_mbps=t.share * unit) for t in plan_trees], capacity)
+    return trees_plan("netstorm", nodes, length, plan_trees, meta=meta, pace=pace)
