@@ -71,6 +71,43 @@ def cpu_model(cpuinfo: str = "/proc/cpuinfo") -> str | None:
         return None
 
 
+PREEMPT_MODES = ("none", "voluntary", "full", "lazy")
+
+
+def preemption(control: str = "/sys/kernel/debug/sched/preempt", cmdline: str = "/proc/cmdline",
+               config: str = "/proc/config.gz") -> str | None:
+    """The kernel's preemption model: the active one where debugfs shows it ("none voluntary
+    (full) lazy"), else ``preempt=`` on the command line (a PREEMPT_DYNAMIC kernel), else the
+    build's CONFIG_PREEMPT_*; None if unknown.  Under ``none``/``voluntary`` the SCHED_FIFO
+    relay cannot preempt a task inside a system call or a kernel thread: it waits for it."""
+    import gzip
+    import re
+
+    try:
+        with open(control) as f:
+            if m := re.search(r"\((\w+)\)", f.read()):
+                return m.group(1)
+    except OSError:
+        pass
+    try:
+        with gzip.open(config, "rt") as f:
+            built = {line.split("=")[0] for line in f if line.startswith("CONFIG_PREEMPT") and line.strip().endswith("=y")}
+    except OSError:
+        built = set()
+    try:
+        with open(cmdline) as f:
+            asked = re.search(r"(?:^|\s)preempt=(\w+)", f.read())
+    except OSError:
+        asked = None
+    if asked and asked.group(1) in PREEMPT_MODES and (not built or "CONFIG_PREEMPT_DYNAMIC" in built):
+        return asked.group(1)
+    for option, mode in (("CONFIG_PREEMPT_RT", "rt"), ("CONFIG_PREEMPT_LAZY", "lazy"), ("CONFIG_PREEMPT", "full"),
+                         ("CONFIG_PREEMPT_VOLUNTARY", "voluntary"), ("CONFIG_PREEMPT_NONE", "none")):
+        if option in built:
+            return mode
+    return None
+
+
 def environment(caps=None) -> dict:
     pkgs = {}
     for name in ("numpy", "networkx", "scipy", "mininet", "PyYAML", "matplotlib", "paramiko"):
@@ -84,6 +121,7 @@ def environment(caps=None) -> dict:
         "host": platform.node(),
         "cpus": os.cpu_count(),
         "cpu_model": cpu_model(),
+        "preemption": preemption(),
         "packages": pkgs,
         "git_commit": git_commit(),
         "capabilities": caps.to_dict() if caps is not None else None,

@@ -83,3 +83,30 @@ def test_emulation_health_expects_relay_statistics_only_where_relays_ran():
     assert h["kept_up"] is False and "fidelity unknown" in h["warnings"][0]
     assert "CPU" in _emulation_health("netem", 0, [], 0.99, 0.0, 2.0)["warnings"][0]
     assert "steal" in _emulation_health("netem", 0, [], 0.5, 0.2, 2.0)["warnings"][0]  # a busy VM host
+
+
+@pytest.mark.parametrize("control, cmdline, config, expected", [
+    ("none voluntary (full) lazy\n", "quiet preempt=none", ["CONFIG_PREEMPT_NONE=y", "CONFIG_PREEMPT_DYNAMIC=y"], "full"),
+    (None, "quiet preempt=lazy", ["CONFIG_PREEMPT_NONE=y", "CONFIG_PREEMPT_DYNAMIC=y"], "lazy"),
+    (None, "quiet preempt=full", ["CONFIG_PREEMPT_NONE=y"], "none"),  # not dynamic: the parameter does nothing
+    (None, "quiet", ["CONFIG_PREEMPT_BUILD=y", "CONFIG_PREEMPT_NONE=y", "CONFIG_PREEMPTION=y"], "none"),
+    (None, "quiet", ["CONFIG_PREEMPT=y", "CONFIG_PREEMPT_COUNT=y"], "full"),
+    (None, "quiet", ["# CONFIG_PREEMPT_NONE is not set", "CONFIG_PREEMPT_VOLUNTARY=y"], "voluntary"),
+    (None, None, None, None),
+])
+def test_preemption_model_is_read_from_what_the_kernel_shows(tmp_path, control, cmdline, config, expected):
+    """results.json's ``environment.preemption`` (and doctor's note): the active mode where
+    debugfs shows it, else a PREEMPT_DYNAMIC kernel's ``preempt=``, else the build's choice."""
+    import gzip
+
+    from testbed.results import preemption
+
+    paths = {k: tmp_path / k for k in ("control", "cmdline", "config.gz")}
+    if control is not None:
+        paths["control"].write_text(control)
+    if cmdline is not None:
+        paths["cmdline"].write_text(cmdline + "\n")
+    if config is not None:
+        with gzip.open(paths["config.gz"], "wt") as f:
+            f.write("\n".join(config) + "\n")
+    assert preemption(str(paths["control"]), str(paths["cmdline"]), str(paths["config.gz"])) == expected

@@ -105,6 +105,12 @@ def probe() -> Capabilities:
         order = int(memory.REPORTING_ORDER.read_text())
         notes.append(f"this VM reports free memory to its hypervisor (virtio-balloon free page reporting, order {order}): "
                      + ("held" if order > memory.MAX_PAGE_ORDER else "the first network holds it until reboot"))
+    from testbed.results import preemption
+
+    if (model := preemption()) in ("none", "voluntary"):
+        notes.append(f"kernel preemption '{model}': the SCHED_FIFO delay relay waits for a task in a system call "
+                     "or a kernel thread to yield before it runs (preempt=full on the command line of a "
+                     "PREEMPT_DYNAMIC kernel lets it preempt them)")
     bridge_nf_off = all(
         not os.path.exists(p) or open(p).read().strip() == "0"
         for p in (f"/proc/sys/net/bridge/bridge-nf-call-{t}tables" for t in ("ip", "ip6", "arp"))
