@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 import platform
+import re
 import statistics
 import subprocess
 import sys
@@ -80,9 +82,6 @@ def preemption(control: str = "/sys/kernel/debug/sched/preempt", cmdline: str = 
     (full) lazy"), else ``preempt=`` on the command line (a PREEMPT_DYNAMIC kernel), else the
     build's CONFIG_PREEMPT_*; None if unknown.  Under ``none``/``voluntary`` the SCHED_FIFO
     relay cannot preempt a task inside a system call or a kernel thread: it waits for it."""
-    import gzip
-    import re
-
     try:
         with open(control) as f:
             if m := re.search(r"\((\w+)\)", f.read()):

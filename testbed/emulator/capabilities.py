@@ -13,6 +13,7 @@ import subprocess
 from dataclasses import asdict, dataclass
 
 from testbed.emulator import memory
+from testbed.results import preemption
 
 
 def _run(cmd: list[str], timeout: float = 10) -> subprocess.CompletedProcess:
@@ -105,8 +106,6 @@ def probe() -> Capabilities:
         order = int(memory.REPORTING_ORDER.read_text())
         notes.append(f"this VM reports free memory to its hypervisor (virtio-balloon free page reporting, order {order}): "
                      + ("held" if order > memory.MAX_PAGE_ORDER else "the first network holds it until reboot"))
-    from testbed.results import preemption
-
     if (model := preemption()) in ("none", "voluntary"):
         notes.append(f"kernel preemption '{model}': the SCHED_FIFO delay relay waits for a task in a system call "
                      "or a kernel thread to yield before it runs (preempt=full on the command line of a "

@@ -25,10 +25,10 @@ import math
 
 import networkx as nx
 
-from testbed.plan import Plan, Tree, contended_pacing, trees_plan
+from testbed.plan import Plan, Tree, trees_plan
 
 from testbed.planners import Param, ParamError, planner
-from testbed.planners.common import check_graph
+from testbed.planners.common import check_graph, tree_pacing
 
 FAPT_REF = "NetStorm §IV-A: Theorem 1 (Eq. 2), Definition 2 (Eq. 6), Alg. 1-2, multi-root shares q_i / sum q"
 
@@ -110,9 +110,9 @@ def plan_netstorm(graph: nx.DiGraph, length: int, *, elem_bytes: int = 4, roots:
         "trees": [{"root": t.root, "parent": t.parent, "share": t.share, "chunks": t.chunks,
                    "rate_mbps": t.rate_mbps, "height": t.height()} for t in plan_trees],
     }
-    if pace:  # contended_pacing scales the trees' rates on a shared direction up to fill it: give it
-        # the shares in units of the slowest link's rate, never more than a direction carries
-        capacity = {(u, v): float(d["rate_mbps"]) for u, v, d in graph.edges(data=True)}
-        unit = min(capacity.values())
-        pace = contended_pacing([Tree(t.root, t.parent, rate_mbps=t.share * unit) for t in plan_trees], capacity)
-    return trees_plan("netstorm", nodes, length, plan_trees, meta=meta, pace=pace)
+    # contended pacing scales the trees' rates on a shared direction up to fill it: give it the
+    # shares in units of the slowest link's rate, never more than a direction carries
+    unit = min(float(d["rate_mbps"]) for _, _, d in graph.edges(data=True))
+    shares = [Tree(t.root, t.parent, rate_mbps=t.share * unit) for t in plan_trees]
+    return trees_plan("netstorm", nodes, length, plan_trees, meta=meta,
+                      pace=tree_pacing(graph, shares, pace, "contended"))
