@@ -297,7 +297,9 @@ def cmd_linkcheck(args) -> int:
     write_json_atomic(Path(out) / "linkcheck.json", result)
     print(format_table(result))
     if "concurrent_cpu_util" in result:
-        print(f"CPU during concurrent phase: {result['concurrent_cpu_util']:.0%}")
+        per_frame = result.get("concurrent_cpu_us_per_frame")
+        print(f"CPU during concurrent phase: {result['concurrent_cpu_util']:.0%}"
+              + (f", {per_frame:.1f} us of CPU per relayed frame" if per_frame else ""))
     print(f"CPU busy {result['cpu_util']:.0%}, taken by the hypervisor (steal) {result['steal']:.1%}; load "
           f"average before/after {result['load_before'][0]:.1f}/{result['load_after'][0]:.1f}; "
           f"emulator kept up: {result['emulation_kept_up']}")

@@ -92,6 +92,10 @@ def test_all_at_once_check_waits_out_cubic_regrowth_on_a_long_fat_link(netenv):
     assert {d["tcp_seconds"] for d in rows.values()} == {10}
     assert rows[("b", "c")]["rate_method"] == "tcp-bbr" and rows[("a", "b")]["rate_method"] == "tcp-cubic"
     assert rows[("a", "b")]["measured_mbps"] > 0 and rows[("b", "c")]["measured_mbps"] > 0
+    # the window's frames are a part of all the relay sent; what one cost the machine is reported
+    assert 0 < sum(s["win_frames_out"] for s in res["relay"]) <= sum(
+        d["frames_out"] for s in res["relay"] for d in s["dirs"])
+    assert res["concurrent_cpu_us_per_frame"] > 0
 
 
 def test_udp_load_reads_every_direction_at_its_own_rate(netenv):

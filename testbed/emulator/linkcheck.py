@@ -542,6 +542,13 @@ def run_linkcheck(topo, *, seconds: float = 6.0, phases=("single", "concurrent")
         result["load_after"], result["tcp_memory_after"] = os.getloadavg(), tcp_memory()
         result["relay"] = net.relay_stats()
         result["relay_layout"] = net.relay_layout  # keep-up window: the concurrent phase if there was one
+        frames = sum(s.get("win_frames_out", 0) for s in result["relay"])
+        if "concurrent_cpu_util" in result and frames:
+            # what one relayed frame (data or ACK) costs this machine, relay and TCP endpoints together:
+            # the same check's keep-up follows it (README, "Emulator headroom")
+            window = max(s["window_s"] for s in result["relay"])
+            result["concurrent_cpu_us_per_frame"] = (result["concurrent_cpu_util"] * (os.cpu_count() or 1)
+                                                     * window / frames * 1e6)
         result["emulation_kept_up"] = _kept_up(result["relay"], max_late_ms, result["steal"])
     for d in result["directions"]:
         d["ok"] = all(d["checks"].values())

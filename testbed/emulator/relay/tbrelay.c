@@ -942,19 +942,22 @@ static void emit_stats(const char *event)
     uint64_t s_slices;
     read_schedstat(&s_run, &s_delay, &s_slices);
     s_slices -= sched0_slices;
+    uint64_t win_frames = 0; /* frames sent in the window: each has its lateness in a histogram */
+    for (int i = 0; i < ndirs; i++)
+        for (int j = 0; j < HIST_N; j++) win_frames += dirs[i].st.hist[j];
 #define P(...) n += (size_t)snprintf(buf + n, cap - n, __VA_ARGS__)
     P("{\"event\":\"%s\",\"pid\":%d,\"t_mono\":%.6f,\"uptime_s\":%.6f,\"cpu_user_s\":%.6f,"
       "\"cpu_sys_s\":%.6f,\"wakeups\":%" PRIu64 ",\"loops\":%" PRIu64 ",\"send_calls\":%" PRIu64
       ",\"send_call_max_us\":%.1f,\"wake_late_max_us\":%.1f,\"tx_loop_max_us\":%.1f,\"read_gap_max_us\":%.1f"
       ",\"window_s\":%.6f,\"win_cpu_s\":%.6f,\"win_runq_wait_s\":%.6f,\"win_runq_wait_avg_us\":%.1f"
-      ",\"win_rx_s\":%.6f,\"win_tx_s\":%.6f,\"cpu\":%d,\"rtprio\":%d,\"tx_kb\":%d"
+      ",\"win_rx_s\":%.6f,\"win_tx_s\":%.6f,\"win_frames_out\":%" PRIu64 ",\"cpu\":%d,\"rtprio\":%d,\"tx_kb\":%d"
       ",\"vnet\":%d,\"reorder\":%d,\"rx_poll_us\":%d,\"dirs\":[",
       event, getpid(), now / 1e9, (now - t_start) / 1e9,
       ru.ru_utime.tv_sec + ru.ru_utime.tv_usec / 1e6, ru.ru_stime.tv_sec + ru.ru_stime.tv_usec / 1e6,
       n_wakeups, n_loops, n_sendcalls, send_call_max / 1e3, wake_late_max / 1e3, tx_loop_max / 1e3,
       harvest_gap_max / 1e3, (now - win_start) / 1e9, (s_run - sched0_run) / 1e9,
       (s_delay - sched0_delay) / 1e9, s_slices ? (s_delay - sched0_delay) / 1e3 / (double)s_slices : 0.0,
-      rx_ns / 1e9, tx_ns / 1e9, cfg.cpu, cfg.rtprio, cfg.tx_kb, cfg.vnet, cfg.reorder, cfg.rx_poll_us);
+      rx_ns / 1e9, tx_ns / 1e9, win_frames, cfg.cpu, cfg.rtprio, cfg.tx_kb, cfg.vnet, cfg.reorder, cfg.rx_poll_us);
     for (int i = 0; i < ndirs; i++) {
         dir_t *d = &dirs[i];
         stats_t *s = &d->st;
