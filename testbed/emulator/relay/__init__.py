@@ -237,7 +237,9 @@ class Relay:
     0 disables); ``vnet`` relays GSO super-frames (see module doc);
     ``reorder`` lets jitter reorder frames like netem (default: FIFO);
     ``max_ring_mb`` caps each direction's frame buffer (sized automatically
-    from rate * (delay + 3 jitter) + 100 ms of slack); ``extra`` passes raw
+    from rate * (delay + 3 jitter) + 100 ms of slack); ``spin_us`` > 0 spins
+    up to that long before a due time instead of sleeping (off: under load it
+    costs the keep-up more than the ~10 us it saves, see tbrelay.c); ``extra`` passes raw
     config keys of tbrelay.c (e.g. ``{"rx_poll_us": 500}``).  Serve many links
     with one process per core (see :func:`partition_links`): a single relay
     also runs the receivers' network stack for all its links and its lateness
@@ -254,7 +256,7 @@ class Relay:
         reorder: bool = False,
         rtprio: int = RTPRIO,
         batch: int = 64,
-        spin_us: int = 150,
+        spin_us: int = 0,
         max_ring_mb: int = 256,
         tx_kb: int = 0,
         extra: dict[str, int] | None = None,
