@@ -42,8 +42,8 @@
  *     time.  A halted vCPU wakes up ~50-100 us late; with spin_us > 0 the
  *     relay sleeps until due - early and spins the rest, where `early` tracks
  *     the measured wakeup overshoot (capped by spin_us) and spinning is paid
- *     from a budget of spin_pct % of wall time.  Off by default: on a loaded
- *     2-vCPU VM it bought ~10 us of median lateness at 0.1 load and cost ~3 %
+ *     from a budget of spin_pct % of wall time.  Off by default: on a
+ *     2-vCPU VM it bought ~10 us of median lateness at scale 0.1, cost ~3 %
  *     of each core, and in 15 back-to-back pairs of NetStorm link checks at
  *     scale 1 (order alternated) the relays kept up in 4 with spin_us 150 and
  *     in 10 without.  All frames due at wakeup are sent round-robin over
