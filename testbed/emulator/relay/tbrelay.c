@@ -703,6 +703,13 @@ static inline int hist_idx(int64_t late_ns)
     if (us < 100000) return 190 + (int)((us - 10000) / 1000);
     return HIST_N - 1;
 }
+/* frames sent in the keep-up window: each has its lateness in the histogram */
+static uint64_t hist_total(const stats_t *st)
+{
+    uint64_t tot = 0;
+    for (int j = 0; j < HIST_N; j++) tot += st->hist[j];
+    return tot;
+}
 static double hist_upper_us(int i)
 {
     if (i < 100) return (i + 1) * 10.0;
@@ -946,9 +953,8 @@ static void emit_stats(const char *event)
     uint64_t s_slices;
     read_schedstat(&s_run, &s_delay, &s_slices);
     s_slices -= sched0_slices;
-    uint64_t win_frames = 0; /* frames sent in the window: each has its lateness in a histogram */
-    for (int i = 0; i < ndirs; i++)
-        for (int j = 0; j < HIST_N; j++) win_frames += dirs[i].st.hist[j];
+    uint64_t win_frames = 0;
+    for (int i = 0; i < ndirs; i++) win_frames += hist_total(&dirs[i].st);
 #define P(...) n += (size_t)snprintf(buf + n, cap - n, __VA_ARGS__)
     P("{\"event\":\"%s\",\"pid\":%d,\"t_mono\":%.6f,\"uptime_s\":%.6f,\"cpu_user_s\":%.6f,"
       "\"cpu_sys_s\":%.6f,\"wakeups\":%" PRIu64 ",\"loops\":%" PRIu64 ",\"send_calls\":%" PRIu64
@@ -965,8 +971,7 @@ static void emit_stats(const char *event)
     for (int i = 0; i < ndirs; i++) {
         dir_t *d = &dirs[i];
         stats_t *s = &d->st;
-        uint64_t tot = 0;
-        for (int j = 0; j < HIST_N; j++) tot += s->hist[j];
+        uint64_t tot = hist_total(s);
         double pct[3] = {0, 0, 0}, q[3] = {0.50, 0.99, 0.999};
         for (int k = 0; k < 3 && tot; k++) {
             uint64_t want = (uint64_t)ceil(q[k] * (double)tot), acc = 0;
