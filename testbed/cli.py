@@ -309,7 +309,7 @@ def cmd_linkcheck(args) -> int:
           f"{result['tcp_cc']} (informative)")
     print(f"total configured capacity {result['total_capacity_mbps']:.0f} Mbit/s at scale {topo.scale:g}; "
           f"{'all directions within tolerance' if result['directions_ok'] else 'SOME DIRECTIONS OUT OF TOLERANCE'}"
-          f"{'' if result['emulation_kept_up']['ok'] else '; THE EMULATOR DID NOT KEEP UP (lower --scale)'}")
+          f"{'; the emulator kept up' if result['emulation_kept_up']['ok'] else '; THE EMULATOR DID NOT KEEP UP (lower --scale)'}")
     print(f"linkcheck: {Path(out) / 'linkcheck.json'}")
     return 0 if result["ok"] else 1
 
