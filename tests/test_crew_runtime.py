@@ -559,6 +559,7 @@ def test_loopback_concurrent_tasks_on_a_link_follow_the_scheduling_policy(schedu
     pairs meeting and 2 chunk pairs overlapping; equal compute under two busy loops: 111-374 and 202-569).
     Every round exact either way."""
     g, length = topogen.crew_mesh(4, 1).graph(), 1_000_003
+    # an 8 s window (staggered, 4 s once gave one meeting on a link in a CI run; kept as margin)
     res, nodes, _ = _loopback_tasks(g, length, 0.03, 8, {"chunk_times": True, "window_s": 8.0},
                                     lambda m, **kw: _paced(make_plan("crew", g, length, {
                                         "active": list(m), "scheduling": scheduling, "split": "even", **kw}), 400),
