@@ -76,6 +76,26 @@ def test_lossy_jittery_link_is_measured_within_tolerance(netenv):
         assert d["tcp_cc"] == "cubic" and d["tcp_goodput_mbps"] < 0.5 * d["measured_mbps"]
 
 
+def test_a_udp_load_that_never_filled_the_queue_is_started_again(netenv, monkeypatch):
+    """iperf3's UDP stream starts with one datagram each way and no retry, so on a lossy link
+    nothing may be sent (a CI run read rate and queue 0 twice at 2 % loss): the queue check
+    kills the load and its probes and starts them again.  Here the first wait for a full queue
+    is told it never filled; that direction's load is started a second time and measures."""
+    from testbed.emulator import linkcheck
+
+    real, calls = linkcheck._await_full_queue, []
+
+    def first_never_full(*args):
+        calls.append(args)
+        return None if len(calls) == 1 else real(*args)
+
+    monkeypatch.setattr(linkcheck, "_await_full_queue", first_never_full)
+    res, _ = _linkcheck(_two(rate=20, delay=5), "auto", seconds=2)
+    tries = {(d["src"], d["dst"]): d["udp_start_tries"] for d in res["directions"]}
+    assert sorted(tries.values()) == [1, 2] and len(calls) == 3, tries
+    assert all(d["rate_ratio"] and d["rate_ratio"] > 0.5 for d in res["directions"]), _out_of_tolerance(res)
+
+
 def test_all_at_once_check_waits_out_cubic_regrowth_on_a_long_fat_link(netenv):
     """The concurrent phase: BBR on the lossy link, the experiment's cubic on the lossless one,
     both measured over CUBIC's regrowth time of the long fat link (its queue of 100 packets is

@@ -16,7 +16,8 @@ about SINGLE_ROUNDS rounds -- :func:`single_batches`, ``--parallel``):
   the receiver (payload share 1468/1510 of the L2 rate HTB enforces, times 1 - loss) is the
   link rate, and probes sent through the same full queue measure delay under a standing queue
   vs what a probe finds ahead of it in a full queue of ``queue_pkts`` at that rate
-  (:func:`testbed.emulator.shaping.standing_queue_ms`).
+  (:func:`testbed.emulator.shaping.standing_queue_ms`).  Where the queue never fills (iperf3's
+  UDP stream set-up lost on a lossy link), load and probes start again (``UDP_START_TRIES``).
 * **TCP goodput** under the experiment's congestion control (``--tcp-cc``), informative only,
   with ping (ICMP in its own priority class, see ``shaping.shape_commands``) measuring the
   delay under that load.
@@ -72,6 +73,9 @@ PROBE_FRAME = PROBE_BYTES + 8 + 20 + 14  # what the queues count per probe
 QUEUE_PROBES = 30  # standing-queue probes sent at least (a long queue's check runs longer to send them)
 READY_S = 60  # the longest a probe process may take to start
 IPERF_SETUP_RTTS = 5  # round trips before iperf3's first datagram (connect, parameters, streams, start)
+# iperf3 opens a UDP stream with one datagram each way and no retry (esnet/iperf#351): on a lossy
+# link either may be lost and nothing is sent (a CI run, 2 % loss: rate and queue read 0 twice)
+UDP_START_TRIES = 3
 UDP_PAYLOAD = MTU - 20 - 8 - 4  # iperf3 datagram: 1468 bytes (+ UDP/IP headers: 1496, under the MTU)
 UDP_HEADERS = 8 + 20 + 14  # what HTB counts per datagram beyond its payload
 UDP_FRAME = UDP_PAYLOAD + UDP_HEADERS
@@ -307,16 +311,23 @@ def _queue_and_udp_rate(net, src: str, dst: str, seconds: float, port: int = BAS
     # which comes only after its TCP control connection and stream set-up, a few round trips
     # over this very link (0.8 s each on GScale's 400 ms links): the probes must wait for it too
     setup_s = IPERF_SETUP_RTTS * (d.delay_ms + net.directions[(dst, src)].spec.delay_ms) / 1e3
-    probe = _Probe(net, src, dst, seconds - 0.5, interval, port=probe_port, skip=0)
-    srv = net.popen(dst, ["iperf3", "-s", "-1", "-p", str(port), "-J", "-i", "0.5"],
-                    stdout=subprocess.PIPE, text=True)
-    time.sleep(0.5)
     # the sender's socket buffer must hold the whole queue (about 2.3 KB of kernel memory per
     # queued datagram), else it throttles iperf3 before the queue is full
     sndbuf = min(16 << 20, max(2 << 20, 3 * d.queue_pkts * (MTU + 14)))
-    cli = net.popen(src, ["iperf3", "-c", net.peer_address(src, dst), "-p", str(port), "-u", "-w", str(sndbuf),
-                          "-b", f"{OVERLOAD * d.rate_mbps * 1e6:.0f}", "-l", str(payload), "-t", f"{total:.1f}"])
-    full_after = _await_full_queue(net, src, dst, frame, setup_s + fill_s + 10)
+    for tries in range(1, UDP_START_TRIES + 1):
+        probe = _Probe(net, src, dst, seconds - 0.5, interval, port=probe_port, skip=0)
+        srv = net.popen(dst, ["iperf3", "-s", "-1", "-p", str(port), "-J", "-i", "0.5"],
+                        stdout=subprocess.PIPE, text=True)
+        time.sleep(0.5)
+        cli = net.popen(src, ["iperf3", "-c", net.peer_address(src, dst), "-p", str(port), "-u", "-w",
+                              str(sndbuf), "-b", f"{OVERLOAD * d.rate_mbps * 1e6:.0f}", "-l", str(payload),
+                              "-t", f"{total:.1f}"])
+        full_after = _await_full_queue(net, src, dst, frame, setup_s + fill_s + 10)
+        if full_after is not None or tries == UDP_START_TRIES:
+            break
+        for p in (cli, srv, probe.tx, probe.rx):  # the queue never filled: start again
+            p.kill()
+            p.communicate(timeout=30)
     probe.go()
     r = probe.result()
     cli.wait(timeout=setup_s + total + 30)
@@ -337,7 +348,7 @@ def _queue_and_udp_rate(net, src: str, dst: str, seconds: float, port: int = BAS
     ratio = mbps / expect_mbps if mbps else None
     return {"measured_mbps": mbps, "rate_method": "udp", "rate_ratio": ratio, "udp_mbps_per_interval": per_interval,
             "measured_queue_ms": queue, "expected_queue_ms": expect_q, "queue_probes": r.get("owd_n", 0),
-            "queue_full_after_s": full_after,
+            "queue_full_after_s": full_after, "udp_start_tries": tries,
             "checks": {"rate": rate_ok(ratio), "queue": queue_ok(queue, expect_q, frame * 8 / (d.rate_mbps * 1e3))},
             "udp_payload": payload}
 
