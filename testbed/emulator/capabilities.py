@@ -105,7 +105,8 @@ def probe() -> Capabilities:
     if memory.REPORTING_ORDER.exists():
         order = int(memory.REPORTING_ORDER.read_text())
         notes.append(f"this VM reports free memory to its hypervisor (virtio-balloon free page reporting, order {order}): "
-                     + ("held" if order > memory.MAX_PAGE_ORDER else "the first network holds it until reboot"))
+                     + ("held" if order > memory.MAX_PAGE_ORDER else "the first network holds it until reboot")
+                     + ("; warmed this boot" if memory.warmed_this_boot() else f"; the first network warms {memory.WARM_MIB} MiB"))
     if (model := preemption()) in ("none", "voluntary"):
         notes.append(f"kernel preemption '{model}': the SCHED_FIFO delay relay waits for a task in a system call "
                      "or a kernel thread to yield before it runs (preempt=full on the command line of a "
