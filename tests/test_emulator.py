@@ -141,6 +141,28 @@ def test_udp_load_reads_every_direction_at_its_own_rate(netenv):
         assert rows[(s, d)]["measured_mbps"] == pytest.approx(rate, rel=0.1)
 
 
+def test_a_silent_udp_load_is_started_again_before_the_window(netenv, monkeypatch):
+    """All at once with UDP: a direction whose receiver counted nothing by the end of the
+    warm-up (iperf3's UDP set-up lost on a lossy link) is started again before the window.
+    Here the first client of a -> b sends nothing; it is started a second time and measures."""
+    from testbed.emulator import linkcheck
+
+    real, calls = linkcheck._udp_client, []
+
+    def first_silent(net, src, dst, port, seconds):
+        calls.append((src, dst))
+        if calls.count(("a", "b")) == 1 and (src, dst) == ("a", "b"):
+            return ["sh", "-c", "read go && exec sleep 60"]
+        return real(net, src, dst, port, seconds)
+
+    monkeypatch.setattr(linkcheck, "_udp_client", first_silent)
+    res = run_linkcheck(_two(rate=20, delay=5), seconds=2, phases=("concurrent",), load="udp", progress=lambda m: None)
+    rows = {(d["src"], d["dst"]): d for d in res["directions"]}
+    assert sorted(calls) == [("a", "b"), ("a", "b"), ("b", "a")]
+    assert (rows[("a", "b")]["udp_start_tries"], rows[("b", "a")]["udp_start_tries"]) == (2, 1)
+    assert all(d["rate_ratio"] > 0.5 for d in rows.values()), _out_of_tolerance(res)
+
+
 def test_standing_queue_behind_a_long_round_trip(netenv):
     """GScale's g2-g5 (130 Mbit/s, 400 ms): iperf3 needs ~4 round trips (3.2 s) before its first
     datagram; probes sent before then read an empty queue (measured 3-29 ms for 93 ms)."""
