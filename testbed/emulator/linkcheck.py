@@ -516,7 +516,7 @@ def _udp_concurrent(net, directions, seconds: float) -> list[dict]:
                 < 0.1 * 0.5 * net.directions[(s, d)].spec.rate_mbps * 1e6 / 8]
         if not todo or attempt == UDP_START_TRIES:
             break
-        for sd in todo:  # nothing arrived: start this direction's pair again
+        for sd in todo:  # next to nothing arrived: start this direction's pair again
             for p in (clients[sd], servers[sd]):
                 p.kill()
                 p.communicate(timeout=30)
