@@ -217,7 +217,7 @@ def test_network_holds_free_memory_from_the_hypervisor(netenv):
     as the kernel allows and it stays raised (testbed.emulator.memory); results record it."""
     from testbed.emulator import memory
 
-    if not memory.REPORTING_ORDER.exists():
+    if not memory.reports_free_pages():
         pytest.skip("this machine reports no free pages to a hypervisor")
     with WanNetwork(_two()) as net:
         held = net.memory_hold["held_at"]

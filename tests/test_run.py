@@ -39,7 +39,7 @@ def test_quickstart_smoke(netenv, tmp_path):
     assert any(l["delay_ms"] > 0 for l in out["links"])
     assert out["environment"]["git_commit"]
     env = out["environment"]
-    assert "cpu_model" in env and "preemption" in env and (env["memory_hold"] is not None) == memory.REPORTING_ORDER.exists()
+    assert "cpu_model" in env and "preemption" in env and (env["memory_hold"] is not None) == memory.reports_free_pages()
     assert "kept_up" in out["emulation"]
     assert out["runs"][0]["transfers"]["rows"]
 

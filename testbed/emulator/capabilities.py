@@ -102,7 +102,7 @@ def probe() -> Capabilities:
     notes: list[str] = []
     if root and shutil.which("ip") and shutil.which("tc"):
         netns, htb, netem, bridge, notes = _probe_kernel()
-    if memory.REPORTING_ORDER.exists():
+    if memory.reports_free_pages():
         order = int(memory.REPORTING_ORDER.read_text())
         notes.append(f"this VM reports free memory to its hypervisor (virtio-balloon free page reporting, order {order}): "
                      + ("held" if order > memory.MAX_PAGE_ORDER else "the first network holds it until reboot")
