@@ -215,6 +215,13 @@ def _release(procs, line: str = "go") -> None:
         p.stdin.flush()
 
 
+def _kill(procs) -> None:
+    """Kill and reap the processes of a load whose start did not take (UDP_START_TRIES)."""
+    for p in procs:
+        p.kill()
+        p.communicate(timeout=30)
+
+
 def _await_ready(p: subprocess.Popen, who: str) -> None:
     """Wait (at most READY_S) for a helper process's ``ready`` line (probe or TCP load)."""
     if not select.select([p.stdout], [], [], READY_S)[0] or p.stdout.readline().strip() != "ready":
@@ -325,9 +332,7 @@ def _queue_and_udp_rate(net, src: str, dst: str, seconds: float, port: int = BAS
         full_after = _await_full_queue(net, src, dst, frame, setup_s + fill_s + 10)
         if full_after is not None or tries == UDP_START_TRIES:
             break
-        for p in (cli, srv, probe.tx, probe.rx):  # the queue never filled: start again
-            p.kill()
-            p.communicate(timeout=30)
+        _kill((cli, srv, probe.tx, probe.rx))  # the queue never filled: start again
     probe.go()
     r = probe.result()
     cli.wait(timeout=setup_s + total + 30)
@@ -494,7 +499,8 @@ def _udp_concurrent(net, directions, seconds: float) -> list[dict]:
     before the window."""
     rtt_s = max((net.directions[sd].spec.delay_ms + net.directions[sd[::-1]].spec.delay_ms) / 1e3 for sd in directions)
     warm = IPERF_SETUP_RTTS * rtt_s + 1.0  # every client connected and sending
-    run_s = UDP_START_TRIES * (warm + 0.5) + seconds + 5  # a client started last outlasts the window
+    check_s = 0.5  # how long a direction must bring a tenth of its rate to count as started
+    run_s = UDP_START_TRIES * (warm + check_s) + seconds + 5  # a client started last outlasts the window
     port = {sd: BASE_PORT + k for k, sd in enumerate(directions)}
     intf = {(s, d): net.directions[(d, s)].intf for s, d in directions}  # the receiver's end of the link
     receivers = sorted({d for _, d in directions})
@@ -509,18 +515,15 @@ def _udp_concurrent(net, directions, seconds: float) -> list[dict]:
         _release([clients[sd] for sd in todo])
         time.sleep(warm)
         before = {h: _rx_bytes(net, h)[1] for h in receivers}
-        time.sleep(0.5)
-        after = {h: _rx_bytes(net, h)[1] for h in receivers}
+        time.sleep(check_s)
+        first = {h: _rx_bytes(net, h) for h in receivers}  # the window starts here unless a direction restarts
         # an idle link still carries a few hundred bytes a second (IPv6 neighbour discovery)
-        todo = [(s, d) for s, d in directions if after[d][intf[(s, d)]] - before[d][intf[(s, d)]]
-                < 0.1 * 0.5 * net.directions[(s, d)].spec.rate_mbps * 1e6 / 8]
+        todo = [(s, d) for s, d in directions if first[d][1][intf[(s, d)]] - before[d][intf[(s, d)]]
+                < 0.1 * check_s * net.directions[(s, d)].spec.rate_mbps * 1e6 / 8]
         if not todo or attempt == UDP_START_TRIES:
             break
         for sd in todo:  # next to nothing arrived: start this direction's pair again
-            for p in (clients[sd], servers[sd]):
-                p.kill()
-                p.communicate(timeout=30)
-    first = {h: _rx_bytes(net, h) for h in receivers}
+            _kill((clients[sd], servers[sd]))
     time.sleep(seconds)
     last = {h: _rx_bytes(net, h) for h in receivers}
     for p in [*clients.values(), *servers.values()]:
