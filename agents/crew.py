@@ -100,7 +100,7 @@ class Task:
     times: dict = field(default_factory=dict)  # phase -> ns (coordinator clock)
     done: dict = field(default_factory=dict)  # node -> its task_done report
     deadline: float = 0.0  # monotonic
-    failed: tuple = ()  # (monotonic, node, message) of the first TASK_FAILED
+    failed: list = field(default_factory=list)  # (monotonic, node, message) of each TASK_FAILED
 
 
 class Controller:
@@ -278,8 +278,9 @@ class TaskRun:
             if now >= end and not self.ctl.running() and not self.detached:
                 break
             for t in self.ctl.running():
-                if t.failed and now - t.failed[0] > c.silence_s + 1:  # no worker loss explains it
-                    c._diagnose(("msg", t.failed[1], {"msg": "error", "message": f"task {t.pid}: {t.failed[2]} "
+                if t.failed and now - t.failed[0][0] > c.silence_s + 1:  # no worker loss explains it
+                    (_, node, why), others = t.failed[0], "".join(f"; {n}: {m}" for _, n, m in t.failed[1:])
+                    c._diagnose(("msg", node, {"msg": "error", "message": f"task {t.pid}: {why}{others} "
                                                       "(a failure other than a lost worker: not repaired)"}))
                 if now > t.deadline:
                     c._diagnose(("deadline", sorted(t.waiting)[0] if t.waiting else None,
@@ -412,7 +413,7 @@ class TaskRun:
                 self._drop_orphan(t, f"failed at {node} after the controller was lost: {data.get('message')}")
                 return
             if kind == "task_failed":  # a lost worker (noticed within silence_s) explains it, or it fails the run
-                t.failed = t.failed or (time.monotonic(), node, data.get("message"))
+                t.failed.append((time.monotonic(), node, data.get("message")))  # all of them go in the error
                 return
             t.waiting.discard(node)
             if kind == "armed":
@@ -1035,7 +1036,7 @@ def worker_loop(agent, Aborted: type[Exception]) -> int:
     def retire(ex) -> None:  # a version given up on: its threads and connections go
         for v, e in list(agent.execs.items()):
             if e is ex and v != 0:
-                del agent.execs[v]
+                agent.execs.pop(v, None)  # (the task's thread and the ABANDON may both retire it)
         ex.close()
 
     def run_task(pid: int, ex, rounds: dict, chunk_times: bool, seq: int | None) -> None:
@@ -1060,6 +1061,9 @@ def worker_loop(agent, Aborted: type[Exception]) -> int:
                         "comm_done_ns": timing["comm_done_ns"], **check, **early,
                         **({"chunks": timing["chunks"]} if chunk_times else {})})
             running.pop(pid, None)  # after the report: a REJOIN names it running or carries the report
+            if pid in abandoned:  # stopped after its run here ended (the ABANDON's abort came too late):
+                retire(ex)  # its connections go all the same (one left open, reset later with bytes unsent,
+                # held the next task's turn on the link: LinkGate)
             if me in rounds and rounds[me] == done_round[0]:  # not a repair of a round already done
                 done_round[0] += 1
                 agent.inbox.put({"msg": "_round_done"})

@@ -107,11 +107,16 @@ def is_aux(channel: int) -> bool:
 
 
 SIOCOUTQNSD = 0x894B  # Linux: bytes in a TCP socket's send queue not yet sent
+TCP_CLOSE = 7  # tcpi_state of a dead connection (reset, timed out)
 
 
 def unsent_bytes(sock: socket.socket) -> int:
-    """Bytes written to ``sock`` that TCP has not sent yet (0 once closed)."""
+    """Bytes written to ``sock`` that TCP has not sent yet and still will: 0 once the socket
+    is closed here, and 0 once its connection is dead (reset, timed out) -- Linux keeps
+    counting the bytes a reset connection never sent, for as long as the socket is open."""
     try:
+        if sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 1)[0] == TCP_CLOSE:
+            return 0
         return struct.unpack("i", fcntl.ioctl(sock.fileno(), SIOCOUTQNSD, b"\0\0\0\0"))[0]
     except (OSError, ValueError):
         return 0
@@ -144,8 +149,8 @@ class LinkGate:
 
     def acquire(self, t: int, sock: socket.socket, timeout_s: float, stop) -> None:
         """Block until ticket ``t`` is the oldest pending and the link's previous holder (another
-        owner) drained its socket; ``stop()`` true or ``timeout_s`` without the gate moving raise
-        ExecError."""
+        owner) drained its socket; ``stop()`` true, ``timeout_s`` without the gate moving or
+        without the previous holder's socket draining raise ExecError."""
         with self._cv:
             head, moved = None, time.monotonic()
             while True:
@@ -164,7 +169,10 @@ class LinkGate:
             prev, me = self._last, self._pending[t]
         if prev is not None and prev[0] is not me and prev[1] is not sock:
             deadline = time.monotonic() + timeout_s
-            while unsent_bytes(prev[1]) > 0 and time.monotonic() < deadline and not stop():
+            while (left := unsent_bytes(prev[1])) > 0 and not stop():
+                if time.monotonic() > deadline:
+                    raise ExecError(f"link gate: the previous flow on this link (another task's) still had {left} "
+                                    f"bytes unsent after {timeout_s:g} s")
                 time.sleep(0.0005)
 
     def release(self, t: int, sock: socket.socket | None = None) -> None:
@@ -327,6 +335,9 @@ class Executor:
         # a send that moves no byte for timeout_s fails; on an auxiliary path it is given up sooner
         sock.settimeout((self._resend_after or self.timeout_s) if is_aux(channel) else self.timeout_s)
         with self._lock:  # an auxiliary connection may also be one a relay opens on first use
+            if self._closing:  # closed while this connection was being opened (a version given up on)
+                close_quietly(sock)
+                raise ExecError(f"data connection to {peer} channel {channel}: the executor is closed")
             if (key not in self._out_keys and not is_aux(channel)) or key in self._senders:
                 raise ProtocolError(f"no (further) data connection to {peer} channel {channel} expected")
             q: queue.SimpleQueue = queue.SimpleQueue()

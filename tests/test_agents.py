@@ -267,6 +267,18 @@ def test_executor_withdrawn_transfer_completes_without_touching_the_buffer(lone_
         rx.close()
 
 
+def test_a_connection_opened_after_the_executor_closed_is_refused_and_closed():
+    """A version given up on while its connections were being opened (CREW: a link broke
+    during the install): a late connection is not kept open by a closed executor."""
+    ex = Executor("a", [Op(0, SEND, "b", 5, 0, 4)], length=4, timeout_s=1.0)
+    ex.close()
+    sa, sb = socket.socketpair()
+    with pytest.raises(ExecError, match="closed"):
+        ex.attach_outgoing("b", 0, sa)
+    assert sa.fileno() == -1 and sb.recv(1) == b""
+    sb.close()
+
+
 @pytest.mark.parametrize("frame, match", [
     (lambda: wire.encode_header(_data(99, 16)), "from a .*unknown transfer 99"),
     (lambda: wire.encode_header(_data(5, 12)), "from a .*12 bytes, expected 16"),

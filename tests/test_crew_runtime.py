@@ -664,6 +664,45 @@ def test_link_gate_serves_tickets_in_order_across_owners_and_skips_closed_ones()
     assert order == [0, 1, 3, 4]
 
 
+def test_link_gate_does_not_wait_for_a_reset_connection_to_drain():
+    """The previous holder's connection was reset with bytes unsent (its peer closed it: a
+    version stopped at a link break).  Linux keeps counting those bytes as unsent for as
+    long as the socket is open here; the next holder must not wait its whole timeout for them
+    (it did: the first task over a link that came back stalled for 30 s in CI)."""
+    import socket
+    import time as _time
+
+    from agents.executor import LinkGate, unsent_bytes
+
+    class Owner:
+        _closing = False
+
+    server = socket.create_server(("127.0.0.1", 0))
+    dead = socket.create_connection(server.getsockname())
+    peer, _ = server.accept()
+    dead.setblocking(False)
+    try:
+        while True:  # the peer reads nothing: bytes pile up unsent here
+            dead.send(b"x" * 65536)
+    except BlockingIOError:
+        pass
+    assert unsent_bytes(dead) > 0
+    peer.close()  # unread data: RST
+    _time.sleep(0.2)
+    assert unsent_bytes(dead) == 0
+    gate, a, b = LinkGate(), Owner(), Owner()
+    ta = gate.ticket(a)
+    gate.acquire(ta, dead, 5.0, lambda: False)
+    gate.release(ta, dead)
+    tb = gate.ticket(b)
+    t0 = _time.monotonic()
+    with socket.socket() as mine:
+        gate.acquire(tb, mine, 5.0, lambda: False)
+    assert _time.monotonic() - t0 < 1.0
+    for s in (dead, server):
+        s.close()
+
+
 def test_groups_controller_down_is_validated():
     base = {"name": "g", "topology": "small-3"}
     exp = config.validate({**base, "scheme": {"name": "crew", "groups": {

@@ -158,8 +158,11 @@ class Lab:
                f"net.ipv4.tcp_congestion_control={DEFAULT_TCP_CC}", ns=host_ns)
         sh("ip", "addr", "add", f"{IP_A}/24", "dev", self.if_a, ns=self.ns_a)
         sh("ip", "addr", "add", f"{IP_B}/24", "dev", self.if_b, ns=self.ns_b)
-        # static neighbours: no ARP frames, so the frame sequence (and the
-        # seeded loss pattern) only depends on the test traffic
+        self.static_neighbours()
+
+    def static_neighbours(self) -> None:
+        """No ARP frames, so the frame sequence (and the seeded loss pattern) only depends
+        on the test traffic (again after a link was set down: that flushes them)."""
         mac = {ns: re.search(r"link/ether (\S+)", sh("ip", "link", "show", dev, ns=ns)).group(1)
                for ns, dev in ((self.ns_a, self.if_a), (self.ns_b, self.if_b))}
         sh("ip", "neigh", "replace", IP_B, "lladdr", mac[self.ns_b], "dev", self.if_a,
@@ -236,7 +239,7 @@ def clean_lab(lab):
 def assert_counters_add_up(stats: dict) -> None:
     for d in stats["dirs"]:
         # drop_ring/drop_trunc frames never entered the relay's queue
-        dropped = d["drop_queue"] + d["drop_tx"]
+        dropped = d["drop_queue"] + d["drop_tx"] + d["drop_down"]
         assert d["frames_in"] == d["frames_out"] + d["lost_frames"] + d["backlog"] + dropped, d
         if not d["backlog"] and not dropped:
             assert d["segs_in"] == d["segs_out"] + d["lost_segs"], d
@@ -329,6 +332,30 @@ def test_jitter_keeps_fifo_order(clean_lab):
     assert mdev > 1.0, rtt  # jitter is there
     assert rmin >= 40 - 3 * 4 - 0.05 and rmax <= 40 + 3 * 4 + 3, rtt  # truncated at 3 sigma (+ FIFO)
     assert st["dirs"][0]["jitter_us"] == 4000
+
+
+@net
+def test_frames_due_while_the_link_is_down_are_lost_not_delivered_late(clean_lab):
+    """A host's end of a link set down (a fault) takes the carrier of the relay's end with
+    it: the frames in flight and those due meanwhile are lost, as on a cut link -- not kept
+    and delivered when it is back (they were: ~half a second late here, and the relay
+    retried them every 20 us for the whole outage)."""
+    lab = clean_lab
+    r = lab.relay(RelayDirection(100), RelayDirection(100), seed=1)
+    ping = lab.popen(lab.ns_a)(["ping", "-n", "-q", "-c", "150", "-i", "0.01", IP_B], stdout=subprocess.DEVNULL)
+    try:
+        time.sleep(0.5)
+        sh("ip", "link", "set", lab.if_b, "down", ns=lab.ns_b)
+        time.sleep(0.5)
+    finally:
+        sh("ip", "link", "set", lab.if_b, "up", ns=lab.ns_b)
+        lab.static_neighbours()
+    ping.wait(10)
+    st = r.stop()
+    assert_counters_add_up(st)
+    ab = st["dirs"][0]
+    assert ab["drop_down"] > 10 and ab["tx_retry"] == 0, ab
+    assert ab["late_max_us"] < 50_000, ab
 
 
 @net

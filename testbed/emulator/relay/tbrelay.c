@@ -72,6 +72,11 @@
  *   direction from (seed, link, direction): reproducible for a given frame
  *   sequence, independent of other links.
  *
+ * LINK DOWN
+ *   A fault sets a host's end of a link down; the relay's end loses its
+ *   carrier and every frame due meanwhile is lost (drop_down), as on a cut
+ *   link and as netem's queue is when its device goes down.
+ *
  * OFFLOADS / GSO ("vnet" mode)
  *   vnet 0 (plain mode): frames are relayed byte for byte.  Then the HOST-side
  *   veth ends (A-ethX, B-ethY) must not produce GSO super-frames or partial
@@ -122,6 +127,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/epoll.h>
+#include <sys/ioctl.h>
 #include <sys/mman.h>
 #include <sys/prctl.h>
 #include <sys/resource.h>
@@ -206,6 +212,7 @@ typedef struct {
     uint64_t drop_queue;               /* descriptor queue full (should not happen) */
     uint64_t drop_tx;                  /* sendmmsg hard errors */
     uint64_t drop_trunc;               /* frame larger than the receive slot */
+    uint64_t drop_down;                /* due while its link was down (no carrier): lost, as on a cut link */
     uint64_t gso_frames, gso_split;    /* super-frames seen / segmented for loss */
     uint64_t tx_retry;                 /* ENOBUFS/EAGAIN, retried later */
     uint64_t max_backlog, max_backlog_bytes, max_arena;
@@ -818,7 +825,23 @@ static int tcp_segment(const entry_t *e, uint8_t *scratch, size_t scap, struct m
     return nm;
 }
 
-static int is_transient(int err) { return err == ENOBUFS || err == EAGAIN || err == ENOMEM || err == EINTR; }
+/* 1 while p's veth peer (the host's end of the link) is up.  Without a carrier the kernel
+ * refuses every frame with ENOBUFS, as for a full queue; kept and retried (every 20 us),
+ * they were delivered seconds late when the link came back (a stale CREW heartbeat
+ * announced the link back while its far end was still down). */
+static int carrier(const port_t *p)
+{
+    struct ifreq ifr;
+    memset(&ifr, 0, sizeof ifr);
+    snprintf(ifr.ifr_name, sizeof ifr.ifr_name, "%s", p->name);
+    return ioctl(p->fd, SIOCGIFFLAGS, &ifr) != 0 || (ifr.ifr_flags & IFF_RUNNING);
+}
+
+/* A failed send worth retrying: the device (or memory) is busy, not the link cut. */
+static int is_transient(int err, const port_t *out)
+{
+    return (err == ENOBUFS || err == EAGAIN || err == ENOMEM || err == EINTR) && (err != ENOBUFS || carrier(out));
+}
 
 /* Send up to cfg.batch due frames of d.  Returns 1 if anything was sent. */
 static int tx_batch(dir_t *d, int64_t now)
@@ -837,16 +860,17 @@ static int tx_batch(dir_t *d, int64_t now)
             q_pop(d);
             int nm = tcp_segment(&e, scratch, sizeof scratch, m, iov);
             int64_t t0 = mono_ns();
-            int k = nm ? sendmmsg(d->out->fd, m, (unsigned)nm, MSG_DONTWAIT) : 0;
+            int k = nm ? sendmmsg(d->out->fd, m, (unsigned)nm, MSG_DONTWAIT) : 0, err = errno;
             n_sendcalls++;
-            if (k < 0 && is_transient(errno)) {
+            if (k < 0 && is_transient(err, d->out)) {
                 d->st.tx_retry++;
                 q_unpop(d, &e, 1);
                 d->retry = 1;
                 return 0;
             }
-            if (k <= 0 && nm) { /* hard error: the whole frame is lost */
-                d->st.drop_tx++;
+            if (k <= 0 && nm) { /* hard error or the link down: the whole frame is lost */
+                if (k < 0 && err == ENOBUFS) d->st.drop_down++;
+                else d->st.drop_tx++;
                 arena_done(d, e.rec);
                 return 1;
             }
@@ -881,16 +905,24 @@ static int tx_batch(dir_t *d, int64_t now)
             done += k;
             continue;
         }
-        if (k < 0 && is_transient(errno)) {
+        int err = errno;
+        if (k < 0 && is_transient(err, d->out)) {
             d->st.tx_retry++;
             q_unpop(d, b + done, n - done);
             d->retry = 1;
             return done > 0;
         }
+        if (k < 0 && err == ENOBUFS) { /* the link is down: every frame of this batch is lost */
+            for (; done < n; done++) {
+                d->st.drop_down++;
+                arena_done(d, b[done].rec);
+            }
+            break;
+        }
         /* hard error on frame `done` (e.g. EMSGSIZE: frame > MTU, ENXIO/ENETDOWN) */
         static int warned;
         if (warned++ < 5)
-            fprintf(stderr, "tbrelay: send on %s: %s (len %u)\n", d->out->name, strerror(errno),
+            fprintf(stderr, "tbrelay: send on %s: %s (len %u)\n", d->out->name, strerror(err),
                     b[done].len);
         d->st.drop_tx++;
         arena_done(d, b[done].rec);
@@ -989,7 +1021,7 @@ static void emit_stats(const char *event)
           "\"frames_in\":%" PRIu64 ",\"bytes_in\":%" PRIu64 ",\"segs_in\":%" PRIu64
           ",\"frames_out\":%" PRIu64 ",\"bytes_out\":%" PRIu64 ",\"segs_out\":%" PRIu64
           ",\"lost_segs\":%" PRIu64 ",\"lost_frames\":%" PRIu64 ",\"drop_ring\":%" PRIu64
-          ",\"drop_queue\":%" PRIu64 ",\"drop_tx\":%" PRIu64 ",\"drop_trunc\":%" PRIu64
+          ",\"drop_queue\":%" PRIu64 ",\"drop_tx\":%" PRIu64 ",\"drop_trunc\":%" PRIu64 ",\"drop_down\":%" PRIu64
           ",\"gso_frames\":%" PRIu64 ",\"gso_split\":%" PRIu64 ",\"tx_retry\":%" PRIu64
           ",\"backlog\":%u,\"backlog_bytes\":%" PRIu64
           ",\"max_backlog\":%" PRIu64 ",\"max_backlog_bytes\":%" PRIu64
@@ -998,7 +1030,7 @@ static void emit_stats(const char *event)
           i ? "," : "", d->link, d->ba ? "ba" : "ab", d->in->name, d->out->name, d->delay / 1e3,
           d->jitter / 1e3, d->loss, s->frames_in, s->bytes_in, s->segs_in, s->frames_out,
           s->bytes_out, s->segs_out, s->lost_segs, s->lost_frames, s->drop_ring, s->drop_queue,
-          s->drop_tx, s->drop_trunc, s->gso_frames, s->gso_split, s->tx_retry,
+          s->drop_tx, s->drop_trunc, s->drop_down, s->gso_frames, s->gso_split, s->tx_retry,
           d->qlen, d->qbytes, s->max_backlog, s->max_backlog_bytes, s->late_max / 1e3, pct[0],
           pct[1], pct[2], s->rxlag_max / 1e3,
           s->frames_in ? s->rxlag_sum / 1e3 / (double)s->frames_in : 0.0, d->acap / 1048576.0,
