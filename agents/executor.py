@@ -115,9 +115,8 @@ def unsent_bytes(sock: socket.socket) -> int:
     is closed here, and 0 once its connection is dead (reset, timed out) -- Linux keeps
     counting the bytes a reset connection never sent, for as long as the socket is open."""
     try:
-        if sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 1)[0] == TCP_CLOSE:
-            return 0
-        return struct.unpack("i", fcntl.ioctl(sock.fileno(), SIOCOUTQNSD, b"\0\0\0\0"))[0]
+        n = struct.unpack("i", fcntl.ioctl(sock.fileno(), SIOCOUTQNSD, b"\0\0\0\0"))[0]
+        return n if n == 0 or sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 1)[0] != TCP_CLOSE else 0
     except (OSError, ValueError):
         return 0
 

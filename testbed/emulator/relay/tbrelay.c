@@ -825,22 +825,20 @@ static int tcp_segment(const entry_t *e, uint8_t *scratch, size_t scap, struct m
     return nm;
 }
 
-/* 1 while p's veth peer (the host's end of the link) is up.  Without a carrier the kernel
- * refuses every frame with ENOBUFS, as for a full queue; kept and retried (every 20 us),
- * they were delivered seconds late when the link came back (a stale CREW heartbeat
- * announced the link back while its far end was still down). */
-static int carrier(const port_t *p)
+static int is_transient(int err) { return err == ENOBUFS || err == EAGAIN || err == ENOMEM || err == EINTR; }
+
+/* A send into `out` failed with `err` because the link is down: without a carrier (the
+ * host's end of the veth set down) the kernel refuses every frame with ENOBUFS, as for a
+ * full queue.  Kept and retried (every 20 us), such frames were delivered seconds late
+ * when the link came back (a stale CREW heartbeat announced the link back while its far
+ * end was still down); they are lost instead. */
+static int link_down(int err, const port_t *out)
 {
     struct ifreq ifr;
+    if (err != ENOBUFS) return 0;
     memset(&ifr, 0, sizeof ifr);
-    snprintf(ifr.ifr_name, sizeof ifr.ifr_name, "%s", p->name);
-    return ioctl(p->fd, SIOCGIFFLAGS, &ifr) != 0 || (ifr.ifr_flags & IFF_RUNNING);
-}
-
-/* A failed send worth retrying: the device (or memory) is busy, not the link cut. */
-static int is_transient(int err, const port_t *out)
-{
-    return (err == ENOBUFS || err == EAGAIN || err == ENOMEM || err == EINTR) && (err != ENOBUFS || carrier(out));
+    snprintf(ifr.ifr_name, sizeof ifr.ifr_name, "%s", out->name);
+    return ioctl(out->fd, SIOCGIFFLAGS, &ifr) == 0 && !(ifr.ifr_flags & IFF_RUNNING);
 }
 
 /* Send up to cfg.batch due frames of d.  Returns 1 if anything was sent. */
@@ -862,14 +860,15 @@ static int tx_batch(dir_t *d, int64_t now)
             int64_t t0 = mono_ns();
             int k = nm ? sendmmsg(d->out->fd, m, (unsigned)nm, MSG_DONTWAIT) : 0, err = errno;
             n_sendcalls++;
-            if (k < 0 && is_transient(err, d->out)) {
+            int down = k < 0 && link_down(err, d->out);
+            if (k < 0 && !down && is_transient(err)) {
                 d->st.tx_retry++;
                 q_unpop(d, &e, 1);
                 d->retry = 1;
                 return 0;
             }
             if (k <= 0 && nm) { /* hard error or the link down: the whole frame is lost */
-                if (k < 0 && err == ENOBUFS) d->st.drop_down++;
+                if (down) d->st.drop_down++;
                 else d->st.drop_tx++;
                 arena_done(d, e.rec);
                 return 1;
@@ -906,18 +905,18 @@ static int tx_batch(dir_t *d, int64_t now)
             continue;
         }
         int err = errno;
-        if (k < 0 && is_transient(err, d->out)) {
-            d->st.tx_retry++;
-            q_unpop(d, b + done, n - done);
-            d->retry = 1;
-            return done > 0;
-        }
-        if (k < 0 && err == ENOBUFS) { /* the link is down: every frame of this batch is lost */
+        if (k < 0 && link_down(err, d->out)) { /* every frame of this batch is lost */
             for (; done < n; done++) {
                 d->st.drop_down++;
                 arena_done(d, b[done].rec);
             }
             break;
+        }
+        if (k < 0 && is_transient(err)) {
+            d->st.tx_retry++;
+            q_unpop(d, b + done, n - done);
+            d->retry = 1;
+            return done > 0;
         }
         /* hard error on frame `done` (e.g. EMSGSIZE: frame > MTU, ENXIO/ENETDOWN) */
         static int warned;
