@@ -350,7 +350,9 @@ def test_host_keys_refused_unless_known_or_accepted_on_first_contact(ssh_wan, tm
     ssh_wan.known_hosts(tmp_path / "known_hosts", pub={"h2": _keypair(tmp_path / "other")})
     with pytest.raises(RunError) as e:
         SshHosts(_load(tmp_path, hosts)).__enter__()
-    assert str(e.value).startswith("h2 (h2-dc): host key CHANGED") and "h1" not in str(e.value), e.value
+    # h1 is not named (each refused host is "name (dest): ..."; a bare "h1" can occur in the
+    # random key fingerprints the message quotes: it did, once in CI)
+    assert str(e.value).startswith("h2 (h2-dc): host key CHANGED") and "h1 (" not in str(e.value), e.value
 
 
 @pytest.mark.net
