@@ -299,7 +299,8 @@ def cmd_linkcheck(args) -> int:
     if "concurrent_cpu_util" in result:
         per_frame = result.get("concurrent_cpu_us_per_frame")
         print(f"CPU during concurrent phase: {result['concurrent_cpu_util']:.0%}"
-              + (f", {per_frame:.1f} us of CPU per relayed frame" if per_frame else ""))
+              + (f", {result['concurrent_frames_per_s'] / 1e3:.1f}k relayed frames/s,"
+                 f" {per_frame:.1f} us of CPU per relayed frame" if per_frame else ""))
     print(f"CPU busy {result['cpu_util']:.0%}, taken by the hypervisor (steal) {result['steal']:.1%}; load "
           f"average before/after {result['load_before'][0]:.1f}/{result['load_after'][0]:.1f}; "
           f"emulator kept up: {result['emulation_kept_up']}")

@@ -67,6 +67,7 @@ def test_each_datacenter_counts_what_each_neighbour_sent_in_the_window():
     for rx in (got["a"]["received"]["b"], got["b"]["received"]["a"]):
         assert rx["bytes"] > 0 and len(rx["per_s"]) == 2  # 1.5 s window: two per-second slots
         assert rx["mbps"] == pytest.approx(rx["bytes"] * 8 / 1.5 / 1e6)
+        assert 0 < rx["acks"] < rx["bytes"] / 1448  # the receiver's ACKs in the window: fewer than segments
 
 
 def test_no_go_means_a_clear_exit_within_its_deadline(monkeypatch):

@@ -13,7 +13,9 @@ The process binds PORT, prints ``ready``, and waits (at most READY_WAIT_S) for `
 standard input, T0 a CLOCK_REALTIME epoch shared by every namespace; then it connects its
 flows (TCP congestion control CC, STREAMS connections each) and sends until the window
 [T0 + O, T0 + O + S] has passed.  Bytes read in that window count; it prints one JSON line
-``{"received": {SRC: {"bytes", "mbps", "per_s": [...]}}, "refused": n}``.  Each connection
+``{"received": {SRC: {"bytes", "mbps", "per_s": [...], "acks"}}, "refused": n}``, ``acks`` being
+the segments this side sent back to SRC in the window (TCP_INFO ``tcpi_segs_out`` of its receiving
+sockets: their ACKs, which share the reverse direction's link).  Each connection
 starts with a fixed-size header naming its sender and rate; a connection whose header is
 malformed is closed and counted in ``refused``.  At the end every connection is reset (an
 abortive close): a graceful one left the senders' queued megabytes to orphaned sockets that
@@ -44,6 +46,7 @@ READY_WAIT_S = 120  # the longest the process waits for its "go"
 RCV_WAKE_S = 0.01  # a receiving socket wakes the loop once this much of its link's data is queued
 SEND_BYTES = 1 << 18  # bytes offered to a sending socket per call
 TAIL_S = 0.5  # sending goes on this long after the window, so that the window ends under load
+_TCPI_SEGS_OUT = 136  # offset of tcpi_segs_out in struct tcp_info (linux/tcp.h, since 4.2)
 
 
 def header(name: str, rate_mbps: float) -> bytes:
@@ -76,6 +79,13 @@ def rcvlowat(rate_mbps: float) -> int:
 class _Conn:
     def __init__(self, sock: socket.socket):
         self.sock, self.head, self.src = sock, b"", None
+        self.acks0 = self.acks1 = None  # segments sent back, at the first and the last read in the window
+
+
+def segs_out(sock: socket.socket) -> int:
+    """Segments ``sock`` has sent (a receiving socket sends ACKs only)."""
+    info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, _TCPI_SEGS_OUT + 4)
+    return struct.unpack_from("I", info, _TCPI_SEGS_OUT)[0]
 
 
 def run(port: int, name: str, flows: list[tuple[str, float, str, int]], omit: float, seconds: float,
@@ -108,6 +118,7 @@ def run(port: int, name: str, flows: list[tuple[str, float, str, int]], omit: fl
     os.ftruncate(zeros, SEND_BYTES)
     buf = bytearray(1 << 20)
     received: dict[str, dict] = {}
+    conns: list[_Conn] = []  # the receiving connections whose sender is known
     refused = 0
     while (now := time.time()) < end + TAIL_S:
         for key, _ in sel.select(min(1.0, end + TAIL_S - now)):
@@ -157,11 +168,18 @@ def run(port: int, name: str, flows: list[tuple[str, float, str, int]], omit: fl
                             c.sock.close()
                             continue
                         c.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, rcvlowat(rate))
-                        received.setdefault(c.src, {"bytes": 0, "per_s": [0] * max(1, int(seconds + 0.999))})
+                        received.setdefault(c.src, {"bytes": 0, "per_s": [0] * max(1, int(seconds + 0.999)), "acks": 0})
+                        conns.append(c)
                 elif start <= now < end:
                     r = received[c.src]
                     r["bytes"] += n
                     r["per_s"][min(len(r["per_s"]) - 1, int(now - start))] += n
+                    c.acks1 = segs_out(c.sock)
+                    if c.acks0 is None:
+                        c.acks0 = c.acks1
+    for c in conns:
+        if c.acks0 is not None:
+            received[c.src]["acks"] += c.acks1 - c.acks0
     for key in list(sel.get_map().values()):
         if key.fileobj is not lsock:
             _reset(key.fileobj)
