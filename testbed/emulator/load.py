@@ -79,7 +79,7 @@ def rcvlowat(rate_mbps: float) -> int:
 class _Conn:
     def __init__(self, sock: socket.socket):
         self.sock, self.head, self.src = sock, b"", None
-        self.acks0 = self.acks1 = None  # segments sent back, at the first and the last read in the window
+        self.segs_out = None  # segments sent back, at the last read in the window
 
 
 def segs_out(sock: socket.socket) -> int:
@@ -118,7 +118,6 @@ def run(port: int, name: str, flows: list[tuple[str, float, str, int]], omit: fl
     os.ftruncate(zeros, SEND_BYTES)
     buf = bytearray(1 << 20)
     received: dict[str, dict] = {}
-    conns: list[_Conn] = []  # the receiving connections whose sender is known
     refused = 0
     while (now := time.time()) < end + TAIL_S:
         for key, _ in sel.select(min(1.0, end + TAIL_S - now)):
@@ -169,17 +168,14 @@ def run(port: int, name: str, flows: list[tuple[str, float, str, int]], omit: fl
                             continue
                         c.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, rcvlowat(rate))
                         received.setdefault(c.src, {"bytes": 0, "per_s": [0] * max(1, int(seconds + 0.999)), "acks": 0})
-                        conns.append(c)
                 elif start <= now < end:
                     r = received[c.src]
                     r["bytes"] += n
                     r["per_s"][min(len(r["per_s"]) - 1, int(now - start))] += n
-                    c.acks1 = segs_out(c.sock)
-                    if c.acks0 is None:
-                        c.acks0 = c.acks1
-    for c in conns:
-        if c.acks0 is not None:
-            received[c.src]["acks"] += c.acks1 - c.acks0
+                    sent = segs_out(c.sock)
+                    if c.segs_out is not None:  # the ACKs sent since the previous read in the window
+                        r["acks"] += sent - c.segs_out
+                    c.segs_out = sent
     for key in list(sel.get_map().values()):
         if key.fileobj is not lsock:
             _reset(key.fileobj)
