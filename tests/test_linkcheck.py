@@ -3,9 +3,11 @@
 import numpy as np
 import pytest
 
-from testbed.emulator.linkcheck import (cubic_regrowth_s, delay_ok, expected_jitter_ms, jitter_ok, loss_check, queue_ok,
-                                        rate_ok, single_batches, single_parallel, udp_payload)
+from testbed.emulator.linkcheck import (carried_share, cubic_regrowth_s, delay_ok, expected_jitter_ms, format_table,
+                                        jitter_ok, loss_check, queue_ok, rate_ok, single_batches, single_parallel,
+                                        udp_payload)
 from testbed.emulator.shaping import netem_limit, standing_queue_ms
+from testbed.emulator.network import Direction
 from testbed.topology import LinkDir
 
 
@@ -165,3 +167,20 @@ def test_tcp_memory_reads_every_namespace_s_tcp_pages_and_the_pressure_marks(tmp
     assert got["marks_mb"] == [round(x * page_mb, 1) for x in (287901, 383868, 575802)]
     live = tcp_memory()  # this machine's /proc
     assert live["mem_mb"] >= 0 and len(live["marks_mb"]) == 3 and live["marks_mb"][0] <= live["marks_mb"][1]
+
+
+def test_a_full_lossy_link_carries_its_rate_less_what_was_lost_after_the_shaper():
+    """Through the relay a lost packet had used the rate (1 - loss reaches the receiver); netem
+    drops before HTB, so a full link delivers its whole rate (the Debian guest, 5 % loss, 4
+    Mbit/s, UDP overload: 1.051 of rate x (1 - loss), which the old rule failed)."""
+    spec = LinkDir(4.0, 10.0, 0.0, 0.05, queue_pkts=50)
+    assert carried_share(Direction("a", "b", 0, "a-eth0", spec, "relay")) == pytest.approx(0.95)
+    assert carried_share(Direction("a", "b", 0, "a-eth0", spec, "netem")) == 1.0
+    assert rate_ok(1.051 * 0.95 / carried_share(Direction("a", "b", 0, "a-eth0", spec, "netem")))
+
+
+def test_a_check_that_could_not_measure_says_why():
+    row = {"phase": "single", "src": "a", "dst": "b", "rate_mbps": 40.0, "delay_ms": 10.0, "jitter_ms": 0.0,
+           "loss": 0.0, "ok": False, "checks": {"rate": True, "queue": False},
+           "why": {"queue": "never seen full in 3 tries: not measured"}}
+    assert format_table({"directions": [row]}).endswith("FAIL queue (never seen full in 3 tries: not measured)")

@@ -43,3 +43,18 @@ def test_config_and_cli_offer_the_selectable_methods():
     out = subprocess.run(["python3", "-m", "testbed", "linkcheck", "--help"], capture_output=True, text=True).stdout
     assert "{auto,netem,relay}" in out
     assert dataclasses.is_dataclass(shaping.METHODS["htb"]) and not shaping.METHODS["htb"].selectable
+
+
+def test_netem_keeps_jittered_packets_in_fifo_order_as_the_relay_does():
+    """netem sorts by due time, so jitter alone reorders; with a rate it dates each packet from
+    the one before (FIFO).  That rate is FIFO_RATE_FACTOR x the link's, only where there is jitter."""
+    leaf = shaping.shape_commands("eth0", LinkDir(40.0, 20.0, 2.0, 0.01, queue_pkts=100), "netem")[3]
+    assert leaf[leaf.index("distribution"):leaf.index("loss")] == [
+        "distribution", "normal", "rate", shaping._rate(shaping.FIFO_RATE_FACTOR * 40.0)]
+    steady = shaping.shape_commands("eth0", LinkDir(40.0, 20.0, 0.0, 0.01, queue_pkts=100), "netem")[3]
+    assert "rate" not in steady  # a constant delay keeps the order by itself
+
+
+def test_where_a_lost_packet_is_dropped_is_one_field_of_the_table():
+    """The relay drops after HTB (a lost packet used the rate), netem at enqueue, before it."""
+    assert {k: m.loss_takes_rate for k, m in shaping.METHODS.items()} == {"netem": False, "relay": True, "htb": True}

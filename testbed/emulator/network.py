@@ -63,12 +63,16 @@ class Direction:
     spec: LinkDir
     method: str
     up: bool = True
+    # netem with loss: whether the sender sends one segment per packet (gso_max_segs 1), so that
+    # netem loses segments one by one; False where this kernel cannot cap it (see _cap_gso)
+    segment_loss: bool | None = None
 
     def report(self) -> dict:
         return {"src": self.src, "dst": self.dst, "rate_mbps": self.spec.rate_mbps,
                 "delay_ms": self.spec.delay_ms, "jitter_ms": self.spec.jitter_ms,
                 "loss": self.spec.loss, "queue_pkts": self.spec.queue_pkts,
-                "method": shaping.METHODS[self.method].label}
+                "method": shaping.METHODS[self.method].label,
+                **({} if self.segment_loss is None else {"segment_loss": self.segment_loss})}
 
 
 @dataclass
@@ -252,6 +256,23 @@ class WanNetwork:
             tc_lines.setdefault(d.src, []).extend(" ".join(c[1:]) for c in cmds)
         for dc, lines in tc_lines.items():
             _batch(self.hosts[dc], "tc", lines)
+        self._cap_gso()
+
+    def _cap_gso(self) -> None:
+        """netem drops whole packets, and TCP hands the qdisc TSO frames of ~1 ms of its pacing
+        rate (GSO is always on for TCP, whatever ethtool says): on a lossy link each loss took
+        ~3 segments at once at 40 Mbit/s (Debian guest), a burst where the link has independent
+        losses.  A lossy netem direction's sender is capped to one segment per packet
+        (``gso_max_segs 1``: 1.0 segment lost per drop), as the relay drops segments one by one.
+        A kernel that cannot change it on a live device (older ones; Debian 12's 6.1 can) is
+        warned about, and each direction records it (``segment_loss``)."""
+        lossy = [d for d in self.directions.values() if d.method == "netem" and d.spec.loss]
+        for d in lossy:
+            _, _, rc = self.hosts[d.src].pexec(["ip", "link", "set", "dev", d.intf, "gso_max_segs", "1"])
+            d.segment_loss = rc == 0
+        if any(not d.segment_loss for d in lossy):
+            self.log("warning: this kernel cannot cap a device's GSO segments (gso_max_segs): netem drops a "
+                     "lossy link's TSO frames whole, several segments at once (links' segment_loss: false)")
 
     def _start_relays(self, wan, pairs) -> None:
         """One relay process per group of links (groups balanced by rate, one per core)."""
