@@ -110,8 +110,9 @@ def _tcp_for(net, seconds: int, cc: str) -> dict:
 @pytest.mark.parametrize("method", ["relay", "netem"])
 def test_jitter_never_reorders_a_flow(netenv, method):
     """Jitter keeps FIFO order on both paths (tbrelay.c; shaping._leaf gives netem a rate for
-    it): TCP's reordering counters stay at a handful (a spurious timeout counts too).  netem
-    without a rate: 2593 reorderings in 8 s (Debian guest, 40 Mbit/s, 2 ms jitter)."""
+    it): TCP's reordering counters stay at a handful -- they also count a segment retransmitted
+    in vain after its start-up overflowed the queue (0-6 in the Debian guest, FIFO) -- where
+    netem without a rate gave 1540 in 5 s (2593 in 8 s; 40 Mbit/s, 2 ms jitter)."""
     _skip_without(method)
     topo = load_topology({"name": "jittery", "datacenters": ["a", "b"],
                           "links": [{"between": ["a", "b"], "rate_mbps": 40, "delay_ms": 20, "jitter_ms": 2}]})
@@ -121,7 +122,7 @@ def test_jitter_never_reorders_a_flow(netenv, method):
         after = _tcp_counters(net, "a")
     reorders = {k: after[k] - before[k] for k in after if "Reorder" in k and after[k] != before[k]}
     assert rep["end"]["sum_received"]["bytes"] > 0
-    assert sum(reorders.values()) <= 5, reorders
+    assert sum(reorders.values()) <= 50, reorders
 
 
 def test_lossy_netem_link_loses_segments_one_by_one(netenv):
