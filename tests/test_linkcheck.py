@@ -6,8 +6,8 @@ import pytest
 from testbed.emulator.linkcheck import (carried_share, cubic_regrowth_s, delay_ok, expected_jitter_ms, format_table,
                                         jitter_ok, loss_check, queue_ok, rate_ok, single_batches, single_parallel,
                                         udp_payload)
-from testbed.emulator.shaping import netem_limit, standing_queue_ms
 from testbed.emulator.network import Direction
+from testbed.emulator.shaping import netem_limit, standing_queue_ms
 from testbed.topology import LinkDir
 
 
