@@ -266,11 +266,19 @@ class WanNetwork:
         (``gso_max_segs 1``: 1.0 segment lost per drop), as the relay drops segments one by one.
         A kernel that cannot change it on a live device (older ones; Debian 12's 6.1 can) is
         warned about, and each direction records it (``segment_loss``)."""
-        lossy = [d for d in self.directions.values() if d.method == "netem" and d.spec.loss]
-        for d in lossy:
-            _, _, rc = self.hosts[d.src].pexec(["ip", "link", "set", "dev", d.intf, "gso_max_segs", "1"])
-            d.segment_loss = rc == 0
-        if any(not d.segment_loss for d in lossy):
+        lossy: dict[str, list[Direction]] = {}
+        for d in self.directions.values():
+            if d.method == "netem" and d.spec.loss:
+                lossy.setdefault(d.src, []).append(d)
+        for dc, dirs in lossy.items():  # one ip process per host; a kernel that cannot, cannot on any
+            try:
+                _batch(self.hosts[dc], "ip", [f"link set dev {d.intf} gso_max_segs 1" for d in dirs])
+                capped = True
+            except RunError:
+                capped = False
+            for d in dirs:
+                d.segment_loss = capped
+        if any(not d.segment_loss for dirs in lossy.values() for d in dirs):
             self.log("warning: this kernel cannot cap a device's GSO segments (gso_max_segs): netem drops a "
                      "lossy link's TSO frames whole, several segments at once (links' segment_loss: false)")
 
