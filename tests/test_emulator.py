@@ -23,8 +23,8 @@ def _linkcheck(topo, method, seconds=3):
 
 def _out_of_tolerance(res) -> list:
     """(phase, src, dst, failed checks, what was measured) per failing direction."""
-    shown = ("rate_ratio", "udp_mbps_per_interval", "measured_queue_ms", "expected_queue_ms", "measured_delay_ms",
-             "measured_jitter_ms", "measured_loss")
+    shown = ("rate_ratio", "udp_mbps_per_interval", "measured_queue_ms", "expected_queue_ms", "queue_overflow",
+             "why", "measured_delay_ms", "measured_jitter_ms", "measured_loss")
     return [(d["phase"], d["src"], d["dst"], [k for k, ok in d["checks"].items() if not ok],
              {k: d[k] for k in shown if k in d}, res["emulation_kept_up"]["reasons"])
             for d in res["directions"] if not d["ok"]]
@@ -74,6 +74,7 @@ def test_lossy_jittery_link_is_measured_within_tolerance(netenv):
         assert d["loss_ci"][0] < 0.02 < d["loss_ci"][1] and d["measured_loss"] > 0
         assert d["measured_jitter_ms"] == pytest.approx(0.987, abs=0.3)
         assert d["measured_queue_ms"] == pytest.approx(100 * 1514 * 8 / 40e3, rel=0.05)
+        assert d["queue_overflow"] == pytest.approx(1 / 3, abs=0.1)  # kept full under 1.5 x the rate
         assert d["tcp_cc"] == "cubic" and d["tcp_goodput_mbps"] < 0.5 * d["measured_mbps"]
 
 

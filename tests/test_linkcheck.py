@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 
 from testbed.emulator.linkcheck import (carried_share, cubic_regrowth_s, delay_ok, expected_jitter_ms, format_table,
-                                        jitter_ok, loss_check, queue_ok, rate_ok, single_batches, single_parallel,
-                                        udp_payload)
+                                        jitter_ok, loss_check, queue_ok, queue_overflow, rate_ok, single_batches,
+                                        single_parallel, udp_payload)
 from testbed.emulator.network import Direction
 from testbed.emulator.shaping import netem_limit, standing_queue_ms
 from testbed.topology import LinkDir
@@ -40,6 +40,18 @@ def test_delay_rate_and_queue_rules():
     assert rate_ok(0.95) and not rate_ok(0.92) and not rate_ok(1.03) and not rate_ok(None)
     assert queue_ok(31, 30.28) and not queue_ok(15, 30.28) and queue_ok(600, 606) and not queue_ok(560, 606)
     assert queue_ok(68.5, 72.5, frame_ms=4.83) and not queue_ok(68.5, 72.5)  # one frame at 2.5 Mbit/s
+
+
+def test_a_queue_kept_full_overflows_a_third_of_what_arrives():
+    """Under 1.5 x the rate a full queue drops a third of the arrivals; a sender short of the
+    rate (the Debian guest's iperf3 under TCG) leaves it idle and drops only the random loss,
+    which netem's queue counts too and is taken out."""
+    at_full = {"sent_pkts": 1000, "dropped": 50, "backlog_p": 100}
+    full = {"sent_pkts": 3000, "dropped": 1050, "backlog_p": 99}  # 2000 sent, 1000 dropped
+    assert queue_overflow(at_full, full, 0.0) == pytest.approx(1000 / 2999)
+    short = {"sent_pkts": 3000, "dropped": 90, "backlog_p": 3}  # 2 % loss at netem's queue
+    assert queue_overflow(at_full, short, 0.02) == pytest.approx(40 / 1943 - 0.02)
+    assert queue_overflow(at_full, at_full, 0.0) is None
 
 
 def test_standing_queue_is_what_a_probe_finds_ahead_in_a_full_queue():

@@ -17,7 +17,10 @@ about SINGLE_ROUNDS rounds -- :func:`single_batches`, ``--parallel``):
   link rate, and probes sent through the same full queue measure delay under a standing queue
   vs what a probe finds ahead of it in a full queue of ``queue_pkts`` at that rate
   (:func:`testbed.emulator.shaping.standing_queue_ms`).  Where the queue never fills (iperf3's
-  UDP stream set-up lost on a lossy link), load and probes start again (``UDP_START_TRIES``).
+  UDP stream set-up lost on a lossy link), load and probes start again (``UDP_START_TRIES``);
+  where it did not stay full while the probes went (the queue's own counters: under
+  ``QUEUE_FULL_OVERFLOW`` of the arrivals dropped for want of room, where a full one drops a
+  third; a sender short of the rate), the queue is reported not measured.
 * **TCP goodput** under the experiment's congestion control (``--tcp-cc``), informative only,
   with ping (ICMP in its own priority class, see ``shaping.shape_commands``) measuring the
   delay under that load.
@@ -87,6 +90,9 @@ UDP_FRAME = UDP_PAYLOAD + UDP_HEADERS
 TCP_SHARE = (MTU - 52) / (MTU + 14)  # TCP payload per L2 byte at MTU 1500 (1448 with timestamps): 0.956
 ACK_FRAME = 14 + 20 + 32  # L2 bytes of a pure ACK with timestamps, as HTB counts it (SACK blocks not counted)
 OVERLOAD = 1.5  # UDP offered load / link rate when filling the queue
+# a queue kept full under OVERLOAD drops 1 - 1/OVERLOAD (a third) of what arrives; under this
+# share of overflow the sender fell short of keeping it full while the probes went
+QUEUE_FULL_OVERFLOW = 0.1
 UDP_LOAD_OVERLOAD = 1.05  # all at once with UDP: enough to keep every queue non-empty, little to drop
 LOSSY_CC = "bbr"
 SINGLE_ROUNDS = 40  # link by link: rounds of directions checked at once on larger topologies
@@ -128,6 +134,15 @@ def queue_ok(measured_ms: float | None, expected_ms: float, frame_ms: float = 0.
     """Within max(2 ms, 5 %, one frame's time at the rate): a queue holds whole frames, and how
     many are still on the emulated wire varies by one (jitter, the arrival's phase)."""
     return measured_ms is not None and abs(measured_ms - expected_ms) <= max(2.0, 0.05 * expected_ms, frame_ms)
+
+
+def queue_overflow(before: dict, after: dict, loss_at_leaf: float) -> float | None:
+    """The share of the packets reaching the sender's queue (leaf ``10:``) that it dropped for
+    want of room between two reads of its counters (:func:`_leaf_counts`), the link's random
+    loss taken out where it is dropped there too (netem); None without packets."""
+    dropped = after["dropped"] - before["dropped"]
+    arrived = after["sent_pkts"] - before["sent_pkts"] + dropped + after["backlog_p"] - before["backlog_p"]
+    return dropped / arrived - loss_at_leaf if arrived > 0 else None
 
 
 def rate_ok(ratio: float | None) -> bool:
@@ -344,16 +359,22 @@ def _queue_and_udp_rate(net, src: str, dst: str, seconds: float, port: int = BAS
         cli = net.popen(src, ["iperf3", "-c", net.peer_address(src, dst), "-p", str(port), "-u", "-w",
                               str(sndbuf), "-b", f"{OVERLOAD * d.rate_mbps * 1e6:.0f}", "-l", str(payload),
                               "-t", f"{total:.1f}"])
-        full_after = _await_full_queue(net, src, dst, frame, setup_s + fill_s + 10)
-        if full_after is not None or tries == UDP_START_TRIES:
+        full = _await_full_queue(net, src, dst, frame, setup_s + fill_s + 10)
+        full_after = full[0] if full else None
+        if full or tries == UDP_START_TRIES:
             break
         _kill((cli, srv, probe.tx, probe.rx))  # the queue never filled: start again
+    overflow = None
     if full_after is None:  # never seen full: probes now would go after the load has ended (the
         _kill((probe.tx, probe.rx))  # Debian guest under TCG, 40 Mbit/s: iperf3 sends in bursts
         r = {}  # and the queue peaked between polls; they read 0.4-0.8 ms for 30): not measured
     else:
         probe.go()
         r = probe.result()
+        after = _leaf_counts(net, src, dirn.intf)
+        if after:  # the Debian guest under TCG: seen full once, then iperf3 fell
+            # short of the rate (36-39 Mbit/s for 38.9) and the probes read 0.4-1.7 ms for 29.9
+            overflow = queue_overflow(full[1], after, 0.0 if METHODS[dirn.method].loss_takes_rate else d.loss)
     cli.wait(timeout=setup_s + total + 30)
     out, _ = srv.communicate(timeout=30)
     try:
@@ -371,31 +392,43 @@ def _queue_and_udp_rate(net, src: str, dst: str, seconds: float, port: int = BAS
     queue = r["owd_p50_ms"] - d.delay_ms if r.get("owd_p50_ms") is not None else None
     ratio = mbps / expect_mbps if mbps else None
     why = {} if full_after is not None else {"queue": f"never seen full in {tries} tries: not measured"}
+    if overflow is not None and overflow < QUEUE_FULL_OVERFLOW:
+        queue, why = None, {"queue": f"not kept full ({overflow:.0%} of arrivals overflowed, "
+                                     f"{1 - 1 / OVERLOAD:.0%} if full): not measured"}
     return {"measured_mbps": mbps, "rate_method": "udp", "rate_ratio": ratio, "udp_mbps_per_interval": per_interval,
             "measured_queue_ms": queue, "expected_queue_ms": expect_q, "queue_probes": r.get("owd_n", 0),
-            "queue_full_after_s": full_after, "udp_start_tries": tries,
+            "queue_full_after_s": full_after, "queue_overflow": overflow, "udp_start_tries": tries,
             "checks": {"rate": rate_ok(ratio), "queue": queue_ok(queue, expect_q, frame * 8 / (d.rate_mbps * 1e3))},
             "why": why, "udp_payload": payload}
 
 
-def _await_full_queue(net, src: str, dst: str, frame: int, timeout_s: float) -> float | None:
+def _await_full_queue(net, src: str, dst: str, frame: int, timeout_s: float) -> tuple[float, dict] | None:
     """Seconds until the sender's bulk queue (leaf ``10:``, see ``shaping.shape_commands``) is
-    within two datagrams of its limit, polled with ``tc -s``; None if it never was within
-    ``timeout_s``.  The standing-queue probes go then: a fixed wait for iperf3's set-up and the
-    fill read an empty queue when starting took longer (equinix-like-20 at scale 0.01, eight
-    directions checked at once: 0.03-0.06 ms for 70 ms)."""
+    within two datagrams of its limit, polled with ``tc -s``, and its counts then
+    (:func:`_leaf_counts`); None if it never was within ``timeout_s``.  The standing-queue
+    probes go then: a fixed wait for iperf3's set-up and the fill read an empty queue when
+    starting took longer (equinix-like-20 at scale 0.01, eight directions checked at once:
+    0.03-0.06 ms for 70 ms)."""
     intf = net.directions[(src, dst)].intf
     t0 = time.monotonic()
     while time.monotonic() - t0 < timeout_s:
-        out, _ = net.popen(src, ["tc", "-s", "qdisc", "show", "dev", intf], stdout=subprocess.PIPE,
-                           text=True).communicate(timeout=30)
-        m = re.search(r"qdisc \S+ 10: .*?limit (\d+)(b?).*?backlog (\d+)b (\d+)p", out, re.S)
-        if m:
-            limit, in_bytes, backlog_b, backlog_p = int(m[1]), m[2] == "b", int(m[3]), int(m[4])
-            if (backlog_b if in_bytes else backlog_p) >= limit - 2 * (frame if in_bytes else 1):
-                return round(time.monotonic() - t0, 3)
+        q = _leaf_counts(net, src, intf)
+        if q and (q["backlog_b"] if q["in_bytes"] else q["backlog_p"]) >= q["limit"] - 2 * (
+                frame if q["in_bytes"] else 1):
+            return round(time.monotonic() - t0, 3), q
         time.sleep(0.05)
     return None
+
+
+def _leaf_counts(net, src: str, intf: str) -> dict | None:
+    """The sender's bulk queue (leaf ``10:``) as ``tc -s`` shows it: its limit (in bytes or
+    packets), packets sent and dropped so far, and its backlog; None if not found."""
+    out, _ = net.popen(src, ["tc", "-s", "qdisc", "show", "dev", intf], stdout=subprocess.PIPE,
+                       text=True).communicate(timeout=30)
+    m = re.search(r"qdisc \S+ 10: .*?limit (\d+)(b?).*?Sent \d+ bytes (\d+) pkt \(dropped (\d+)"
+                  r".*?backlog (\d+)b (\d+)p", out, re.S)
+    return m and {"limit": int(m[1]), "in_bytes": m[2] == "b", "sent_pkts": int(m[3]), "dropped": int(m[4]),
+                  "backlog_b": int(m[5]), "backlog_p": int(m[6])}
 
 
 def _loaded_row(net, src, dst, phase, tcp: dict, verdict_cc: str | None, ack_mbps: float = 0.0) -> dict:
