@@ -12,6 +12,12 @@ Threads:
   the senders and applies arrived receives (add or copy) once their deps are met.  All
   applies happen in that thread, i.e. serialised, as the plan semantics require.
 
+Each connection's socket is closed only by the thread that reads or writes it, when it ends;
+:meth:`Executor.close` shuts the sockets down (which wakes those threads) but closes none, and
+shutdowns and closes take the executor's lock.  A socket closed under a thread still using it
+frees its descriptor number for the next socket the process opens, and the thread's pending
+``recv``/``shutdown`` would then act on that other connection.
+
 Every thread reports to the main loop through one event queue; the main loop fails
 (``ExecError``/``ProtocolError``) on a peer error, an abort, or ``timeout_s`` without
 progress, naming the peers and transfers it still waits for.  Progress is local: any
@@ -85,7 +91,7 @@ import numpy as np
 from testbed.plan import RECV, SEND, Op
 
 from .wire import (ACK, DATA, FLAG_ACK_REQ, FLAG_AUX, FLAG_WITHDRAWN, TYPE_NAMES, Closed, Header, ProtocolError, Truncated,
-                   close_quietly, phase_code, recv_header, recv_into_exact, send_frame)
+                   close_quietly, phase_code, shutdown_quietly, recv_header, recv_into_exact, send_frame)
 
 log = logging.getLogger("agents.executor")
 
@@ -364,6 +370,11 @@ class Executor:
     def _tick(self, _n: int = 0) -> None:
         self._progress = time.monotonic()
 
+    def _close_own(self, sock: socket.socket) -> None:
+        """Close the socket of the calling thread's connection (see the module docstring)."""
+        with self._lock:
+            close_quietly(sock)
+
     def _fail(self, exc: Exception) -> None:
         if not self._closing:
             self._events.put(("error", exc))
@@ -428,7 +439,7 @@ class Executor:
         except Exception as e:  # no thread dies silently
             self._fail(ExecError(f"sender to {peer} (channel {ch}) failed: {type(e).__name__}: {e}"))
         finally:
-            close_quietly(sock)
+            self._close_own(sock)
             if self._gate:  # the sends still queued here will not happen: their turns pass
                 while True:
                     try:
@@ -518,7 +529,7 @@ class Executor:
         except Exception as e:  # no thread dies silently
             self._fail(ExecError(f"receiver from {peer} (channel {ch}) failed: {type(e).__name__}: {e}"))
         finally:
-            close_quietly(sock)
+            self._close_own(sock)
 
     def _read(self, sock: socket.socket, h: Header, mv: memoryview, count, peer: str, ch: int, first: int) -> int:
         """Receive ``h``'s payload into ``mv`` (``count(bytes so far)``), feeding the probing
@@ -554,7 +565,7 @@ class Executor:
             self._dead.add(peer)
             self._senders.pop(key, None)
             self._out_keys.discard(key)
-        close_quietly(sock)
+            close_quietly(sock)  # called in the thread that owns ``sock``
         while item is not None:
             i, it, route, copy = item
             if i is not None:  # the main loop counts it as a primary send from now on
@@ -853,11 +864,11 @@ class Executor:
         return msg
 
     def close(self) -> None:
-        """Stop all threads and close all connections."""
+        """Stop all threads: their connections are shut down, and each thread closes its
+        own socket as it ends."""
         with self._lock:
             self._closing = True
-            socks = [s for s, _ in self._senders.values()] + list(self._receivers.values())
             for _, q in self._senders.values():
                 q.put(None)
-        for s in socks:
-            close_quietly(s)
+            for s in [s for s, _ in self._senders.values()] + list(self._receivers.values()):
+                shutdown_quietly(s)

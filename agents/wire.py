@@ -373,14 +373,19 @@ def connect(addr: tuple[str, int], secret: bytes, identity: dict, *, timeout_s: 
             time.sleep(0.1)
 
 
-def close_quietly(sock: socket.socket | None) -> None:
-    """Shut down (unblocking any thread in recv/send on it) and close."""
-    if sock is None:
-        return
+def shutdown_quietly(sock: socket.socket) -> None:
+    """Shut down both ways: a thread blocked in recv/send on ``sock`` returns."""
     try:
         sock.shutdown(socket.SHUT_RDWR)
     except OSError:
         pass
+
+
+def close_quietly(sock: socket.socket | None) -> None:
+    """Shut down (unblocking any thread in recv/send on it) and close."""
+    if sock is None:
+        return
+    shutdown_quietly(sock)
     sock.close()
 
 

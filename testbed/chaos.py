@@ -165,7 +165,8 @@ def fuzz_wire(frames: int, seed: int = 0, length: int = 16) -> dict:
     truncation per frame) to a fresh executor receiving over a socket pair, in this process.
     A mutation counts as detected when the frame is refused (ProtocolError) or, for the
     payload, when the received bytes differ from the true ones (the exact check agents do).
-    Returns counts, ``missed`` (mutations neither refused nor caught), ``hangs``, and this
+    Returns counts, ``missed`` (mutations neither refused nor caught: frame number, kind,
+    header, what the executor said), ``hangs``, and this
     process's thread count and RSS before and after."""
     import logging
 
@@ -225,19 +226,20 @@ def _fuzz(frames: int, seed: int, length: int) -> dict:
                     sa.shutdown(socket.SHUT_WR)
             except OSError:
                 pass  # the receiver refused the frame before reading all of it
+            why = "accepted"
             try:
                 ex.run(0)
                 caught = ex.bufs["x"].tobytes() != payload.tobytes()
             except wire.ProtocolError:
                 caught = True
             except ExecError as e:
-                caught = kind == "truncated" and "closed" in str(e)
+                caught, why = kind == "truncated" and "closed" in str(e), str(e)
                 if "no progress" in str(e):
                     hangs.append((k, kind))
             if caught:
                 detected[kind] += 1
             elif kind not in UNCHECKABLE:
-                missed.append((k, kind, bytes(frame[:64]).hex()))
+                missed.append((k, kind, bytes(frame[:64]).hex(), why))
         finally:
             ex.close()
             sa.close()

@@ -31,12 +31,44 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 # -- pure checks ---------------------------------------------------------------------
-def test_wire_fuzzer_detects_every_corrupted_field():
-    res = chaos.fuzz_wire(10_000, seed=16)
-    assert not res["hangs"] and not res["missed"], res
-    assert all(res["detected"][k] == n for k, n in res["per_field"].items() if k not in chaos.UNCHECKABLE), res
-    assert res["threads"][1] <= res["threads"][0]  # none leaked (an earlier test's thread may end meanwhile)
-    assert res["rss_kb"][1] < res["rss_kb"][0] + 20_000
+def test_wire_fuzzer_detects_every_corrupted_field_the_same_way_every_run():
+    runs = [chaos.fuzz_wire(10_000, seed=16) for _ in range(3)]
+    for res in runs:
+        assert not res["hangs"] and not res["missed"], res
+        assert all(res["detected"][k] == n for k, n in res["per_field"].items()
+                   if k not in chaos.UNCHECKABLE), res
+        assert res["threads"][1] <= res["threads"][0]  # none leaked (an earlier test's thread may end meanwhile)
+        assert res["rss_kb"][1] < res["rss_kb"][0] + 20_000
+    assert all(r["detected"] == runs[0]["detected"] for r in runs)
+
+
+def test_executor_close_leaves_each_socket_to_its_own_thread():
+    """close() shuts connections down and the reader thread closes its socket: a socket closed
+    under a thread still in recv would free its descriptor for the next socket opened, and the
+    thread's next call would act on that one."""
+    from agents.executor import Executor
+
+    closers = []
+
+    class Watched(socket.socket):
+        def close(self):
+            closers.append(threading.current_thread().name)
+            super().close()
+
+    b = ProgramBuilder(["p", "me"])
+    b.transfer("p", "me", 0, 4, reduce=False)
+    for _ in range(20):
+        closers.clear()
+        ex = Executor("me", b.programs["me"], length=4, timeout_s=2.0)
+        sa, sb = socket.socketpair()
+        sock = Watched(fileno=sb.detach())
+        ex.attach_incoming("p", 0, sock)
+        ex.close()
+        deadline = time.monotonic() + 5
+        while sock.fileno() >= 0 and time.monotonic() < deadline:
+            time.sleep(0.001)
+        sa.close()
+        assert sock.fileno() == -1 and set(closers) == {"recv-p-0"}, closers
 
 
 def test_untrusted_text_is_sanitised():
