@@ -80,8 +80,8 @@ from __future__ import annotations
 import fcntl
 import logging
 import queue
-import struct
 import socket
+import struct
 import threading
 import time
 from collections import defaultdict, deque
@@ -90,8 +90,24 @@ import numpy as np
 
 from testbed.plan import RECV, SEND, Op
 
-from .wire import (ACK, DATA, FLAG_ACK_REQ, FLAG_AUX, FLAG_WITHDRAWN, TYPE_NAMES, Closed, Header, ProtocolError, Truncated,
-                   close_quietly, phase_code, shutdown_quietly, recv_header, recv_into_exact, send_frame)
+from .wire import (
+    ACK,
+    DATA,
+    FLAG_ACK_REQ,
+    FLAG_AUX,
+    FLAG_WITHDRAWN,
+    TYPE_NAMES,
+    Closed,
+    Header,
+    ProtocolError,
+    Truncated,
+    close_quietly,
+    phase_code,
+    recv_header,
+    recv_into_exact,
+    send_frame,
+    shutdown_quietly,
+)
 
 log = logging.getLogger("agents.executor")
 
@@ -159,7 +175,7 @@ class LinkGate:
         with self._cv:
             head, moved = None, time.monotonic()
             while True:
-                for k in [k for k, o in self._pending.items() if k != t and getattr(o, "_closing", False)]:
+                for k in [k for k, o in self._pending.items() if k != t and getattr(o, "closing", False)]:
                     del self._pending[k]  # a closed executor's sends will not happen
                 if min(self._pending) == t:
                     break
@@ -229,6 +245,14 @@ class ExecError(Exception):
 
 class Stalled(ExecError):
     """No progress for ``timeout_s``, or an iteration over its limit."""
+
+
+class BadFrame(ProtocolError):
+    """``peer`` sent a malformed or unexpected frame (the coordinator lays the failure to it)."""
+
+    def __init__(self, message: str, peer: str):
+        super().__init__(message)
+        self.peer = peer
 
 
 def _summary(ids_by_peer: dict[str, list[int]]) -> str:
@@ -322,6 +346,12 @@ class Executor:
         self._asked: set[tuple[int, int]] = set()  # (recv op, iteration) re-sends were asked for
         self._rx_at = time.monotonic()  # last time a data byte arrived
         self._dead: set[str] = set()  # next hops whose auxiliary connection broke
+
+    @property
+    def closing(self) -> bool:
+        """:meth:`close` was called (its threads are ending)."""
+        return self._closing
+
     # -- connections -----------------------------------------------------------
     def outgoing(self) -> list[tuple[str, int]]:
         """(peer, channel) pairs this node must open connections to."""
@@ -385,7 +415,7 @@ class Executor:
             self._progress = time.monotonic()
         return progress
 
-    def _send_loop(self, key: tuple[str, int], sock: socket.socket, q: queue.SimpleQueue) -> None:
+    def _send_loop(self, key: tuple[str, int], sock: socket.socket, q: queue.SimpleQueue) -> None:  # noqa: PLR0915 -- one connection's sender thread: every error path must close the socket it owns
         peer, ch = key
         hbuf = bytearray(64)
         flags = FLAG_ACK_REQ if self.stop_and_wait else 0
@@ -459,7 +489,7 @@ class Executor:
                 raise ProtocolError(f"expected ACK of transfer {op.xfer}, got {TYPE_NAMES[a.type]} "
                                     f"of transfer {a.xfer}")
 
-    def _recv_loop(self, key: tuple[str, int], sock: socket.socket) -> None:
+    def _recv_loop(self, key: tuple[str, int], sock: socket.socket) -> None:  # noqa: PLR0915 -- one connection's receiver thread: every error path must close the socket it owns
         peer, ch = key
         aux = is_aux(ch)
         expect = self._expect.get(key, {})
@@ -519,9 +549,7 @@ class Executor:
             self._fail(ExecError(f"data connection from {peer} (channel {ch}) closed by peer"))
         except ProtocolError as e:
             log.error("protocol error from %s (channel %d): %s; closing the connection", peer, ch, e)
-            err = ProtocolError(f"from {peer} (channel {ch}): {e}")
-            err.peer = peer  # the sender of the bad frame: the coordinator blames it
-            self._fail(err)
+            self._fail(BadFrame(f"from {peer} (channel {ch}): {e}", peer))
         except OSError as e:
             if not self._closing:
                 log.error("data connection from %s (channel %d) failed: %s", peer, ch, e)
@@ -674,7 +702,7 @@ class Executor:
         """Make a running (or the next) :meth:`run` fail with ``reason``."""
         self._events.put(("error", ExecError(reason)))
 
-    def run(self, iteration: int) -> dict:
+    def run(self, iteration: int) -> dict:  # noqa: C901, PLR0915 -- the executor's event loop: dependencies, sends and receives share one iteration's state
         """Execute the program once; return timings.  Raises ExecError/ProtocolError."""
         started = time.monotonic()
         if iteration != self.iteration:

@@ -8,14 +8,14 @@
   IDN-like topology, and every scheme's planning time on NetStorm's 9-DC overlay.
 * ``adaptive`` — NetStorm on its 9-DC overlay without dynamics, adaptive (probing,
   re-planning every 5 s) vs static, repetitions interleaved on one network: the CCT ratio is
-  the closed loop's overhead (NetStorm §V claims none worth noting; issue 12 asks <= 3 %).
+  the closed loop's overhead (NetStorm §V claims none worth noting).
 * ``efficiency`` — every tree scheme on NetStorm's overlay and GScale: CCT against the
   bound and the cost model's prediction, and where the time goes (:mod:`testbed.efficiency`).
 * ``peers`` — PyTorch's gloo all_reduce in the emulated datacenters (``exec``) against the
   schemes on the same WAN: each scheme's speed-up over it (skipped without torch).
 * ``chaos`` / ``fuzz`` — ``testbed.chaos``: 100 seeded SIGSTOP/SIGKILL trials on loopback
   (share ending right, time to end); 10^5 mutated wire frames (share detected per field).
-* ``emulator`` — emulator headroom (issue 11): for a topology, the largest scale at which
+* ``emulator`` — emulator headroom: for a topology, the largest scale at which
   ``linkcheck --concurrent`` passes every direction with the emulator kept up: through the
   user-space delay relay under TCP, and under UDP both through the relay and with HTB alone
   (delays, jitter and loss removed: the kernel's shaping capacity), and the UDP ratio — the
@@ -28,9 +28,9 @@ import json
 import subprocess
 import time
 from pathlib import Path
-
 from typing import Callable
 
+from agents.protocol import transfer_rows
 from testbed.chaos import bench_chaos, bench_fuzz
 from testbed.emulator.hosts import EmulatedHosts
 from testbed.hosts import run_agents
@@ -64,10 +64,8 @@ def bench_dataplane(out: Path, progress, size_mb: float = 48.0, rate: float = 10
         iperf_mbps = json.loads(out_c)["end"]["sum_received"]["bits_per_second"] / 1e6
         progress(f"agents: the same {size_mb:g} MB as one transfer")
         res = run_agents(EmulatedHosts(net), plan, out / "dataplane", progress=progress, timeout_s=600)
-        tr = res["transfers"]
-        col = {c: i for i, c in enumerate(tr["columns"])}
-        row = tr["rows"][0]
-        secs = (row[col["recv_end_ns"]] - row[col["send_start_ns"]]) / 1e9
+        row = transfer_rows(res["transfers"])[0]
+        secs = (row.recv_end_ns - row.send_start_ns) / 1e9
         agent_mbps = nbytes * 8 / secs / 1e6
         method = net.method
     return {"link": {"rate_mbps": rate, "delay_ms": delay, "method": method}, "bytes": nbytes,
