@@ -154,11 +154,11 @@ TCP_PACED_SHARE = 1448 / 1500
 # the agent's threads share one interpreter, so a node handles its transfers one after another).
 # Calibrated from bench efficiency runs on the project's 2-core machine shared by several
 # workers: the measured CCT grew by ~2 ms per extra transfer per node when the same plans were
-# cut into more chunks (MTREE 17 -> 160 chunks per tree, forest 4 -> 32 rounds; issue 17).
+# cut into more chunks (MTREE 17 -> 160 chunks per tree, forest 4 -> 32 rounds).
 EXECUTOR_TRANSFER_S = 0.002
 
 
-def predict(plan: Plan, graph: nx.DiGraph, *, elem_bytes: int = 4, stop_and_wait: bool = False,
+def predict(plan: Plan, graph: nx.DiGraph, *, elem_bytes: int = 4, stop_and_wait: bool = False,  # noqa: C901, PLR0915 -- a flow-level simulation: its event loop and the simulated state it updates
             tcp: bool = False, transfer_s: float = 0.0, trace: bool = False) -> dict:
     """Flow-level, max-min fair discrete-event simulation of ``plan`` on ``graph``.
 
@@ -409,7 +409,7 @@ def _report(plan: Plan, ops: _Ops, routes: _Routes, done: list[float], per_link:
     }
 
 
-def alpha_beta(plan: Plan, graph: nx.DiGraph, elem_bytes: int = 4) -> dict:
+def alpha_beta(plan: Plan, graph: nx.DiGraph, elem_bytes: int = 4) -> dict:  # noqa: PLR0915 -- the alpha-beta model's one pass over a plan's programs
     """Classic Hockney α-β estimate (MTREE §III: a μ-byte message over a route costs
     α + μ/b, α = route one-way delay, b = route bottleneck rate) along the plan's critical
     chain, with **no contention** between connections.

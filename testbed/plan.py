@@ -151,7 +151,7 @@ class Plan:
         return cls.from_dict(json.loads(s))
 
     # -- checks ------------------------------------------------------------
-    def validate(self) -> None:
+    def validate(self) -> None:  # noqa: C901 -- one check per kind of plan defect, in the order they are reported
         """Raise PlanError unless the plan is well formed and race free."""
         known = set(self.nodes)
         for group, names in (("participants", self.participants), ("receivers", self.receivers)):

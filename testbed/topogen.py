@@ -32,8 +32,8 @@ from typing import Any, Callable, Mapping, Sequence
 import networkx as nx
 import numpy as np
 
-from .errors import ConfigError
 from .checks import check_number, key_path, typename, unknown_key_msg
+from .errors import ConfigError
 from .wan import NAME_RE, Link, LinkDir, Topology, check_link_field
 
 MTREE_SOURCE = ("MTREE: S. Luo, R. Wang, H. Xing, 'Efficient Inter-Datacenter AllReduce With "
@@ -444,7 +444,7 @@ def _sanitize(label: str) -> str:
     return s
 
 
-def zoo(path: Any, *, rate_mbps: Any = 100, delay_ms: Any = 0, km_per_ms: Any = 200,
+def zoo(path: Any, *, rate_mbps: Any = 100, delay_ms: Any = 0, km_per_ms: Any = 200,  # noqa: PLR0915 -- one Topology Zoo reader: its attribute fallbacks share the parsed graph
         use_link_speed: Any = True, node_names: Any = "auto") -> Topology:
     """Import an Internet Topology Zoo (topology-zoo.org) GraphML or GML file.
 

@@ -60,8 +60,19 @@ import yaml
 from testbed import topogen
 from testbed.checks import check_number, describe_names, key_path, typename, unknown_key_msg
 from testbed.errors import ConfigError
-from testbed.wan import (LINK_FIELDS, MIN_SCALED_QUEUE, NAME_RE, Link, LinkDir, Topology, check_attrs,
-                         check_endpoints, check_link_field, check_name, validate_connected)
+from testbed.wan import (
+    LINK_FIELDS,
+    MIN_SCALED_QUEUE,
+    NAME_RE,
+    Link,
+    LinkDir,
+    Topology,
+    check_attrs,
+    check_endpoints,
+    check_link_field,
+    check_name,
+    validate_connected,
+)
 
 __all__ = ["LINK_FIELDS", "MIN_SCALED_QUEUE", "NAME_RE", "Link", "LinkDir", "Topology", "describe_names",
            "list_topologies", "load_topology", "read_yaml", "validate_connected", "TOPOLOGY_DIR"]
@@ -217,7 +228,7 @@ def _per_dir(f: str, x: Any, *, source: str, key: str) -> tuple[Any, Any]:
     return v, v
 
 
-def _from_mapping(data: Any, *, source: str, prefix: str, base_dir: Path, default_name: str) -> Topology:
+def _from_mapping(data: Any, *, source: str, prefix: str, base_dir: Path, default_name: str) -> Topology:  # noqa: C901 -- one check per key of a topology file, in the order they are reported
     if data is None:
         raise ConfigError("empty topology: expected a mapping with 'datacenters' and 'links' "
                           "or 'generator'", source=source, key=prefix)

@@ -8,15 +8,22 @@ import networkx as nx
 import numpy as np
 import pytest
 from scipy.optimize import linprog
+from wan_graphs import random_wan, wan
 
-from testbed.plan import Tree
 from testbed.costmodel import predict
+from testbed.plan import Tree
 from testbed.planners import make_plan, schemes
-from testbed.planners.bound import (cut_bound, is_symmetric, optimum, pack_arborescences,
-                                    pack_spanning_trees, simple_bound, spanning_tree)
+from testbed.planners.bound import (
+    cut_bound,
+    is_symmetric,
+    optimum,
+    pack_arborescences,
+    pack_spanning_trees,
+    simple_bound,
+    spanning_tree,
+)
 from testbed.planners.common import tree_roundtrip_s, wan_view
 from testbed.topology import load_topology
-from wan_graphs import random_wan, wan
 
 
 def check_feasible(g, result, tol=1e-6):
@@ -35,7 +42,7 @@ def check_feasible(g, result, tol=1e-6):
     assert result["rate_mbps"] <= result["cut_rate_mbps"] * (1 + 1e-9)
 
 
-def flow_lp_optimum(g):
+def flow_lp_optimum(g):  # noqa: C901 -- an independent reference LP, kept in one piece to be read against the paper
     """The directed optimum as one compact LP, independent of column generation: by Edmonds'
     theorem, capacities g_r(a) hold out-arborescences of root r at rate z_r iff every node
     receives a flow z_r from r within g_r (likewise in-trees with flows to r within h_r)."""
@@ -257,7 +264,7 @@ def test_cut_bound_is_the_smallest_directed_cut():
 
 @pytest.mark.parametrize("topology", ["crew-mesh-8", "netstorm-internet2-9", "quick-5"])
 def test_no_shipped_scheme_beats_the_bound_on_asymmetric_topologies(topology):
-    """Issue 15: with min-of-directions, forest's own LP (0.2665 s for 16 MB on crew-mesh-8)
+    """With min-of-directions, forest's own LP (0.2665 s for 16 MB on crew-mesh-8)
     beat the "bound" (0.2822 s) and NetStorm's overlay packs 86 Mbit/s, not 84."""
     g = load_topology(topology).graph()
     assert not is_symmetric(g)

@@ -198,7 +198,7 @@ def test_netstorm_schemes_run_and_report():
 
 
 # --- cross-check against a deliberately naive simulator ----------------------------
-def naive_predict(plan, graph, elem_bytes=4):
+def naive_predict(plan, graph, elem_bytes=4):  # noqa: C901, PLR0915 -- an independent reference simulation, kept in one piece
     """Same semantics as predict, written the obvious way: recompute every flow's max-min
     rate from scratch at every event and advance every flow (reference for tests only)."""
     import heapq

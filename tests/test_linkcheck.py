@@ -3,9 +3,21 @@
 import numpy as np
 import pytest
 
-from testbed.emulator.linkcheck import (carried_share, cubic_regrowth_s, delay_ok, expected_jitter_ms, format_table,
-                                        jitter_ok, loss_check, queue_ok, queue_overflow, rate_ok, single_batches,
-                                        single_parallel, udp_payload)
+from testbed.emulator.linkcheck import (
+    carried_share,
+    cubic_regrowth_s,
+    delay_ok,
+    expected_jitter_ms,
+    format_table,
+    jitter_ok,
+    loss_check,
+    queue_ok,
+    queue_overflow,
+    rate_ok,
+    single_batches,
+    single_parallel,
+    udp_payload,
+)
 from testbed.emulator.network import Direction
 from testbed.emulator.shaping import netem_limit, standing_queue_ms
 from testbed.topology import LinkDir
@@ -131,13 +143,13 @@ def test_probe_sender_waits_for_go_after_saying_ready(skip):
     """linkcheck starts its probes ahead (Python's start-up takes seconds on slow machines) and
     lets them go when the standing queue is full: nothing may leave before the go.  The delay
     statistics leave out the first SKIP datagrams, or ``--skip`` of them (the queue probes: 0)."""
-    from testbed.emulator.probe import SKIP
-
     import json
     import select
     import socket
     import subprocess
     import sys
+
+    from testbed.emulator.probe import SKIP
 
     with socket.socket() as s:  # a free port
         s.bind(("127.0.0.1", 0))

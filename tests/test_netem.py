@@ -11,14 +11,13 @@ import subprocess
 import time
 
 import pytest
+from fidelity import fidelity
 
 from testbed.emulator.capabilities import probe
 from testbed.emulator.network import WanNetwork
 from testbed.emulator.shaping import METHODS
 from testbed.results import CpuMeter
 from testbed.topology import load_topology
-
-from fidelity import fidelity
 
 pytestmark = pytest.mark.net
 

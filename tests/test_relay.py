@@ -20,14 +20,13 @@ import subprocess
 import time
 
 import pytest
+from fidelity import fidelity
 
 from testbed.emulator import DEFAULT_TCP_CC
 from testbed.emulator import relay as relay_mod
 from testbed.emulator.relay import Relay, RelayDirection, RelayLink, build, kept_up, partition_links
 from testbed.errors import ConfigError, RunError
 from testbed.results import CpuMeter
-
-from fidelity import fidelity
 
 IS_ROOT = os.geteuid() == 0
 TOOLS = [t for t in ("ip", "tc", "ping", "iperf3", "ethtool", "gcc") if shutil.which(t) is None]
@@ -268,7 +267,7 @@ def test_ping_rtt_is_twice_the_delay(clean_lab, delay_ms):
     assert ab["frames_out"] >= 100 and ba["frames_out"] >= 100
     assert ab["lost_segs"] == ba["lost_segs"] == 0 and ab["drop_ring"] == 0
     assert ab["delay_us"] == delay_ms * 1000
-    ok, why = kept_up(st, max_p99_late_ms=5)  # generous: the CI machine may be busy
+    ok, why = kept_up(st, max_p99_late_ms=5)  # generous: the machine may be busy
     assert ok, why
 
 
@@ -355,8 +354,8 @@ def test_frames_due_while_the_link_is_down_are_lost_not_delivered_late(clean_lab
     assert_counters_add_up(st)
     ab = st["dirs"][0]
     # retried every 20 us through the 0.5 s outage would be ~25000; a few hundred can come as the
-    # link comes back, most likely before the kernel has put its queue back (a CI run under the
-    # whole suite: 611) -- frames due on a live link, late by that much, which the next line bounds
+    # link comes back, most likely before the kernel has put its queue back (some hundreds under
+    # a loaded machine) -- frames due on a live link, late by that much, which the next line bounds
     assert ab["drop_down"] > 10 and ab["tx_retry"] < 2500, ab
     assert ab["late_max_us"] < 50_000, ab
 

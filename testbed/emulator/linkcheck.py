@@ -1,7 +1,7 @@
 """``testbed linkcheck``: are the emulated links what the topology says?
 
 The verdict is about the emulated link, measured without depending on TCP's loss response
-(issue 15: cubic cannot fill a 60 ms path with 0.02 % random loss, so a cubic goodput check
+(cubic cannot fill a 60 ms path with 0.02 % random loss, so a cubic goodput check
 measured cubic, not the link).  Per direction:
 
 ``single`` (link by link, nothing else on the link or its hosts; on a topology of more than
@@ -82,7 +82,7 @@ QUEUE_PROBES = 30  # standing-queue probes sent at least (a long queue's check r
 READY_S = 60  # the longest a probe process may take to start
 IPERF_SETUP_RTTS = 5  # round trips before iperf3's first datagram (connect, parameters, streams, start)
 # iperf3 opens a UDP stream with one datagram each way and no retry (esnet/iperf#351): on a lossy
-# link either may be lost and nothing is sent (a CI run, 2 % loss: rate and queue read 0 twice)
+# link either may be lost and nothing is sent (rate and queue then read 0)
 UDP_START_TRIES = 3
 UDP_PAYLOAD = MTU - 20 - 8 - 4  # iperf3 datagram: 1468 bytes (+ UDP/IP headers: 1496, under the MTU)
 UDP_HEADERS = 8 + 20 + 14  # what HTB counts per datagram beyond its payload
@@ -380,8 +380,8 @@ def _queue_and_udp_rate(net, src: str, dst: str, seconds: float, port: int = BAS
     try:
         ivals = [i["sum"] for i in json.loads(out)["intervals"]]
         # from a full queue on, and ending half an interval before the sender stops: the
-        # receiver's last intervals are the tail (a CI run: six at 13.1-13.6 Mbit/s for 13.6,
-        # the last at 6.0; equinix-like-20 at scale 0.01: 1.93-1.95 of 1.94, then 1.64, 0.0)
+        # receiver's last intervals are the tail (e.g. six at 13.1-13.6 Mbit/s for 13.6, the
+        # last at 6.0; equinix-like-20 at scale 0.01: 1.93-1.95 of 1.94, then 1.64, 0.0)
         ivals = [i for i in ivals if i["start"] >= fill_s and i["end"] <= total - 0.5]
         mbps = sum(i["bits_per_second"] * (i["end"] - i["start"]) for i in ivals) / sum(
             i["end"] - i["start"] for i in ivals) / 1e6
@@ -526,7 +526,7 @@ def _rx_bytes(net, host: str) -> tuple[float, dict[str, int]]:
     """(when, bytes received per interface) in ``host``'s namespace, read from the root
     namespace through its shell's ``/proc/PID/net/dev``: no process to start, so the windows
     of all hosts line up (starting ``ip -s link`` in each took up to hundreds of ms under load,
-    and a CI run read a 30 Mbit/s direction 6 % short over 3 s)."""
+    reading a 30 Mbit/s direction up to 6 % short over 3 s)."""
     text = Path(f"/proc/{net.hosts[host].pid}/net/dev").read_text()
     when = time.monotonic()
     rx = {}

@@ -26,8 +26,16 @@ import networkx as nx
 
 from testbed.plan import Plan, ProgramBuilder, Tree, split_lengths, trees_plan
 from testbed.planners import NODE, NODES, Param, ParamError, planner
-from testbed.planners.common import (ACTIVE, check_graph, members, parents_from_edges, partial, path_delay_ms,
-                                     path_rate, tree_centre)
+from testbed.planners.common import (
+    ACTIVE,
+    check_graph,
+    members,
+    parents_from_edges,
+    partial,
+    path_delay_ms,
+    path_rate,
+    tree_centre,
+)
 from testbed.routing import shortest_paths
 
 PS_REF = "Parameter server / MXNET star (Li et al., OSDI'14; NetStorm paper §IX-A baseline 'MXNET')"

@@ -5,8 +5,8 @@ each link *direction's* capacity (:func:`pack_arborescences`), and reports the a
 bound (:func:`cut_bound`) beside it.  On symmetric links that packing equals the undirected
 spanning-tree packing below, which is solved instead (faster).  The undirected model below
 (min of the two directions, one tree for reduce and broadcast) is MTREE's and BLINK's rate
-model; their planners use it, but it is not an upper bound on asymmetric links (issue 15:
-crew-mesh-8, netstorm-internet2-9).
+model; their planners use it, but it is not an upper bound on asymmetric links
+(crew-mesh-8, netstorm-internet2-9).
 
 This module registers no scheme; it is the optimum (and the spanning-tree packings it is
 built from, which :mod:`.blink` reuses) that the run reports and planners compare with.
@@ -52,8 +52,15 @@ import networkx as nx
 import numpy as np
 from scipy.optimize import linprog
 
-from testbed.planners.common import (INF, WanView, max_utilisation, parents_from_edges, tree_centre,
-                                     tree_roundtrip_s, wan_view)
+from testbed.planners.common import (
+    INF,
+    WanView,
+    max_utilisation,
+    parents_from_edges,
+    tree_centre,
+    tree_roundtrip_s,
+    wan_view,
+)
 
 
 # ---------------------------------------------------------------------------
@@ -230,7 +237,7 @@ def _min_arborescence(arcs: nx.DiGraph, root, inward: bool) -> list[tuple]:
     return [(v, u) for u, v in t.edges] if inward else list(t.edges)
 
 
-def pack_arborescences(graph: nx.DiGraph, nodes: Iterable[str] | None = None, *,
+def pack_arborescences(graph: nx.DiGraph, nodes: Iterable[str] | None = None, *,  # noqa: C901 -- column generation: the master LP and the pricing loop share their state
                        tol: float = 1e-7, max_iter: int = 2000) -> tuple[float, list[dict], dict]:
     """Maximum AllReduce rate with per-direction capacities, by column generation.
 

@@ -54,7 +54,7 @@ Pipeline of this module (Sec. IV-V, end-to-end procedure of the note Sec. 3.7):
 
 The weights size the pieces; with ``pace`` they are also every flow's sending rate
 (``Op.rate_mbps``).  Unpaced (the default), trees sharing a link get the transport's equal
-shares and finish far apart (bench efficiency, issue 17: on NetStorm's overlay, 16 MB, the
+shares and finish far apart (bench efficiency: on NetStorm's overlay, 16 MB, the
 first tree done at 0.12 of the CCT) -- yet paced is slower, predicted (4.73 s vs 3.22 s)
 and measured (5.11 s vs 3.44 s, one run each, shared machine): a paced tree cannot use the
 capacity its link-mates leave idle while they fill or drain their pipelines (deep Steiner
@@ -378,7 +378,7 @@ class Weights:
     duals: dict = field(default_factory=dict)
 
 
-def solve_weights(caps: dict[tuple[str, str], float], roots: list[str], reduce_trees: list[SteinerTree],
+def solve_weights(caps: dict[tuple[str, str], float], roots: list[str], reduce_trees: list[SteinerTree],  # noqa: PLR0915 -- the LP's rows, built and solved in one pass
                   bcast_trees: list[SteinerTree], overlap: str, *, shallow: bool = False,
                   central: bool = False) -> Weights:
     """Solve LP (4) (``overlap="none"``) or LP (8) (``"partial"``) of TopoAdapt for the
@@ -444,7 +444,7 @@ def solve_weights(caps: dict[tuple[str, str], float], roots: list[str], reduce_t
     c = np.zeros(nv)
     c[:nr] = -1.0
     # Central duals come from interior point without crossover; HiGHS sometimes stops that
-    # at an unrecognised status (15) on valid instances (issue 15), so fall back to IPM with
+    # at an unrecognised status (15) on valid instances, so fall back to IPM with
     # crossover, then to HiGHS' default (simplex): vertex duals still price correctly.
     attempts = ([("highs-ipm", {"run_crossover": "off"}), ("highs-ipm", {})] if central else []) \
         + [("highs", {})]
@@ -673,7 +673,7 @@ def _tree_order(t: SteinerTree) -> list[tuple[str, int]]:
     return sorted(t.to_tree().depth().items(), key=lambda kv: (-kv[1], kv[0]))
 
 
-def compile_forest(forest: Forest, nodes: list[str], length: int, active: list[str], *, chunks: int,
+def compile_forest(forest: Forest, nodes: list[str], length: int, active: list[str], *, chunks: int,  # noqa: C901, PLR0915 -- one pass emitting every tree's ops: they share the builder's state
                    scheme: str = "forest", pace: bool = False) -> tuple[Plan, list[dict]]:
     """Compile a weighted forest into the plan IR (TopoAdapt Sec. III-C/V; the static
     piece assignment is ours, see the module doc).  Returns the plan and the flow table
@@ -791,7 +791,7 @@ def compile_forest(forest: Forest, nodes: list[str], length: int, active: list[s
                              "heaviest first, every root keeps its best tree, weights re-solved); 0 = no limit",
                    ge=0),
     chunks=Param(int, 8, "pipelined sub-chunks (rounds) per root's data (Property 2 pipelining); 8: measured "
-                         "on NetStorm's overlay at 64 MB 10.9 s vs 12.9 s with 4 (bench efficiency, issue 17)", ge=1),
+                         "on NetStorm's overlay at 64 MB 10.9 s vs 12.9 s with 4 (bench efficiency)", ge=1),
     oracle=Param(str, "auto", "minimum Steiner tree oracle A: auto/heuristic = Edmonds when all nodes are "
                               "terminals (exact), else best of shortest-path heuristic and pruned arborescence; "
                               "exact = MILP (small graphs)", choices=ORACLES),

@@ -247,7 +247,7 @@ def _free_path(graph: nx.DiGraph, p: str, members: set[str], endpoints: set[str]
     return []
 
 
-def build_trees(graph: nx.DiGraph, *, neighbour_order: str = "auto", dim_order: str = "plus_first",
+def build_trees(graph: nx.DiGraph, *, neighbour_order: str = "auto", dim_order: str = "plus_first",  # noqa: C901, PLR0915 -- the paper's algorithm step by step, as its comments cite it
                 tree_order: str = "id", rr_restart: bool = True, variant: str = "direct") -> MultiTreeSchedule:
     """MultiTree tree construction, Algorithm 1 (Huang et al., ISCA'21, Sec. III-C).
 
