@@ -57,7 +57,7 @@ from testbed.plan import Op
 
 from . import clock, wire
 from .crew_worker import WorkerLoop
-from .executor import BadFrame, Executor, LinkGate, Stalled
+from .executor import Executor, LinkGate, Stalled
 from .inputs import expected_sum, make_input
 from .probe import Prober, Sample
 from .protocol import Aborted, Msg, message
@@ -521,7 +521,7 @@ def main(argv: list[str] | None = None) -> int:
         if agent and agent.ctrl:
             try:
                 agent.send(message(Msg.ERROR, message=f"{type(e).__name__}: {e}",
-                                   peer=e.peer if isinstance(e, BadFrame) else None, stall=isinstance(e, Stalled),
+                                   peer=e.peer if isinstance(e, wire.ProtocolError) else None, stall=isinstance(e, Stalled),
                                    status=agent.ex.status() if agent.ex else {}), wire.ERROR)
                 # let the coordinator diagnose (it asks every agent for its status) and abort
                 agent.inbox.get(timeout=agent.silence_s)

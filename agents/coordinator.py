@@ -8,6 +8,13 @@ Library use::
     results = c.run()    # raises testbed.errors.RunError on any failure
     c.close()
 
+A run-time driver (``driver=``: CREW's groups, :class:`agents.crew_run.TaskRun`) runs instead
+of the iterations once every agent is READY, and uses only the driver API: ``send``,
+``next_event`` / ``collect`` (events: :mod:`agents.protocol`), ``diagnose`` (raises
+:class:`Failure`), ``health_problem``, ``plan_message``, ``data_addresses``, ``to_my_clock``,
+``note_error``, ``drop_connections`` and the limits ``ready_limit()``, ``limit_s``,
+``silence_s``.
+
 Command line (real hosts)::
 
     python3 -m agents.coordinator --plan plan.json --addresses addr.json \\

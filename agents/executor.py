@@ -247,14 +247,6 @@ class Stalled(ExecError):
     """No progress for ``timeout_s``, or an iteration over its limit."""
 
 
-class BadFrame(ProtocolError):
-    """``peer`` sent a malformed or unexpected frame (the coordinator lays the failure to it)."""
-
-    def __init__(self, message: str, peer: str):
-        super().__init__(message)
-        self.peer = peer
-
-
 def _summary(ids_by_peer: dict[str, list[int]]) -> str:
     parts = []
     for peer, ids in sorted(ids_by_peer.items()):
@@ -549,7 +541,7 @@ class Executor:
             self._fail(ExecError(f"data connection from {peer} (channel {ch}) closed by peer"))
         except ProtocolError as e:
             log.error("protocol error from %s (channel %d): %s; closing the connection", peer, ch, e)
-            self._fail(BadFrame(f"from {peer} (channel {ch}): {e}", peer))
+            self._fail(ProtocolError(f"from {peer} (channel {ch}): {e}", peer=peer))
         except OSError as e:
             if not self._closing:
                 log.error("data connection from %s (channel %d) failed: %s", peer, ch, e)

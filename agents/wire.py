@@ -92,7 +92,12 @@ assert HEADER_SIZE == 64
 
 
 class ProtocolError(Exception):
-    """A peer sent something malformed or unexpected, or failed authentication."""
+    """A peer sent something malformed or unexpected, or failed authentication; ``peer``: the
+    plan node that sent it, where known (the coordinator lays the failure to it)."""
+
+    def __init__(self, message: str = "", peer: str | None = None):
+        super().__init__(message)
+        self.peer = peer
 
 
 class Closed(ConnectionError):
