@@ -460,7 +460,7 @@ def build_parser() -> argparse.ArgumentParser:
     pl.set_defaults(func=cmd_plan)
 
     d = sub.add_parser("doctor", help="report what this machine can do and which link shaping run will use")
-    d.add_argument("--json", action="store_true")
+    d.add_argument("--json", action="store_true", help="print the capabilities as JSON")
     d.set_defaults(func=cmd_doctor)
 
     c = sub.add_parser("clean", help="remove namespaces, interfaces, bridges and processes a crashed run left")

@@ -116,10 +116,17 @@ def section_cli() -> str:
                 name += f" {a.metavar or a.dest.upper()}"
             default = "" if a.default in (None, False, [], argparse.SUPPRESS) or not a.option_strings else _code(a.default)
             choices = ", ".join(str(c) for c in a.choices) if a.choices else ""
-            rows.append([f"`{name}`", a.help or "", choices, default])
+            rows.append([f"`{name}`", a.help or UNDOCUMENTED, choices, default])
         if rows:
             out += [_table(["argument", "meaning", "choices", "default"], rows), ""]
     return "\n".join(out).rstrip()
+
+
+def section_benchmarks() -> str:
+    from testbed.bench import BENCHES
+
+    return _table(["benchmark", "what it measures"],
+                  [[f"`{name}`", _first_paragraph(fn.__doc__) or UNDOCUMENTED] for name, fn in sorted(BENCHES.items())])
 
 
 # --------------------------------------------------------------------------- experiment keys
@@ -405,8 +412,11 @@ def section_experiments() -> str:
         schemes = [data.get("scheme", {}).get("name", "?")] + [
             v.get("label") or v.get("scheme", {}).get("name", "?") for v in data.get("variants") or []]
         topo = data.get("topology") if isinstance(data.get("topology"), str) else "inline"
-        rows.append([f"`{f.stem}`", " ".join(head) or UNDOCUMENTED, f"`{topo}`", ", ".join(schemes)])
-    return _table(["experiment", "what it reproduces", "topology", "schemes (main first)"], rows)
+        first = re.split(r"(?<!\bal)(?<!\bFig)(?<!\bSec)(?<!\bEq)\.\s+(?=[A-Z])", " ".join(head))[0]
+        rows.append([f"`{f.stem}`", first.rstrip(".") + "." if first else UNDOCUMENTED, f"`{topo}`",
+                     ", ".join(schemes)])
+    return _table(["experiment", "what it reproduces (the file's header says more)", "topology",
+                   "schemes (main first)"], rows)
 
 
 # --------------------------------------------------------------------------- results
@@ -661,6 +671,7 @@ def undocumented_results_fields(results: dict) -> list[str]:
 SECTIONS: dict[str, Callable[[], str]] = {
     "cli-verbs": section_cli_verbs,
     "cli": section_cli,
+    "benchmarks": section_benchmarks,
     "experiment-keys": section_experiment_keys,
     "schemes-index": section_schemes_index,
     "schemes": section_schemes,
