@@ -4,7 +4,7 @@
   makes of the code now, and every key, column and field the code has is described;
 * the README is short; the README and the user pages carry no dated measurement, issue
   number or machine-specific remark, and every command they show is one a user types;
-* every relative link (and its anchor) resolves;
+* every YAML example validates, and every relative link (and its anchor) resolves;
 * every file under docs/measurements/ names its date, commit, machine and command;
 * the planner guide's example passes the checks every registered scheme gets;
 * the tutorial's first steps run as written on small-3 (``net``: a real emulated WAN), their
@@ -140,6 +140,38 @@ def test_readme_and_site_home_cite_the_same_papers():
     readme = " ".join(README.read_text().split())
     for title in ("Multiple Trees", "Topology-adaptive", "Partial Reduce With", "Auxiliary Route", "Co-Design"):
         assert title in readme
+
+
+SNIPPET_TOPOLOGIES = ("small-3", "crew-mesh-8", "netstorm-internet2-9")
+
+
+@pytest.mark.parametrize("page", USER_PAGES, ids=_rel)
+def test_every_yaml_example_validates(page, tmp_path):
+    """A complete experiment validates as it stands; a topology loads; a snippet of experiment
+    keys validates inside a minimal experiment on one of the shipped topologies."""
+    import yaml
+
+    for block in _code_blocks(GENERATED.sub("", page.read_text()), "yaml"):
+        data = yaml.safe_load(block)
+        if not isinstance(data, dict):
+            continue
+        if "datacenters" in data or "generator" in data:
+            (tmp_path / f"{data.get('name', 'topo')}.yaml").write_text(block)  # for the experiments after it
+            from testbed.topology import load_topology
+            load_topology(data, source=_rel(page))
+        elif {"name", "topology", "scheme"} <= set(data):
+            config.validate(data, str(tmp_path / "example.yaml"))
+        elif set(data) <= config.TOP_KEYS:
+            errors = []
+            for topology in SNIPPET_TOPOLOGIES:
+                try:
+                    config.validate({"name": "snippet", "topology": topology, "scheme": {"name": "ring"}, **data},
+                                    _rel(page))
+                    break
+                except ConfigError as e:
+                    errors.append(str(e))
+            else:
+                pytest.fail(f"{_rel(page)}: a snippet valid on no shipped topology: {errors}")
 
 
 def _planner_example() -> str:
