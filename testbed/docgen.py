@@ -160,7 +160,8 @@ KEY_DOCS: dict[str, str] = {
     "emulator.max_late_ms": "relay p99 lateness above which results.json says the emulation did not keep up",
     "emulator.tcp_cc": "TCP congestion control of every datacenter host (never the machine's default)",
     "agents": "the worker agents",
-    "agents.timeout_s": "deadline of one run; an agent silent for longer fails the run naming it",
+    "agents.timeout_s": "an agent silent for half of this, or a transfer stalled this long, fails the run "
+                        "naming it; an iteration may take this plus 4x its predicted time",
     "agents.stop_and_wait": "execute one transfer at a time per node (for checking the cost model)",
     "agents.clock_offset_ms": "`{dc: ms}`: shift an agent's clock (tests of the clock-offset correction)",
     "dynamics": "live rate changes: `{at_s, link, rate_mbps, direction}`, `{trace: file.csv}`, "
