@@ -141,7 +141,8 @@ KEY_DOCS: dict[str, str] = {
     "scheme.name": "a registered scheme ([schemes](schemes.md))",
     "scale": "multiplies every link rate and the data size; a queue keeps its delay "
              "([choosing scale](../guides/link-fidelity.md))",
-    "seed": "seeds the inputs, the compute times, seeded dynamics and CREW's noise",
+    "seed": "seeds the inputs (integer-valued, so every result is checked exactly), the compute times and "
+            "CREW's noise (a `redraw` has its own seed)",
     "repetitions": "runs of each variant; variants are interleaved repetition by repetition",
     "workload": "the vector every worker reduces",
     "workload.size": "bytes per worker before `scale` (`4MB`, `1.5GB`, or a number of bytes); ignored with `model`",
