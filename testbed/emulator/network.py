@@ -25,7 +25,7 @@ import shutil
 import signal
 import subprocess
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
@@ -70,6 +70,7 @@ class Direction:
     def report(self) -> dict:
         return {"src": self.src, "dst": self.dst, "rate_mbps": self.spec.rate_mbps,
                 "delay_ms": self.spec.delay_ms, "jitter_ms": self.spec.jitter_ms,
+                **({"distribution": self.spec.distribution} if self.spec.jitter_ms else {}),
                 "loss": self.spec.loss, "queue_pkts": self.spec.queue_pkts,
                 "method": shaping.METHODS[self.method].label,
                 **({} if self.segment_loss is None else {"segment_loss": self.segment_loss})}
@@ -294,8 +295,8 @@ class WanNetwork:
             link = self.topo.links[j]
             links.append(relay_mod.RelayLink(
                 iface_ab_in=ra, iface_ba_in=rb,
-                ab=relay_mod.RelayDirection(link.ab.delay_ms, link.ab.jitter_ms, link.ab.loss),
-                ba=relay_mod.RelayDirection(link.ba.delay_ms, link.ba.jitter_ms, link.ba.loss),
+                ab=relay_mod.RelayDirection(link.ab.delay_ms, link.ab.jitter_ms, link.ab.loss, link.ab.distribution),
+                ba=relay_mod.RelayDirection(link.ba.delay_ms, link.ba.jitter_ms, link.ba.loss, link.ba.distribution),
                 rate_mbps_max=max(link.ab.rate_mbps, link.ba.rate_mbps)))
         lay = relay_mod.layout(links, os.cpu_count() or 1, self.relay_procs)
         self.relay_layout = {k: v for k, v in lay.items() if k != "groups"}
@@ -367,7 +368,7 @@ class WanNetwork:
         d = self._direction(src, dst)
         _batch(self.hosts[src], "tc", [" ".join(c[1:]) for c in
                                        shaping.rate_change_commands(d.intf, rate_mbps, self.icmp_priority)])
-        d.spec = LinkDir(rate_mbps, d.spec.delay_ms, d.spec.jitter_ms, d.spec.loss, d.spec.queue_pkts)
+        d.spec = replace(d.spec, rate_mbps=rate_mbps)
         self._event("rate", src=src, dst=dst, rate_mbps=rate_mbps)
 
     def set_link(self, a: str, b: str, up: bool) -> None:

@@ -27,8 +27,9 @@ read :data:`METHODS`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
+from testbed.emulator import jitter
 from testbed.topology import LinkDir
 
 MTU = 1500
@@ -103,21 +104,27 @@ FIFO_RATE_FACTOR = 1000
 
 
 def _leaf(d: LinkDir, method: str) -> list[str]:
-    """The leaf qdisc's argv tail.  netem sorts its packets by due time, so jitter reorders
-    them (TCP counted 2593 reorderings in 8 s at 40 Mbit/s, 2 ms jitter); given a ``rate``,
-    netem dates each packet from the one before it instead, due = max(previous due, arrival +
-    delay + jitter) + its time at that rate (sch_netem.c, netem_enqueue): FIFO, as the relay
-    (tbrelay.c: real WAN paths very rarely reorder) -- 0 reorderings.  That rate is
-    FIFO_RATE_FACTOR x the link's, HTB above still shapes."""
+    """The leaf qdisc's argv tail.  Delay and jitter as :mod:`.jitter` defines them: netem's
+    ``delay MU SIGMA distribution T`` from the direction's mean, standard deviation and
+    distribution (:func:`.jitter.netem_params`; ``uniform`` is netem's own, no table).
+    netem sorts its packets by due time, so jitter reorders them (TCP counted 2593
+    reorderings in 8 s at 40 Mbit/s, 2 ms jitter); given a ``rate``, netem dates each packet
+    from the one before it instead, due = max(previous due, arrival + delay + jitter) + its
+    time at that rate (sch_netem.c, netem_enqueue): FIFO, as the relay (tbrelay.c: real WAN
+    paths very rarely reorder) -- 0 reorderings.  That rate is FIFO_RATE_FACTOR x the link's,
+    HTB above still shapes."""
     if method not in METHODS:
         raise ValueError(f"unknown shaping method {method!r}")
     if METHODS[method].leaf == "bfifo":
         return ["bfifo", "limit", str(d.queue_pkts * (MTU + 14))]
     leaf = ["netem", "limit", str(netem_limit(d))]
-    if d.delay_ms or d.jitter_ms:
+    if d.delay_ms and not d.jitter_ms:
         leaf += ["delay", f"{d.delay_ms}ms"]
-        if d.jitter_ms:
-            leaf += [f"{d.jitter_ms}ms", "distribution", "normal", "rate", _rate(FIFO_RATE_FACTOR * d.rate_mbps)]
+    elif d.jitter_ms:
+        mu, sigma = jitter.netem_params(d.delay_ms, d.jitter_ms, d.distribution)
+        leaf += ["delay", f"{mu * 1e3:.3f}us", f"{sigma * 1e3:.3f}us",
+                 *(["distribution", d.distribution] if jitter.table_path(d.distribution) else []),
+                 "rate", _rate(FIFO_RATE_FACTOR * d.rate_mbps)]
     if d.loss:
         leaf += ["loss", f"{d.loss * 100:.6f}%"]
     return leaf
@@ -140,7 +147,7 @@ def shape_commands(intf: str, d: LinkDir, method: str, icmp_priority: bool = Fal
         [*q, "parent", "1:10", "handle", "10:", *_leaf(d, method)],
     ]
     if icmp_priority:
-        probe = LinkDir(d.rate_mbps, d.delay_ms, d.jitter_ms, d.loss, queue_pkts=100)
+        probe = replace(d, queue_pkts=100)
         cmds += [
             [*c, "parent", "1:1", "classid", "1:20", "htb", *htb_class_args(d.rate_mbps), "prio", "0"],
             [*q, "parent", "1:20", "handle", "20:", *_leaf(probe, method)],
