@@ -113,6 +113,18 @@ def test_standing_queue_is_what_a_probe_finds_ahead_in_a_full_queue():
     assert standing_queue_ms(slow, "netem", 1510, 106) == pytest.approx(598.2, abs=0.1)
 
 
+def test_a_jittery_queue_leaves_frames_at_the_latest_due_time_before_them():
+    """Frames leaving a full queue one frame's time apart are held, in FIFO order, to the
+    latest due time before them: the relay adds that to the queue (measured on the relay, 8 ms
+    of jitter at 40 Mbit/s: a 30 ms queue read 43, 12.6 modelled; 25 Mbit/s: 59 for 48, 11.0);
+    netem dates a packet as it enters its queue, so a queue longer than that hides it."""
+    d, j = LinkDir(40.0, 30.0, 0.0, queue_pkts=100), LinkDir(40.0, 30.0, 8.0, queue_pkts=100)
+    assert standing_queue_ms(j, "relay", 1510, 106) - standing_queue_ms(d, "relay", 1510, 106) == pytest.approx(12.6, abs=0.2)
+    assert standing_queue_ms(j, "netem", 1510, 106) == standing_queue_ms(d, "netem", 1510, 106)  # 30 ms > 12.6
+    short = LinkDir(40.0, 30.0, 8.0, queue_pkts=20)
+    assert standing_queue_ms(short, "netem", 1510, 106) == pytest.approx(12.6, abs=0.2)  # 6 ms < 12.6
+
+
 def test_queue_check_datagrams_leave_a_probe_room_in_a_full_byte_queue():
     """A byte FIFO of q x 1514 bytes full of 1510-byte datagrams leaves 4q bytes: under a probe's
     106 for q < 27, so the probes would get in only just after a departure.  There the

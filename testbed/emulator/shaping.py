@@ -166,12 +166,19 @@ def rate_change_commands(intf: str, rate_mbps: float, icmp_priority: bool = Fals
 
 def standing_queue_ms(d: LinkDir, method: str, frame_bytes: int, probe_bytes: int) -> float:
     """Queueing delay (ms) a packet of ``probe_bytes`` sees on arrival at a full sender queue
-    of ``frame_bytes`` frames.  The queue drops at its tail, so an arrival gets in only while
-    it fits: ahead of it is the most that leaves room for it.  The relay/htb leaf is a byte
-    FIFO of ``queue_pkts`` full-size frames; netem's limit counts packets (:func:`netem_limit`)
-    -- ``limit - 1`` ahead, of which ``rate x delay`` are on the emulated wire.  (Measured in
-    the VM, netem: the probes read one frame less than ``netem_limit`` frames, on every link.)"""
+    of ``frame_bytes`` frames, beyond the direction's mean delay.  The queue drops at its tail,
+    so an arrival gets in only while it fits: ahead of it is the most that leaves room for it.
+    The relay/htb leaf is a byte FIFO of ``queue_pkts`` full-size frames; netem's limit counts
+    packets (:func:`netem_limit`) -- ``limit - 1`` ahead, of which ``rate x delay`` are on the
+    emulated wire.  (Measured in the VM, netem: the probes read one frame less than
+    ``netem_limit`` frames, on every link.)  Jitter: the frames leave the queue one frame's
+    time apart, and FIFO order holds each to the latest due time before it
+    (:func:`.jitter.fifo_cdf`), a median ``shift`` above the mean delay: the relay adds it
+    after the queue; netem dates a packet as it enters the queue, so the queue hides it where
+    it is the longer (the delay is the later of the two)."""
     frame_ms = frame_bytes * 8 / (d.rate_mbps * 1e3)
+    shift = float(jitter.quantiles([0.5], d.delay_ms, d.jitter_ms, d.distribution, frame_ms)[0]) - d.delay_ms \
+        if d.jitter_ms else 0.0
     if METHODS[method].leaf == "bfifo":
-        return (d.queue_pkts * (MTU + 14) - probe_bytes) // frame_bytes * frame_ms
-    return (netem_limit(d) - 1) * frame_ms - d.delay_ms
+        return (d.queue_pkts * (MTU + 14) - probe_bytes) // frame_bytes * frame_ms + shift
+    return max((netem_limit(d) - 1) * frame_ms - d.delay_ms, shift)
