@@ -1,13 +1,14 @@
 """The link check's pass rules (testbed/emulator/linkcheck.py), without a network."""
 
 import functools
+from dataclasses import replace
 
 import numpy as np
 import pytest
 
 from testbed.emulator import jitter
 from testbed.emulator.linkcheck import (carried_share, cubic_regrowth_s, delay_ok, format_table,
-                                        loss_check, owd_check, queue_ok, queue_overflow, rate_ok, single_batches,
+                                        loss_check, owd_check, queue_jitter_ms, queue_ok, queue_overflow, rate_ok, single_batches,
                                         single_parallel, udp_payload)
 from testbed.emulator.network import Direction
 from testbed.emulator.shaping import netem_limit, standing_queue_ms
@@ -123,6 +124,12 @@ def test_a_jittery_queue_leaves_frames_at_the_latest_due_time_before_them():
     assert standing_queue_ms(j, "netem", 1510, 106) == standing_queue_ms(d, "netem", 1510, 106)  # 30 ms > 12.6
     short = LinkDir(40.0, 30.0, 8.0, queue_pkts=20)
     assert standing_queue_ms(short, "netem", 1510, 106) == pytest.approx(12.6, abs=0.2)  # 6 ms < 12.6
+    # the probes' median varies with the draws that hold the stream: more under a long tail
+    frame_ms = 1510 * 8 / 40e3
+    normal = queue_jitter_ms(j, "relay", frame_ms, 80, 48)
+    tail = queue_jitter_ms(replace(j, distribution="paretonormal"), "relay", frame_ms, 80, 48)
+    assert 0.3 < normal < tail and queue_jitter_ms(d, "relay", frame_ms, 80, 48) == 0
+    assert queue_jitter_ms(j, "netem", frame_ms, 80, 48) < 1e-9  # hidden behind its 30 ms queue
 
 
 def test_queue_check_datagrams_leave_a_probe_room_in_a_full_byte_queue():
