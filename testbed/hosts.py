@@ -77,8 +77,11 @@ def run_agents(hosts: Hosts, plan, out_dir: Path, *, iterations: int = 1, seed: 
     coord.start()
     try:
         sources = hosts.carry_paths(plan.paths()) if plan.paths() else {}
-        if plan.paths() and not sources:
-            progress(f"{len(plan.paths())} connections name a path these hosts cannot carry: routed as usual")
+        if plan.paths():
+            carried = sum(len(s) for s in sources.values())
+            progress(f"{carried} of the {len(plan.paths())} connections that name a path carried on it"
+                     + ("" if carried else " (these hosts cannot: routed as usual)")
+                     + ("; the rest are one hop" if 0 < carried < len(plan.paths()) else ""))
         for dc in plan.nodes:
             cfg = {"name": dc, "coordinator": f"{hosts.coordinator_host}:{coord.address[1]}"}
             if sources.get(dc):
