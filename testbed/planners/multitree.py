@@ -270,12 +270,12 @@ def build_trees(graph: nx.DiGraph, *, neighbour_order: str = "auto", dim_order: 
     ``variant="routed"`` (ours) reserves the one static latency-shortest route per pair
     (:func:`testbed.routing.shortest_paths`) instead: the route the emulator forwards on.
     The emulator and the cost model route a message on those static routes unless it names
-    its path, so on a multi-path fabric a ``bfs`` schedule would run on routes that may differ
-    from the ones it
-    reserved, unless the plan names them: with ``channels="tree"`` (one connection per tree
-    edge and direction) every send names its reserved path (``Op.path``) and the emulator
-    carries each connection on it (policy routing by source address); ``routed`` is
-    contention-free on the static routes.
+    its path: with ``channels="tree"`` (one connection per tree edge and direction) every
+    ``bfs`` send names its reserved path (``Op.path``), and the emulator carries each
+    connection on it (policy routing by source address), so the schedule runs as reserved;
+    with ``channels="link"`` one connection carries several trees' paths, none is named, and
+    on a multi-path fabric the messages may take other routes than they reserved.  ``routed``
+    is contention-free on the static routes.
 
     Returns a :class:`MultiTreeSchedule`.
     """
