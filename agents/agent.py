@@ -123,6 +123,7 @@ class Agent:
         self.coord = f"coordinator at {host}:{port}"
         self.handshake_s = float(cfg.get("handshake_timeout_s", wire.HANDSHAKE_TIMEOUT_S))
         self.retry_s = float(cfg.get("connect_retry_s", CONNECT_RETRY_S))
+        self.sources = {str(k): str(v) for k, v in (cfg.get("sources") or {}).items()}  # "peer/channel" -> address
         self.prober: Prober | None = None
         self.trains: Trains | None = None
         self.iteration = 0  # the one GO last started
@@ -342,8 +343,11 @@ class Agent:
             raise ConnectionError(f"data connection to peer {peer} (channel {ch}): no address known")
         addr = peers[peer]
         ident = {"role": "data", "name": self.name, "channel": ch, **({"version": version} if version else {})}
+        # the first plan's connections on a named path: from that path's address (testbed.hosts.run_agents)
+        source = self.sources.get(f"{peer}/{ch}") if version == 0 else None
         try:
-            sock = wire.connect(addr, self.secret, ident, timeout_s=self.handshake_s, retry_s=self.retry_s)
+            sock = wire.connect(addr, self.secret, ident, timeout_s=self.handshake_s, retry_s=self.retry_s,
+                                source=source)
         except (OSError, wire.ProtocolError) as e:
             raise ConnectionError(f"data connection to peer {peer} (channel {ch}, expected listening at "
                                   f"{addr[0]}:{addr[1]}): {e}") from None

@@ -67,7 +67,8 @@ class _Ops:
 
 
 class _Routes:
-    """Per ordered pair: link ids on the latency-shortest path, one-way delay (s)."""
+    """Per ordered pair: link ids on the latency-shortest path (or on a path a send names),
+    one-way delay (s)."""
 
     def __init__(self, graph: nx.DiGraph, share: float = 1.0):
         self.graph = graph
@@ -76,28 +77,31 @@ class _Routes:
         self.link_id: dict[tuple[str, str], int] = {}
         self.cap: list[float] = []
         self.names: list[str] = []
-        self._cache: dict[tuple[str, str], tuple[tuple[int, ...], float, float]] = {}
+        self._cache: dict[tuple, tuple[tuple[int, ...], float, float]] = {}
 
-    def get(self, u: str, v: str) -> tuple[tuple[int, ...], float, float]:
-        """(link ids, one-way delay s, bottleneck bytes/s) of the route u→v."""
-        hit = self._cache.get((u, v))
+    def get(self, u: str, v: str, path: tuple[str, ...] = ()) -> tuple[tuple[int, ...], float, float]:
+        """(link ids, one-way delay s, bottleneck bytes/s) of the route u→v, or of ``path``
+        (``Op.path``) where given."""
+        key = (u, v, path)
+        hit = self._cache.get(key)
         if hit is not None:
             return hit
-        path = self.paths.get((u, v))
+        if path and any(not self.graph.has_edge(a, b) for a, b in zip(path, path[1:])):
+            raise PlanError(f"path {'>'.join(path)} crosses a link the topology does not have")
+        path = path or self.paths.get((u, v))
         if path is None:
             raise PlanError(f"no route from {u} to {v} in the topology")
         ids = []
         delay = 0.0
         for a, b in zip(path, path[1:]):
-            key = (a, b)
-            if key not in self.link_id:
-                self.link_id[key] = len(self.cap)
+            if (a, b) not in self.link_id:
+                self.link_id[(a, b)] = len(self.cap)
                 self.cap.append(_bytes_per_s(self.graph, a, b) * self.share)
                 self.names.append(f"{a}->{b}")
-            ids.append(self.link_id[key])
+            ids.append(self.link_id[(a, b)])
             delay += self.graph[a][b].get("delay_ms", 0.0) / 1000.0
         hit = (tuple(ids), delay, min(self.cap[i] for i in ids))
-        self._cache[(u, v)] = hit
+        self._cache[key] = hit
         return hit
 
 
@@ -166,8 +170,9 @@ def predict(plan: Plan, graph: nx.DiGraph, *, elem_bytes: int = 4, stop_and_wait
       its connection (src, dst, channel); a connection transmits one transfer at a time,
       in the order they became ready (one ordered byte stream, as the executor's TCP
       connection).
-    * A transmitting transfer is a flow on the latency-shortest route
-      (:func:`testbed.routing.data_paths`: the direct link between neighbours, else latency-shortest); flows sharing a directed link share its
+    * A transmitting transfer is a flow on the path its send names (``Op.path``), else on the
+      latency-shortest route (:func:`testbed.routing.data_paths`: the direct link between
+      neighbours, else latency-shortest); flows sharing a directed link share its
       rate max-min fairly (progressive filling, recomputed whenever the set of flows
       changes).  A paced send (``Op.rate_mbps``) also crosses a virtual link of that
       rate private to its connection.
@@ -205,7 +210,7 @@ def predict(plan: Plan, graph: nx.DiGraph, *, elem_bytes: int = 4, stop_and_wait
         if not ops.is_send[i]:
             continue
         src = ops.node[i]
-        links[i], alpha[i], _ = routes.get(src, op.peer)
+        links[i], alpha[i], _ = routes.get(src, op.peer, op.path)
         if op.rate_mbps > 0:  # a paced connection: a private virtual link at its rate
             key = (src, op.peer, op.channel)
             if key not in paced:
@@ -214,7 +219,7 @@ def predict(plan: Plan, graph: nx.DiGraph, *, elem_bytes: int = 4, stop_and_wait
                 routes.names.append(PACE_PREFIX + f"{src}->{op.peer}#{op.channel}")
             links[i] = links[i] + (paced[key],)
         if stop_and_wait:
-            rtt[i] = alpha[i] + routes.get(op.peer, src)[1]
+            rtt[i] = alpha[i] + routes.get(op.peer, src, op.path[::-1])[1]  # the acks come back the same way
         size[i] = float(op.length * elem_bytes)
         conn[i] = conn_id.setdefault((src, op.peer, op.channel), len(conn_id))
     cap = routes.cap
@@ -428,7 +433,7 @@ def alpha_beta(plan: Plan, graph: nx.DiGraph, elem_bytes: int = 4) -> dict:  # n
     conn_id: dict[tuple[str, str, int], int] = {}
     for i, op in enumerate(ops.ops):
         if ops.is_send[i]:
-            _, a, b = routes.get(ops.node[i], op.peer)
+            _, a, b = routes.get(ops.node[i], op.peer, op.path)
             cost[i] = op.length * elem_bytes / b
             cost[ops.partner[i]] = a
             conn[i] = conn_id.setdefault((ops.node[i], op.peer, op.channel), len(conn_id))

@@ -29,7 +29,14 @@ class Hosts(Protocol):
         now ({}: the agents run on this machine's clock)."""
 
     def start_agent(self, dc: str, cfg: dict, out_dir: Path, secret_file: Path) -> None:
-        """Start datacenter ``dc``'s agent with node config ``cfg`` (name, coordinator)."""
+        """Start datacenter ``dc``'s agent with node config ``cfg`` (name, coordinator;
+        ``sources`` where its data connections are bound to a path's source address)."""
+
+    def carry_paths(self, paths: dict) -> dict[str, dict[str, str]]:
+        """Make the network carry the named paths of a plan's connections ({(node, peer,
+        channel): path}, ``Plan.paths``) and return, per node, {"peer/channel": source
+        address} to bind each such connection to; {} where these hosts cannot (routing
+        unchanged)."""
 
     def health(self) -> str | None:
         """Why a run cannot go on (an agent exited), or None."""
@@ -69,8 +76,16 @@ def run_agents(hosts: Hosts, plan, out_dir: Path, *, iterations: int = 1, seed: 
                         truth=hosts.truth(), policy=policy, driver=driver, sync_clocks=bool(probe or clock_offset_ms))
     coord.start()
     try:
+        sources = hosts.carry_paths(plan.paths()) if plan.paths() else {}
+        if plan.paths():
+            carried = sum(len(s) for s in sources.values())
+            progress(f"{carried} of the {len(plan.paths())} connections that name a path carried on it"
+                     + ("" if carried else " (these hosts cannot: routed as usual)")
+                     + ("; the rest are one hop" if 0 < carried < len(plan.paths()) else ""))
         for dc in plan.nodes:
             cfg = {"name": dc, "coordinator": f"{hosts.coordinator_host}:{coord.address[1]}"}
+            if sources.get(dc):
+                cfg["sources"] = sources[dc]
             if (clock_offset_ms or {}).get(dc):
                 cfg["clock_offset_ms"] = clock_offset_ms[dc]
             hosts.start_agent(dc, cfg, out_dir, secret_file)

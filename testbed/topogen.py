@@ -557,7 +557,7 @@ GENERATORS: dict[str, Callable[..., Topology]] = {
 }
 
 #: Link fields any generator block (or ``defaults``) may set for every generated direction.
-COMMON_PARAMS = ("jitter_ms", "loss", "queue_pkts")
+COMMON_PARAMS = ("jitter_ms", "distribution", "loss", "queue_pkts")
 _MTREE_KW = ("sk", "seed", "rate_min_mbps", "rate_max_mbps", "rate_step_mbps", "delay_min_ms",
              "delay_max_ms", "delay_scaling", "asymmetric")
 
