@@ -22,8 +22,7 @@ import time
 import pytest
 from fidelity import fidelity
 
-from testbed.emulator import DEFAULT_TCP_CC
-from testbed.emulator import jitter
+from testbed.emulator import DEFAULT_TCP_CC, jitter
 from testbed.emulator import relay as relay_mod
 from testbed.emulator.relay import Relay, RelayDirection, RelayLink, build, kept_up, partition_links
 from testbed.errors import ConfigError, RunError

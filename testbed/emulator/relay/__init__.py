@@ -55,8 +55,8 @@ from typing import Any, Callable, Sequence
 
 from testbed.emulator import jitter
 from testbed.emulator.cleanup import relay_dir_prefix
-from testbed.wan import DEFAULT_DISTRIBUTION, DISTRIBUTIONS
 from testbed.errors import ConfigError, RunError
+from testbed.wan import DEFAULT_DISTRIBUTION, DISTRIBUTIONS
 
 __all__ = [
     "RelayDirection",
