@@ -74,8 +74,10 @@ def build_plan(exp: Experiment, scheme: dict | None = None, *, source: str = "",
         raise ConfigError(f"{a['probe_chunk_bytes']} bytes: no transfer of this plan is that large (the largest "
                           f"is {largest} bytes), so no link would ever be measured", source=source or exp.name,
                           key=f"{key}.adaptive.probe_chunk_bytes")
+    # the agents forward cut-through unless they probe (an adaptive scheme): agents.executor
     prediction = costmodel.predict(plan, graph, elem_bytes=w.elem_bytes, stop_and_wait=exp.agents.stop_and_wait,
-                                   tcp=True, transfer_s=costmodel.EXECUTOR_TRANSFER_S)
+                                   tcp=True, transfer_s=costmodel.EXECUTOR_TRANSFER_S,
+                                   cut_through_bytes=0 if a else costmodel.EXECUTOR_SUBBLOCK_BYTES)
     # The optimum is a packing of reduce/broadcast trees over every node, a bound for an AllReduce
     # of all of them; a partial reduce (CREW's group P, forest's active workers) has none here.
     partial = set(plan.contributing()) != set(plan.nodes) or set(plan.finishing()) != set(plan.nodes)
