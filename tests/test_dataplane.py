@@ -71,13 +71,14 @@ def test_cut_through_gives_the_reference_interpreters_bytes(make, subblock):
                 assert np.array_equal(got[n], want[n]), (n, ct, subblock)
 
 
-def test_an_interior_node_forwards_a_chunk_while_it_arrives():
-    """b adds a's chunk into its own and sends the sum to c: with cut-through, c gets the
-    first bytes of the sum while a has sent only half of its chunk (store-and-forward would
-    send nothing until all of it is there); the sum is exact."""
-    n = 1 << 18  # 1 MB of float32
+@pytest.mark.parametrize("cut_through", [True, False])
+def test_an_interior_node_forwards_a_chunk_while_it_arrives(cut_through):
+    """b adds a's 1 MB chunk into its own and sends the sum to c: with cut-through, c gets the
+    first bytes of the sum while a has sent only half of its chunk; store-and-forward (the
+    reference) sends nothing of it until all of a's chunk is there; the sum is exact either way."""
+    n = 1 << 18
     prog = [Op(0, RECV, "a", 1, 0, n, reduce=True), Op(1, SEND, "c", 2, 0, n, deps=(0,))]
-    ex = Executor("b", prog, length=n, timeout_s=10, subblock_bytes=1 << 16)
+    ex = Executor("b", prog, length=n, timeout_s=10, cut_through=cut_through, subblock_bytes=1 << 16)
     sa, sb = socket.socketpair()
     sc, sd = socket.socketpair()
     ex.attach_incoming("a", 0, sb)
@@ -90,52 +91,26 @@ def test_an_interior_node_forwards_a_chunk_while_it_arrives():
         payload = np.arange(n, dtype=np.float32)
         sa.sendall(wire.encode_header(wire.Header(wire.DATA, op_id=0, xfer=1, payload_len=payload.nbytes)))
         sa.sendall(payload[:n // 2].tobytes())
-        sd.settimeout(5)
-        h = wire.recv_header(sd, bytearray(64), payload.nbytes)
-        assert (h.xfer, h.payload_len) == (2, payload.nbytes)
-        first = sd.recv(1 << 16)  # before the second half is sent
-        assert len(first) > 0
-        sa.sendall(payload[n // 2:].tobytes())
-        rest = bytearray(first)
-        while len(rest) < payload.nbytes:
-            rest += sd.recv(1 << 20)
-        t.join(10)
-        assert np.array_equal(np.frombuffer(bytes(rest), np.float32), payload + 1)
-        (xfer, start, end), = result["sends"]
-        (_, _, recv_first, recv_last, _), = result["recvs"]
-        assert start < recv_last  # the send began before the last byte of what it forwards arrived
-    finally:
-        ex.close()
-        for s in (sa, sd):
-            s.close()
-
-
-def test_store_and_forward_waits_for_the_whole_chunk():
-    """The reference: cut_through=False sends nothing of the sum before all of a's chunk is there."""
-    n = 1 << 18
-    prog = [Op(0, RECV, "a", 1, 0, n, reduce=True), Op(1, SEND, "c", 2, 0, n, deps=(0,))]
-    ex = Executor("b", prog, length=n, timeout_s=10, cut_through=False)
-    sa, sb = socket.socketpair()
-    sc, sd = socket.socketpair()
-    ex.attach_incoming("a", 0, sb)
-    ex.attach_outgoing("c", 0, sc)
-    ex.prepare(np.ones(n, np.float32))
-    t = threading.Thread(target=ex.run, args=(0,))
-    t.start()
-    try:
-        payload = np.arange(n, dtype=np.float32)
-        sa.sendall(wire.encode_header(wire.Header(wire.DATA, op_id=0, xfer=1, payload_len=payload.nbytes)))
-        sa.sendall(payload[:n // 2].tobytes())
-        sd.settimeout(0.5)
-        with pytest.raises(socket.timeout):
-            sd.recv(1)
+        sd.settimeout(5 if cut_through else 0.5)
+        if cut_through:
+            first = sd.recv(1 << 16)  # the header and the first bytes, before the second half is sent
+            assert len(first) > 0
+        else:
+            with pytest.raises(socket.timeout):
+                sd.recv(1)
+            first = b""
         sa.sendall(payload[n // 2:].tobytes())
         sd.settimeout(5)
-        got = b""
+        got = bytearray(first)
         while len(got) < 64 + payload.nbytes:
             got += sd.recv(1 << 20)
         t.join(10)
-        assert np.array_equal(np.frombuffer(got[64:], np.float32), payload + 1)
+        h = wire.decode_header(bytes(got[:64]), payload.nbytes)
+        assert (h.xfer, h.payload_len) == (2, payload.nbytes)
+        assert np.array_equal(np.frombuffer(bytes(got[64:]), np.float32), payload + 1)
+        (_, start, _), = result["sends"]
+        (_, _, _, recv_last, _), = result["recvs"]
+        assert (start < recv_last) == cut_through  # the send began before the last byte it forwards arrived
     finally:
         ex.close()
         for s in (sa, sd):
