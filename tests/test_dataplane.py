@@ -15,6 +15,8 @@ from agents.executor import Executor
 from agents.inputs import make_input
 from testbed.dataplane import loopback_chain
 from testbed.plan import RECV, SEND, Op, interpret
+from testbed.planners import make_plan, schemes
+from testbed.topology import load_topology
 from tests.test_agents import relay_plan, ring_plan, two_tree_plan
 
 
@@ -124,3 +126,15 @@ def test_loopback_chain_cut_through_and_store_and_forward_are_exact():
         assert r["exact"] and r["b"]["cpu_s"] > 0, r
     with pytest.raises(RuntimeError, match="loopback chain failed"):
         loopback_chain(1 << 12, 2, iterations=1, subblock_bytes="not a size")
+
+
+@pytest.mark.parametrize("scheme", sorted(schemes()))
+def test_every_scheme_is_exact_with_cut_through_in_small_sub_blocks(scheme):
+    """Every registered scheme's plan on quick-5, its executors streaming in sub-blocks of 64
+    bytes (every transfer of this size cut through), equals the reference interpreter's."""
+    plan = make_plan(scheme, load_topology("quick-5").graph(), 20_011)
+    outs, _ = run_in_process(plan, iterations=1, subblock_bytes=64)
+    for got, inputs in outs:
+        want = interpret(plan, inputs)
+        for n in plan.finishing():
+            assert np.array_equal(got[n], want[n]), n
