@@ -1,7 +1,9 @@
 """``testbed bench``: benchmarks that report ratios measured in one run (no absolute pass/fail).
 
-* ``dataplane`` — one shaped link (100 Mbit/s, 30 ms): agent transfer goodput vs iperf3
-  goodput on the same link, same byte count, same run.
+* ``dataplane`` — the agents' data plane: per chunk size (4 KB to 64 MB), on loopback the
+  per-transfer CPU of an interior node (receive, add, forward) and goodput against iperf3,
+  cut-through against store-and-forward; on one shaped link (100 Mbit/s, 30 ms by default;
+  ``rates``) transfers/s and goodput against iperf3 on the same link, same bytes, same run.
 * ``ring`` — ring AllReduce on the uniform 6-node ring topology: measured CCT vs the α-β
   prediction (``costmodel.alpha_beta``) and the flow-level prediction.
 * ``planner`` — MTREE planner (tree generation + MILP) time on the 40-node, 231-link
@@ -44,35 +46,80 @@ def _topology(links, name):
                           "links": links})
 
 
-def bench_dataplane(out: Path, progress, size_mb: float = 48.0, rate: float = 100.0, delay: float = 30.0) -> dict:
-    """One transfer over one emulated link, by iperf3 and by the agents: the agents' goodput
-    as a share of iperf3's (the executor's own overhead)."""
-    from testbed.emulator.network import WanNetwork
+DATAPLANE_CHUNKS = ("4KB", "64KB", "1MB", "16MB", "64MB")
+DATAPLANE_LOOPBACK_BYTES = 128 << 20  # per iteration of the loopback chain (at least 2 chunks)
+
+
+def _link_plan(nbytes: int, chunk: int):
+    """a sends ``nbytes`` to b in transfers of ``chunk`` bytes, one after another on one connection."""
     from testbed.plan import Plan, ProgramBuilder
 
-    topo = _topology([{"between": ["a", "b"], "rate_mbps": rate, "delay_ms": delay}], "bench-link")
-    nbytes = int(size_mb * 1e6) // 4 * 4
     b = ProgramBuilder(["a", "b"])
-    b.transfer("a", "b", 0, nbytes // 4, reduce=True)
-    plan = Plan("transfer", ["a", "b"], nbytes // 4, b.programs, participants=["a"], receivers=["b"])
-    with WanNetwork(topo, log=progress) as net:
-        progress(f"iperf3: {size_mb:g} MB over {rate:g} Mbit/s, {delay:g} ms")
-        srv = net.popen("b", ["iperf3", "-s", "-1", "-p", "5299"])
-        time.sleep(0.5)
-        cli = net.popen("a", ["iperf3", "-c", net.peer_address("a", "b"), "-p", "5299", "-n", str(nbytes), "-J"],
-                        stdout=subprocess.PIPE, text=True)
-        out_c, _ = cli.communicate(timeout=600)
-        srv.wait(timeout=10)
-        iperf_mbps = json.loads(out_c)["end"]["sum_received"]["bits_per_second"] / 1e6
-        progress(f"agents: the same {size_mb:g} MB as one transfer")
-        res = run_agents(EmulatedHosts(net), plan, out / "dataplane", progress=progress, timeout_s=600)
-        row = transfer_rows(res["transfers"])[0]
-        secs = (row.recv_end_ns - row.send_start_ns) / 1e9
-        agent_mbps = nbytes * 8 / secs / 1e6
-        method = net.method
-    return {"link": {"rate_mbps": rate, "delay_ms": delay, "method": method}, "bytes": nbytes,
-            "iperf3_mbps": iperf_mbps, "agent_mbps": agent_mbps, "ratio": agent_mbps / iperf_mbps,
-            "correct": all(it["correct"] for it in res["iterations"])}
+    elems, step = nbytes // 4, max(1, chunk // 4)
+    for k, off in enumerate(range(0, elems, step)):
+        b.transfer("a", "b", off, min(step, elems - off), reduce=True, chunk=k)
+    return Plan("transfer", ["a", "b"], elems, b.programs, participants=["a"], receivers=["b"])
+
+
+def bench_dataplane(out: Path, progress, sizes: tuple[str, ...] = DATAPLANE_CHUNKS, rates: tuple[float, ...] = (100.0,),
+                    delay: float = 30.0, link_mb: float = 48.0, loopback: bool = True) -> dict:
+    """The agents' data plane, chunk sizes ``sizes``: on loopback (:mod:`testbed.dataplane`:
+    a -> b -> c, b adds and forwards; its CPU per chunk is the interior node's per-transfer
+    cost; cut-through against store-and-forward in the same run; iperf3 on the same loopback);
+    then per rate in ``rates`` (Mbit/s) one emulated link (``delay`` ms): iperf3's goodput for
+    ``link_mb`` MB, and the agents' for the same bytes as one transfer and in chunks of each
+    size (transfers/s, goodput, ratio to iperf3)."""
+    from testbed.dataplane import iperf3_loopback, loopback_chain
+    from testbed.emulator.network import WanNetwork
+    from testbed.workloads import parse_size
+
+    rows = []
+    if loopback:
+        lo_mbps = iperf3_loopback(DATAPLANE_LOOPBACK_BYTES)
+        progress(f"loopback: iperf3 {lo_mbps:.0f} Mbit/s")
+        for size in sizes:
+            chunk = int(parse_size(size))
+            chunks = max(2, min(2000, DATAPLANE_LOOPBACK_BYTES // chunk))
+            r = {ct: loopback_chain(chunk, chunks, 3, cut_through=ct) for ct in (True, False)}
+            b, sf = r[True]["b"], r[False]["b"]
+            rows.append({"link": "loopback", "chunk": size, "chunks": chunks, "transfers_per_s": r[True]["c"]["transfers_per_s"],
+                         "goodput_mbps": r[True]["c"]["goodput_mbps"], "iperf3_mbps": lo_mbps,
+                         "ratio": r[True]["c"]["goodput_mbps"] / lo_mbps,
+                         "interior_cpu_ms": b["cpu_per_chunk_ms"], "leaf_cpu_ms": r[True]["c"]["cpu_per_chunk_ms"],
+                         "store_forward_goodput_mbps": r[False]["c"]["goodput_mbps"],
+                         "store_forward_interior_cpu_ms": sf["cpu_per_chunk_ms"],
+                         "correct": r[True]["exact"] and r[False]["exact"]})
+            progress(f"loopback {size} x {chunks}: {rows[-1]['goodput_mbps']:.0f} Mbit/s, "
+                     f"{rows[-1]['transfers_per_s']:.0f} transfers/s, interior CPU {b['cpu_per_chunk_ms']:.3f} ms/chunk")
+    links = []
+    for rate in rates:
+        topo = _topology([{"between": ["a", "b"], "rate_mbps": rate, "delay_ms": delay}], f"bench-link-{rate:g}")
+        nbytes = int(link_mb * 1e6) // 4 * 4
+        with WanNetwork(topo, log=progress) as net:
+            progress(f"iperf3: {link_mb:g} MB over {rate:g} Mbit/s, {delay:g} ms")
+            srv = net.popen("b", ["iperf3", "-s", "-1", "-p", "5299"])
+            time.sleep(0.5)
+            cli = net.popen("a", ["iperf3", "-c", net.peer_address("a", "b"), "-p", "5299", "-n", str(nbytes), "-J"],
+                            stdout=subprocess.PIPE, text=True)
+            out_c, _ = cli.communicate(timeout=600)
+            srv.wait(timeout=10)
+            iperf_mbps = json.loads(out_c)["end"]["sum_received"]["bits_per_second"] / 1e6
+            links.append({"rate_mbps": rate, "delay_ms": delay, "method": net.method, "iperf3_mbps": iperf_mbps})
+            for size in ("whole",) + tuple(sizes):
+                chunk = nbytes if size == "whole" else int(parse_size(size))
+                plan = _link_plan(nbytes, chunk)
+                progress(f"agents: the same {link_mb:g} MB in {len(plan.programs['a'])} transfers of {size}")
+                res = run_agents(EmulatedHosts(net), plan, out / f"link-{rate:g}-{size}", progress=progress,
+                                 timeout_s=600)
+                tr = transfer_rows(res["transfers"])
+                secs = (max(r.recv_end_ns for r in tr) - min(r.send_start_ns for r in tr)) / 1e9
+                mbps = nbytes * 8 / secs / 1e6
+                rows.append({"link": f"{rate:g} Mbit/s, {delay:g} ms", "chunk": size, "chunks": len(tr),
+                             "transfers_per_s": len(tr) / secs, "goodput_mbps": mbps,
+                             "iperf3_mbps": iperf_mbps, "ratio": mbps / iperf_mbps,
+                             "correct": all(it["correct"] for it in res["iterations"])})
+                progress(f"agents: {mbps:.1f} Mbit/s ({mbps / iperf_mbps:.3f} of iperf3)")
+    return {"table": rows, "links": links, "bytes_per_link_run": int(link_mb * 1e6) // 4 * 4}
 
 
 def bench_ring(out: Path, progress, size_mb: float = 24.0) -> dict:

@@ -367,10 +367,21 @@ def cmd_bench(args) -> int:
     for key in ("sizes", "schemes", "topologies"):
         val = getattr(args, key, None)
         if val:
-            if args.name not in ("efficiency", "peers"):
+            if args.name not in ("efficiency", "peers") and not (key == "sizes" and args.name == "dataplane"):
                 print(f"error: bench {args.name}: --{key} applies to bench efficiency and peers only", file=sys.stderr)
                 return 2
             options[key] = tuple(x for x in val.split(",") if x)
+    if args.rates:
+        if args.name != "dataplane":
+            print(f"error: bench {args.name}: --rates applies to bench dataplane only", file=sys.stderr)
+            return 2
+        try:
+            options["rates"] = tuple(float(x) for x in args.rates.split(",") if x)
+            if not options["rates"] or min(options["rates"]) <= 0:
+                raise ValueError
+        except ValueError:
+            print(f"error: bench dataplane: --rates {args.rates!r}: not a list of rates in Mbit/s > 0", file=sys.stderr)
+            return 2
     try:
         _check_bench_options(options)
     except ConfigError as e:
@@ -524,7 +535,9 @@ def _verb_bench(sub) -> None:
                                       "(default netstorm-internet2-9)")
     b.add_argument("--tcp-cc", help=f"emulator: the hosts' TCP congestion control (default {DEFAULT_TCP_CC})")
     b.add_argument("--seconds", type=float, help="emulator: linkcheck measuring time per scale (default 6)")
-    b.add_argument("--sizes", help="efficiency, peers: comma-separated model sizes before the scale (e.g. 16MB,64MB)")
+    b.add_argument("--sizes", help="efficiency, peers: comma-separated model sizes before the scale (e.g. 16MB,64MB); "
+                                   "dataplane: chunk sizes (default 4KB,64KB,1MB,16MB,64MB)")
+    b.add_argument("--rates", help="dataplane: comma-separated rates in Mbit/s of the emulated link (default 100)")
     b.add_argument("--schemes", help="efficiency, peers: comma-separated schemes (default: the tree schemes)")
     b.add_argument("--topologies", help="efficiency, peers: comma-separated topologies among the benchmarked ones")
     b.add_argument("--out", help="output folder")

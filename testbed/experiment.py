@@ -78,8 +78,10 @@ def build_plan(exp: Experiment, scheme: dict | None = None, *, source: str = "",
                      key=key, aux=scheme.get("aux"))
     plan.validate()
     runtime.check_plan(exp, scheme, plan, source=source or exp.name, key=key)
+    a = scheme.get("adaptive")  # the agents forward cut-through unless they probe: agents.executor
     prediction = costmodel.predict(plan, graph, elem_bytes=w.elem_bytes, stop_and_wait=exp.agents.stop_and_wait,
-                                   tcp=True, transfer_s=costmodel.EXECUTOR_TRANSFER_S)
+                                   tcp=True, transfer_s=costmodel.EXECUTOR_TRANSFER_S,
+                                   cut_through_bytes=0 if a else costmodel.EXECUTOR_SUBBLOCK_BYTES)
     # The optimum is a packing of reduce/broadcast trees over every node, a bound for an AllReduce
     # of all of them; a partial reduce (CREW's group P, forest's active workers) has none here.
     partial = set(plan.contributing()) != set(plan.nodes) or set(plan.finishing()) != set(plan.nodes)
