@@ -283,10 +283,10 @@ def bench_efficiency(out: Path, progress, sizes: tuple[str, ...] | None = None,
                 sm = v["summary"]
                 run = next(r for r in res["runs"] if r["variant"] == v["label"])
                 a = analyse_run(run, graph)
-                bd = breakdown(sm["cct_s"]["mean"], sm["bound_cct_s"], a)
+                bd = breakdown(sm["cct_s"]["mean"], sm["bound_s"], a)
                 hot = a.get("bottleneck") or {}
                 rows.append({"topology": topo, "size": size, "scheme": v["label"], "cct_s": sm["cct_s"]["mean"],
-                             "bound_s": sm["bound_cct_s"], "predicted_s": sm["predicted_cct_s"],
+                             "bound_s": sm["bound_s"], "predicted_s": sm["predicted_cct_s"],
                              "efficiency": sm["efficiency"], "measured_over_predicted": sm["prediction_ratio"],
                              "plan_factor": bd.get("plan_factor"), "execution_factor": bd.get("execution_factor"),
                              "bottleneck": hot.get("link"), "bottleneck_busy": hot.get("busy_share"),
@@ -408,7 +408,7 @@ def bench_peers(out: Path, progress, sizes: tuple[str, ...] = ("16MB",), schemes
             kept.append(res["emulation"]["kept_up"])
             rows.append({"topology": topo, "size": size, "scheme": "gloo (PyTorch)", "cct_s": gloo["cct_s"],
                          "speedup_over_gloo": 1.0 if gloo["cct_s"] else None, "efficiency":
-                         res["variants"][0]["summary"]["bound_cct_s"] / gloo["cct_s"] if gloo["cct_s"] else None,
+                         res["variants"][0]["summary"]["bound_s"] / gloo["cct_s"] if gloo["cct_s"] else None,
                          "correct": gloo["correct"]})
             for v in res["variants"]:
                 sm = v["summary"]

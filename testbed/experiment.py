@@ -257,7 +257,8 @@ def plan_variants(exp: Experiment, progress: Callable[[str], None], source: str 
         progress(f"planning {v.label} ({v.scheme['name']}) for {exp.workload.bytes / 1e6:.3g} MB")
         _, _, plan, prediction, bound = build_plan(exp, v.scheme, source=source, key=scheme_key(i))
         progress(f"  {sum(len(p) for p in plan.programs.values())} ops; predicted CCT {prediction['cct_s']:.3f}s, "
-                 + (f"bound {bound['cct_s']:.3f}s" if bound else "no bound (partial reduce)"))
+                 + (f"bound {bound['transfer_s']:.3f}s ({bound['bound']}), estimate with delay "
+                    f"{bound['estimate_cct_s']:.3f}s" if bound else "no bound (partial reduce)"))
         planned.append((v, plan, prediction, bound))
     return planned
 
@@ -494,6 +495,7 @@ def _summary(runs: list[dict], prediction: dict, bound: dict) -> dict:
     cct = stats([r["cct_s"] for r in runs])
     rounds = [r["rounds_total"] for r in runs if "rounds_total" in r]
     return {**({"rounds_total": stats(rounds)} if rounds else {}),"cct_s": cct, "correct": all(r["correct"] for r in runs) and bool(runs),
-            "predicted_cct_s": prediction["cct_s"], "bound_cct_s": bound["cct_s"] if bound else None,
-            "efficiency": bound["cct_s"] / cct["mean"] if bound and cct["mean"] else None,
+            "predicted_cct_s": prediction["cct_s"], "bound_s": bound["transfer_s"] if bound else None,
+            "estimate_cct_s": bound["estimate_cct_s"] if bound else None,
+            "efficiency": bound["transfer_s"] / cct["mean"] if bound and cct["mean"] else None,
             "prediction_ratio": cct["mean"] / prediction["cct_s"] if cct["mean"] and prediction["cct_s"] else None}
