@@ -5,7 +5,9 @@
 * ``ring`` — ring AllReduce on the uniform 6-node ring topology: measured CCT vs the α-β
   prediction (``costmodel.alpha_beta``) and the flow-level prediction.
 * ``planner`` — MTREE planner (tree generation + MILP) time on the 40-node, 231-link
-  IDN-like topology, and every scheme's planning time on NetStorm's 9-DC overlay.
+  IDN-like topology, every scheme's planning time on NetStorm's 9-DC overlay, and what
+  ``validate``/``plan``/``run`` do before a run (plan, prediction, optimum) for ring on
+  CREW's 60-datacenter mesh (1,770 links) and a 200-datacenter sparse WAN (600 links).
 * ``adaptive`` — NetStorm on its 9-DC overlay without dynamics, adaptive (probing,
   re-planning every 5 s) vs static, repetitions interleaved on one network: the CCT ratio is
   the closed loop's overhead (NetStorm §V claims none worth noting; issue 12 asks <= 3 %).
@@ -93,7 +95,14 @@ def bench_ring(out: Path, progress, size_mb: float = 24.0) -> dict:
             "emulation": {k: res["emulation"][k] for k in ("method", "kept_up", "warnings")}}
 
 
+# The papers' scales: CREW's default n = 60 (full mesh) and a sparse WAN of 200 datacenters.
+PLANNER_SCALES = (("crew-mesh-60", {"kind": "crew-mesh", "n": 60}),
+                  ("sparse-200", {"kind": "mtree-random", "n": 200, "m": 600, "asymmetric": True}))
+
+
 def bench_planner(out: Path, progress) -> dict:
+    from testbed import config
+    from testbed.experiment import build_plan
     from testbed.planners import make_plan, schemes
     from testbed.topology import load_topology
 
@@ -110,6 +119,15 @@ def bench_planner(out: Path, progress) -> dict:
         except Exception as e:  # a scheme that needs a special topology (e.g. a mesh)
             per[name] = f"n/a: {e}"
     result["netstorm9_s"] = per
+    for label, gen in PLANNER_SCALES:
+        exp = config.validate({"name": f"bench-planner-{label}", "topology": {"name": label, "generator": gen},
+                               "scheme": {"name": "ring"}, "workload": {"size": "8MB"}}, "<bench planner>")
+        progress(f"planner: ring, prediction and optimum on {label}")
+        t0 = time.perf_counter()
+        _, _, plan, _, bound = build_plan(exp)
+        result[label] = {"planning_s": time.perf_counter() - t0, "ring_s": plan.meta["planner_s"],
+                         "optimum_s": bound["planner_s"], "bound": bound["bound"], "gap": bound["gap"],
+                         "rate_mbps": bound["rate_mbps"], "packing_rate_mbps": bound["packing_rate_mbps"]}
     return result
 
 

@@ -322,7 +322,7 @@ def greedy_ring(graph: nx.DiGraph, paths: dict, nodes: list[str]) -> list[str]:
 
 
 def improve_ring(graph: nx.DiGraph, paths: dict, order: list[str], max_rounds: int = 50,
-                 max_evaluations: int = 60000) -> list[str]:
+                 max_evaluations: int = 20000) -> list[str]:
     """Local search on :func:`ring_score`: 2-opt (segment reversal) and node relocation,
     first improvement, until no move helps, ``max_rounds`` passes or ``max_evaluations``
     rings scored (a pass costs ~2 n^2 evaluations of O(n) each: the budget binds only on
