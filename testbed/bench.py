@@ -7,7 +7,9 @@
 * ``ring`` — ring AllReduce on the uniform 6-node ring topology: measured CCT vs the α-β
   prediction (``costmodel.alpha_beta``) and the flow-level prediction.
 * ``planner`` — MTREE planner (tree generation + MILP) time on the 40-node, 231-link
-  IDN-like topology, and every scheme's planning time on NetStorm's 9-DC overlay.
+  IDN-like topology, every scheme's planning time on NetStorm's 9-DC overlay, and what
+  ``validate``/``plan``/``run`` do before a run (plan, prediction, optimum) for ring on
+  CREW's 60-datacenter mesh (1,770 links) and a 200-datacenter sparse WAN (600 links).
 * ``adaptive`` — NetStorm on its 9-DC overlay without dynamics, adaptive (probing,
   re-planning every 5 s) vs static, repetitions interleaved on one network: the CCT ratio is
   the closed loop's overhead (NetStorm §V claims none worth noting).
@@ -142,9 +144,17 @@ def bench_ring(out: Path, progress, size_mb: float = 24.0) -> dict:
             "emulation": {k: res["emulation"][k] for k in ("method", "kept_up", "warnings")}}
 
 
+# The papers' scales: CREW's default n = 60 (full mesh) and a sparse WAN of 200 datacenters.
+PLANNER_SCALES = (("crew-mesh-60", {"kind": "crew-mesh", "n": 60}),
+                  ("sparse-200", {"kind": "mtree-random", "n": 200, "m": 600, "asymmetric": True}))
+
+
 def bench_planner(out: Path, progress) -> dict:
-    """Planning time: MTREE on the 40-node IDN-like WAN, and every scheme on NetStorm's overlay
-    (no network)."""
+    """Planning time: MTREE on the 40-node IDN-like WAN, every scheme on NetStorm's overlay, and
+    ring with its prediction and the optimum at the papers' scales (:data:`PLANNER_SCALES`; no
+    network)."""
+    from testbed import config
+    from testbed.experiment import build_plan
     from testbed.planners import make_plan, schemes
     from testbed.topology import load_topology
 
@@ -161,6 +171,15 @@ def bench_planner(out: Path, progress) -> dict:
         except Exception as e:  # a scheme that needs a special topology (e.g. a mesh)
             per[name] = f"n/a: {e}"
     result["netstorm9_s"] = per
+    for label, gen in PLANNER_SCALES:
+        exp = config.validate({"name": f"bench-planner-{label}", "topology": {"name": label, "generator": gen},
+                               "scheme": {"name": "ring"}, "workload": {"size": "8MB"}}, "<bench planner>")
+        progress(f"planner: ring, prediction and optimum on {label}")
+        t0 = time.perf_counter()
+        _, _, plan, _, bound = build_plan(exp)
+        result[label] = {"planning_s": time.perf_counter() - t0, "ring_s": plan.meta["planner_s"],
+                         "optimum_s": bound["planner_s"], "bound": bound["bound"], "gap": bound["gap"],
+                         "rate_mbps": bound["rate_mbps"], "packing_rate_mbps": bound["packing_rate_mbps"]}
     return result
 
 
@@ -336,10 +355,10 @@ def bench_efficiency(out: Path, progress, sizes: tuple[str, ...] | None = None,
                 sm = v["summary"]
                 run = next(r for r in res["runs"] if r["variant"] == v["label"])
                 a = analyse_run(run, graph)
-                bd = breakdown(sm["cct_s"]["mean"], sm["bound_cct_s"], a)
+                bd = breakdown(sm["cct_s"]["mean"], sm["bound_s"], a)
                 hot = a.get("bottleneck") or {}
                 rows.append({"topology": topo, "size": size, "scheme": v["label"], "cct_s": sm["cct_s"]["mean"],
-                             "bound_s": sm["bound_cct_s"], "predicted_s": sm["predicted_cct_s"],
+                             "bound_s": sm["bound_s"], "predicted_s": sm["predicted_cct_s"],
                              "efficiency": sm["efficiency"], "measured_over_predicted": sm["prediction_ratio"],
                              "plan_factor": bd.get("plan_factor"), "execution_factor": bd.get("execution_factor"),
                              "bottleneck": hot.get("link"), "bottleneck_busy": hot.get("busy_share"),
@@ -461,7 +480,7 @@ def bench_peers(out: Path, progress, sizes: tuple[str, ...] = ("16MB",), schemes
             kept.append(res["emulation"]["kept_up"])
             rows.append({"topology": topo, "size": size, "scheme": "gloo (PyTorch)", "cct_s": gloo["cct_s"],
                          "speedup_over_gloo": 1.0 if gloo["cct_s"] else None, "efficiency":
-                         res["variants"][0]["summary"]["bound_cct_s"] / gloo["cct_s"] if gloo["cct_s"] else None,
+                         res["variants"][0]["summary"]["bound_s"] / gloo["cct_s"] if gloo["cct_s"] else None,
                          "correct": gloo["correct"]})
             for v in res["variants"]:
                 sm = v["summary"]

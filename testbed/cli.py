@@ -147,7 +147,7 @@ def _print_summary(results: dict) -> None:
     for v, cmp in zip(results["variants"], results["summary"]["comparison"]):
         s, c = v["summary"], v["summary"]["cct_s"]
         print(f"{v['label'][:24]:24} {c['mean']:9.3f} {c['min']:8.3f} {c['max']:8.3f} {s['predicted_cct_s']:9.3f} "
-              f"{_num(s['bound_cct_s'], 8, 3)} {_num(s['efficiency'], 6, 2)}  {cmp['cct_ratio_to_first']:7.2f}x  "
+              f"{_num(s['bound_s'], 8, 3)} {_num(s['efficiency'], 6, 2)}  {cmp['cct_ratio_to_first']:7.2f}x  "
               f"{s['correct']}")
     _print_rounds(results)
     for w in results.get("emulation", {}).get("warnings", []):
@@ -243,7 +243,9 @@ def _print_plan(exp: Experiment, variant: Variant, args) -> None:
               "(sender, next aggregator) pairs" + "".join(f"\n    {'>'.join(p)}" for p in paths[:8])
               + ("\n    ..." if len(paths) > 8 else ""))
     print(f"predicted CCT {prediction['cct_s']:.4f}s ({prediction.get('model', '')}); "
-          + (f"bound: rate {bound['rate_mbps']:.1f} Mbit/s, CCT {bound['cct_s']:.4f}s" if bound else
+          + (f"bound (strict, {bound['bound']}): rate {bound['rate_mbps']:.1f} Mbit/s, transfer "
+             f"{bound['transfer_s']:.4f}s; the packing ({bound['packing_rate_mbps']:.1f} Mbit/s, gap "
+             f"{bound['gap']:.2g}) with its best tree's delay: estimated CCT {bound['estimate_cct_s']:.4f}s" if bound else
              "no bound: the tree-packing optimum bounds an AllReduce of every node, this is a partial reduce"))
 
 

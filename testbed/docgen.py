@@ -553,8 +553,11 @@ RESULTS_FIELDS: list[tuple[str, str, str]] = [
     ("summary.cct_s", "s", "`{mean, min, max, stdev, n}` over the runs' CCTs"),
     ("summary.cct_s.*", "", ""),
     ("summary.predicted_cct_s", "s", "the cost model's prediction"),
-    ("summary.bound_cct_s", "s", "the bound (empty for a partial reduce)"),
-    ("summary.efficiency", "", "bound / mean CCT (1 = optimal)"),
+    ("summary.bound_s", "s", "the strict bound: the optimal tree packing's transfer time (empty for a partial "
+                             "reduce)"),
+    ("summary.estimate_cct_s", "s", "that packing's estimated CCT with its best tree's delay (an estimate, not a "
+                                    "bound)"),
+    ("summary.efficiency", "", "bound_s / mean CCT (at most 1 in the model)"),
     ("summary.prediction_ratio", "", "mean CCT / predicted CCT"),
     ("summary.rounds_total", "", "`groups`: `{mean, min, max, stdev, n}` of the runs' total rounds"),
     ("summary.rounds_total.*", "", ""),
@@ -589,7 +592,8 @@ COLUMN_DOCS: dict[str, dict[str, str]] = {
         "experiment": "experiment name", "variant": "variant label", "scheme": "scheme name",
         "repetitions": "runs", "cct_mean_s": "mean CCT (s)", "cct_min_s": "fastest run (s)",
         "cct_max_s": "slowest run (s)", "cct_stdev_s": "standard deviation (s)",
-        "predicted_cct_s": "cost model (s)", "bound_cct_s": "bound (s)", "efficiency": "bound / mean CCT",
+        "predicted_cct_s": "cost model (s)", "bound_s": "strict bound (s)",
+        "estimate_cct_s": "optimal packing's estimated CCT with delay (s)", "efficiency": "bound / mean CCT",
         "rounds_total_mean": "`groups`: mean total rounds", "correct": "every run exact",
         "error": "why the variant did not run",
     },

@@ -146,9 +146,11 @@ def plan_variants(exp: Experiment, progress: Callable[[str], None], source: str 
     for i, v in enumerate(exp.variants):
         progress(f"planning {v.label} ({v.scheme['name']}) for {exp.workload.bytes / 1e6:.3g} MB")
         built = build_plan(exp, v.scheme, source=source, key=scheme_key(i))
+        bound = built.bound
         progress(f"  {sum(len(p) for p in built.plan.programs.values())} ops; predicted CCT "
                  f"{built.prediction['cct_s']:.3f}s, "
-                 + (f"bound {built.bound['cct_s']:.3f}s" if built.bound else "no bound (partial reduce)"))
+                 + (f"bound {bound['transfer_s']:.3f}s ({bound['bound']}), estimate with delay "
+                    f"{bound['estimate_cct_s']:.3f}s" if bound else "no bound (partial reduce)"))
         planned.append(Planned(v, built.plan, built.prediction, built.bound))
     return planned
 
@@ -296,6 +298,7 @@ def _per_link(transfers: dict | None) -> list[dict]:
 def _summary(runs: list[dict], prediction: dict, bound: dict | None) -> dict:
     cct = stats([r["cct_s"] for r in runs])
     return {**runtime.variant_summary(runs), "cct_s": cct, "correct": all(r["correct"] for r in runs) and bool(runs),
-            "predicted_cct_s": prediction["cct_s"], "bound_cct_s": bound["cct_s"] if bound else None,
-            "efficiency": bound["cct_s"] / cct["mean"] if bound and cct["mean"] else None,
+            "predicted_cct_s": prediction["cct_s"], "bound_s": bound["transfer_s"] if bound else None,
+            "estimate_cct_s": bound["estimate_cct_s"] if bound else None,
+            "efficiency": bound["transfer_s"] / cct["mean"] if bound and cct["mean"] else None,
             "prediction_ratio": cct["mean"] / prediction["cct_s"] if cct["mean"] and prediction["cct_s"] else None}

@@ -400,6 +400,27 @@ def leaf_spine(leaves: Any = 8, spines: Any = 8, hosts_per_leaf: Any = 8, *, rat
                     node_attrs={n: {"switch": True} for n in leaf_names + spine_names})
 
 
+def bigraph(upper: Any = 2, lower: Any = 2, hosts_per_switch: Any = 4, *, rate_mbps: Any = 100,
+            delay_ms: Any = 0) -> Topology:
+    """EFLOPS' BiGraph (Dong et al., HPCA'20; MultiTree Sec. V, "4x8" and "4x16"): two layers of
+    switches, every upper switch ``up{i}`` linked to every lower switch ``lo{j}``, and
+    ``hosts_per_switch`` hosts on every switch (hosts ``h{k}``, numbered switch by switch, upper
+    layer first).  Switches carry ``switch: true``, hosts ``layer: upper | lower``."""
+    upper = _int(upper, "upper", minimum=1, maximum=256)
+    lower = _int(lower, "lower", minimum=1, maximum=256)
+    per = _int(hosts_per_switch, "hosts_per_switch", minimum=1, maximum=256)
+    d = _uniform_dir(rate_mbps, delay_ms)
+    switches = [f"up{i}" for i in range(upper)] + [f"lo{j}" for j in range(lower)]
+    hosts = [f"h{k}" for k in range(len(switches) * per)]
+    links = [Link(h, switches[k // per], d, d) for k, h in enumerate(hosts)]
+    links += [Link(f"up{i}", f"lo{j}", d, d) for i in range(upper) for j in range(lower)]
+    attrs = {s: {"switch": True} for s in switches}
+    attrs.update({h: {"layer": "upper" if k // per < upper else "lower"} for k, h in enumerate(hosts)})
+    return Topology(name=f"bigraph-{upper + lower}x{per}", nodes=hosts + switches, links=links,
+                    source=f"BiGraph: {upper} upper and {lower} lower switches, {per} hosts each (EFLOPS)",
+                    node_attrs=attrs)
+
+
 # --------------------------------------------------------------------------- Topology Zoo
 
 EARTH_RADIUS_KM = 6371.0
@@ -553,6 +574,7 @@ GENERATORS: dict[str, Callable[..., Topology]] = {
     "star": star,
     "full-mesh": full_mesh,
     "leaf-spine": leaf_spine,
+    "bigraph": bigraph,
     "zoo": zoo,
 }
 

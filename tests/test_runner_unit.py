@@ -48,7 +48,7 @@ def test_scale_multiplies_size_and_rates():
     topo, graph, plan, prediction, bound = build_plan(exp)
     assert topo.scale == 0.5
     assert max(d["rate_mbps"] for _, _, d in graph.edges(data=True)) == 40.0  # 80 * 0.5
-    assert prediction["cct_s"] > 0 and bound["cct_s"] > 0 and plan.length == 125_000
+    assert prediction["cct_s"] > 0 and bound["transfer_s"] > 0 and plan.length == 125_000
 
 
 def test_partial_reduce_has_no_allreduce_bound():
@@ -59,7 +59,7 @@ def test_partial_reduce_has_no_allreduce_bound():
     *_, prediction, bound = build_plan(exp)
     assert bound is None
     s = _summary([{"cct_s": 1.0, "correct": True}], prediction, bound)
-    assert s["bound_cct_s"] is None and s["efficiency"] is None and s["prediction_ratio"] > 0
+    assert s["bound_s"] is None and s["efficiency"] is None and s["prediction_ratio"] > 0
 
 
 def test_warmup_iterations_are_checked_but_not_timed():

@@ -76,7 +76,7 @@ from scipy.optimize import Bounds, LinearConstraint, linprog, milp
 
 from testbed.plan import Plan, ProgramBuilder, Tree, split_lengths
 from testbed.planners import NODES, Param, ParamError, planner
-from testbed.planners.common import check_graph
+from testbed.planners.common import check_graph, min_arborescence
 
 REFERENCE = ("TopoAdapt: Zhang, Wu, Li, 'Near-Optimal Topology-adaptive Parameter Synchronization in "
              "Distributed DNN Training', IEEE INFOCOM 2021 (paper 001), Sec. III-V, LP (4)/(8), Alg. 1")
@@ -136,62 +136,6 @@ def _prune(parent: dict[str, str], root: str, terminals: set[str]) -> dict[str, 
             return parent
         for n in drop:
             del parent[n]
-
-
-def min_arborescence(n: int, edges: list[tuple[int, int, float]], root: int) -> list[int]:
-    """Chu-Liu/Edmonds minimum spanning out-arborescence, O(n * |edges|).
-
-    Nodes are 0..n-1; ``edges`` are (u, v, weight).  Returns the indices of the chosen
-    edges (one entering every node but the root); ties go to the lower edge index, so the
-    result is deterministic.  Raises ValueError if some node is unreachable from the root.
-    (networkx's implementation copies graphs at every step and is ~50x slower here.)
-    """
-    E = [(u, v, float(w), i) for i, (u, v, w) in enumerate(edges) if u != v and v != root]
-    return [E[j][3] for j in _cle(n, E, root)] if n > 1 else []
-
-
-def _cle(n: int, E: list[tuple[int, int, float, int]], root: int) -> list[int]:
-    in_w = [float("inf")] * n
-    in_e = [-1] * n
-    for i, (u, v, w, _) in enumerate(E):
-        if u != v and v != root and w < in_w[v]:
-            in_w[v], in_e[v] = w, i
-    for v in range(n):
-        if v != root and in_e[v] < 0:
-            raise ValueError("node unreachable from the root")
-    cyc = [-1] * n
-    mark = [-1] * n
-    k = 0
-    for v in range(n):
-        x = v
-        while x != root and mark[x] == -1 and cyc[x] == -1:
-            mark[x] = v
-            x = E[in_e[x]][0]
-        if x != root and mark[x] == v and cyc[x] == -1:
-            y = x
-            while True:
-                cyc[y] = k
-                y = E[in_e[y]][0]
-                if y == x:
-                    break
-            k += 1
-    if k == 0:
-        return [in_e[v] for v in range(n) if v != root]
-    ncyc = k
-    for v in range(n):
-        if cyc[v] == -1:
-            cyc[v] = k
-            k += 1
-    E2 = []
-    for i, (u, v, w, _) in enumerate(E):
-        if cyc[u] != cyc[v]:
-            E2.append((cyc[u], cyc[v], w - in_w[v], i))
-    chosen = [E2[j][3] for j in _cle(k, E2, cyc[root])]
-    entered = {E[i][1] for i in chosen if cyc[E[i][1]] < ncyc}
-    for v in range(n):
-        if cyc[v] < ncyc and v not in entered:
-            chosen.append(in_e[v])
-    return chosen
 
 
 def _edmonds(H: nx.DiGraph, w: dict, root: str) -> dict[str, str]:
