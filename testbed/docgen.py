@@ -492,7 +492,15 @@ RESULTS_FIELDS: list[tuple[str, str, str]] = [
     ("variants[].prediction.*", "", "the model's breakdown: per-link busy time and bytes, node finish times, "
                                     "bottleneck, phases, the model's assumptions"),
     ("variants[].bound", "", "the optimum for this network and size (`null` for a partial reduce)"),
-    ("variants[].bound.cct_s", "s", "the bound: no scheme can finish an AllReduce of every node sooner"),
+    ("variants[].bound.transfer_s", "s", "the strict bound: the optimal packing's transfer time at `rate_mbps`; "
+                                         "no tree-based AllReduce of every node finishes sooner in the model"),
+    ("variants[].bound.rate_mbps", "Mbit/s", "a proven upper bound on the packing's rate"),
+    ("variants[].bound.bound", "", "which bound `rate_mbps` is (a packing meeting a bound, the directed cut, "
+                                   "the degree bound or the dual bound)"),
+    ("variants[].bound.packing_rate_mbps", "Mbit/s", "the rate of the best packing found"),
+    ("variants[].bound.gap", "", "(rate_mbps - packing_rate_mbps) / rate_mbps"),
+    ("variants[].bound.estimate_cct_s", "s", "the packing's transfer time plus its best tree's round-trip delay: "
+                                             "an estimate, not a bound"),
     ("variants[].bound.cut_rate_mbps", "Mbit/s", "the minimum directed cut (a bound for any scheme)"),
     ("variants[].bound.model", "", "what the bound models"),
     ("variants[].bound.assumes", "", "what it assumes"),
