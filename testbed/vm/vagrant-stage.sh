@@ -37,6 +37,7 @@ RUN_TIMEOUT_S=${TESTBED_VAGRANT_RUN_TIMEOUT:-1500}
 VERB=${1:?usage: vagrant-stage.sh validate|cycle|clean}
 
 log() { echo "== vagrant stage: $*"; }
+stamp() { local l; while IFS= read -r l; do printf '[%(%T)T] %s\n' -1 "$l"; done; }  # each line with the time
 IN_NS=(ip netns exec "$NS" env VAGRANT_HOME="$STATE/vagrant.d" TESTBED_LIBVIRT_DRIVER=qemu)  # a command as the user types it
 virsh_ns() { timeout 60 ip netns exec "$NS" virsh -q -c qemu:///system "$@"; }
 
@@ -117,7 +118,10 @@ clean() {
     done
     for n in $(virsh_ns net-list --all --name); do
       virsh_ns net-destroy "$n" >/dev/null 2>&1
-      grep -qx "$n" "$STATE/networks-before" 2>/dev/null || { virsh_ns net-undefine "$n" >/dev/null 2>&1; echo "vagrant stage: clean: removed network $n"; }
+      # undefined: the networks the cycle made (vagrant-libvirt's); the host's own stay defined
+      if [ "$n" = vagrant-libvirt ] || { [ -f "$STATE/networks-before" ] && ! grep -qx "$n" "$STATE/networks-before"; }; then
+        virsh_ns net-undefine "$n" >/dev/null 2>&1; echo "vagrant stage: clean: removed network $n"
+      fi
     done
     if [ -e "$STATE/made-pool" ]; then
       for v in $(virsh_ns vol-list default 2>/dev/null | awk '{print $1}'); do
@@ -135,15 +139,24 @@ clean() {
   pid=$(cat "$STATE/slirp4netns.pid" 2>/dev/null) && kill "$pid" 2>/dev/null
   [ -e "$STATE/made-dot-vagrant" ] && rm -rf "$REPO/.vagrant"
   rm -rf "/etc/netns/$NS" "$STATE" /run/libvirtd.pid /run/virtlogd.pid
+  rmdir /etc/netns 2>/dev/null  # if the stage made it
   return 0
 }
 
-left_over() {  # what the cycle would leave if the stage stopped now (empty: nothing)
-  local d n v
-  d=$(virsh_ns list --all --name)
-  n=$(virsh_ns net-list --all --name | grep -vxF -f "$STATE/networks-before")
-  v=$(virsh_ns vol-list default 2>/dev/null | awk '{print $1}' | grep -v '_vagrant_box_image_')
-  echo "${d:+domains: $d }${n:+networks: $n }${v:+volumes: $v}"
+left_over() {  # what a cycle or its clean left behind (empty: nothing)
+  local f left=()
+  ip netns list | grep -qw "$NS" && left+=("network namespace $NS")
+  for f in /etc/libvirt/qemu/*.xml /etc/libvirt/storage/*.xml /var/lib/libvirt/images/* "$STATE"; do
+    [ -e "$f" ] && left+=("$f")
+  done
+  for f in /etc/libvirt/qemu/networks/*.xml; do  # the host's own networks stay defined
+    [ -e "$f" ] && ! grep -qx "$(basename "$f" .xml)" "$1" 2>/dev/null && left+=("$f")
+  done
+  for f in libvirtd virtlogd qemu-system-x86_64 dnsmasq slirp4netns; do
+    pgrep -x "$f" >/dev/null && left+=("a $f process")
+  done
+  [ -e "$REPO/.vagrant" ] && [ -e "$1.made-dot-vagrant" ] && left+=("$REPO/.vagrant")
+  echo "${left[*]}"
 }
 
 cycle() {
@@ -151,9 +164,13 @@ cycle() {
   step() {  # step NAME COMMAND...
     local name=$1 t0=$SECONDS; shift
     log "$name"
-    "$@" &   # in the background: a signal to the stage is handled at once (clean stops the step)
+    "$@" > >(stamp) 2>&1 &   # in the background: a signal to the stage is handled at once (clean stops the step)
     echo $! > "$STATE/step.pid"
     if wait $!; then log "$name: ok ($((SECONDS - t0)) s)"; else log "$name: FAILED ($((SECONDS - t0)) s)"; failed+=("$name"); return 1; fi
+  }
+  step_plain() {  # a step once the state folder is gone
+    local name=$1; shift
+    if "$@"; then log "$name: ok"; else log "$name: FAILED"; failed+=("$name"); return 1; fi
   }
   local T0=$SECONDS
   clean
@@ -161,7 +178,9 @@ cycle() {
   trap 'clean; exit 130' INT TERM
   trap clean EXIT
   step "host packages" install_host_packages || return 1
+  t=$SECONDS
   box=$(box_file) || { log "box: FAILED"; return 1; }
+  log "box: ok ($((SECONDS - t)) s)"
   step "sandbox (network namespace $NS, slirp4netns, libvirtd)" sandbox_up || return 1
   cd "$REPO" || return 1
   step "vagrant box add --name debian/bookworm64" "${IN_NS[@]}" timeout 600 vagrant box add --name debian/bookworm64 "$box" || return 1
@@ -173,8 +192,15 @@ cycle() {
     step "quickstart: every run correct, every link htb+netem" python3 -m testbed.vm check "$r"
   fi
   step "vagrant destroy -f" "${IN_NS[@]}" timeout 600 vagrant destroy -f
-  t=$(left_over)
-  step "nothing of the cycle left in libvirt" test -z "$t" || echo "left: $t"
+  local d; d=$(virsh_ns list --all --name)
+  step "no domain left after destroy" test -z "$d" || echo "left: $d"
+  # then what the user's machine keeps (the box, its image in libvirt's pool) goes too
+  local before; before=$(mktemp); cp "$STATE/networks-before" "$before"
+  [ -e "$STATE/made-dot-vagrant" ] && touch "$before.made-dot-vagrant"
+  trap - INT TERM EXIT
+  clean
+  t=$(left_over "$before"); rm -f "$before" "$before.made-dot-vagrant"
+  step_plain "nothing of the stage left (domains, networks, volumes, processes, namespace)" test -z "$t" || echo "left: $t"
   log "$((SECONDS - T0)) s; ${#failed[@]} step(s) failed${failed:+: ${failed[*]}}"
   [ ${#failed[@]} -eq 0 ]
 }
