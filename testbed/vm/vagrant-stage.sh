@@ -37,7 +37,9 @@ RUN_TIMEOUT_S=${TESTBED_VAGRANT_RUN_TIMEOUT:-1500}
 VERB=${1:?usage: vagrant-stage.sh validate|cycle|clean}
 
 log() { echo "== vagrant stage: $*"; }
-stamp() { local l; while IFS= read -r l; do printf '[%(%T)T] %s\n' -1 "$l"; done; }  # each line with the time
+stamp() {  # each line with the time; of a progress bar (redrawn after CRs) only its last state
+  local l; while IFS= read -r l; do l=${l##*$'\r'}; printf '[%(%T)T] %s\n' -1 "${l//$'\e[K'/}"; done
+}
 IN_NS=(ip netns exec "$NS" env VAGRANT_HOME="$STATE/vagrant.d" TESTBED_LIBVIRT_DRIVER=qemu)  # a command as the user types it
 virsh_ns() { timeout 60 ip netns exec "$NS" virsh -q -c qemu:///system "$@"; }
 
@@ -152,8 +154,9 @@ left_over() {  # what a cycle or its clean left behind (empty: nothing)
   for f in /etc/libvirt/qemu/networks/*.xml; do  # the host's own networks stay defined
     [ -e "$f" ] && ! grep -qx "$(basename "$f" .xml)" "$1" 2>/dev/null && left+=("$f")
   done
-  for f in libvirtd virtlogd qemu-system-x86_64 dnsmasq slirp4netns; do
-    pgrep -x "$f" >/dev/null && left+=("a $f process")
+  sleep 2  # processes just ended are reaped; a zombie is no process left running
+  for f in $(ps -eo stat=,comm= | awk '$1 !~ /^Z/ && $2 ~ /^(libvirtd|virtlogd|qemu-system-x86|dnsmasq|slirp4netns)/ {print $2}' | sort -u); do
+    left+=("a $f process")
   done
   [ -e "$REPO/.vagrant" ] && [ -e "$1.made-dot-vagrant" ] && left+=("$REPO/.vagrant")
   echo "${left[*]}"
@@ -188,7 +191,8 @@ cycle() {
     step "vagrant ssh: quickstart" "${IN_NS[@]}" timeout --kill-after=30 "$RUN_TIMEOUT_S" \
       vagrant ssh -c 'cd /vagrant && sudo python -m testbed run experiments/quickstart.yaml'
     r=$STATE/quickstart-results.json
-    "${IN_NS[@]}" timeout 120 vagrant ssh -c 'cat "$(ls -td /vagrant/results/*/ | head -1)results.json"' > "$r" 2>/dev/null
+    "${IN_NS[@]}" timeout 120 vagrant ssh -c 'sudo cat "$(ls -td /vagrant/results/*/ | head -1)results.json"' \
+      < /dev/null > "$r" 2> "$r.stderr" || sed 's/^/vagrant ssh (results.json): /' "$r.stderr"
     step "quickstart: every run correct, every link htb+netem" python3 -m testbed.vm check "$r"
   fi
   step "vagrant destroy -f" "${IN_NS[@]}" timeout 600 vagrant destroy -f
@@ -205,10 +209,13 @@ cycle() {
   [ ${#failed[@]} -eq 0 ]
 }
 
-[ "$(id -u)" -eq 0 ] || { echo "vagrant-stage.sh: run as root (libvirtd, network namespace)" >&2; exit 2; }
-case $VERB in
-  validate) validate ;;
-  cycle) cycle ;;
-  clean) clean ;;
-  *) echo "usage: vagrant-stage.sh validate|cycle|clean" >&2; exit 2 ;;
-esac
+main() {
+  [ "$(id -u)" -eq 0 ] || { echo "vagrant-stage.sh: run as root (libvirtd, network namespace)" >&2; return 2; }
+  case $VERB in
+    validate) validate ;;
+    cycle) cycle ;;
+    clean) clean ;;
+    *) echo "usage: vagrant-stage.sh validate|cycle|clean" >&2; return 2 ;;
+  esac
+}
+main; exit $?   # one line: bash has read all it runs before it runs it
