@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The Vagrant stage: the Vagrantfile's libvirt path run for real, as a user types it.
 #   bash testbed/vm/vagrant-stage.sh validate   # `vagrant validate` (seconds)
-#   bash testbed/vm/vagrant-stage.sh cycle      # box, up, quickstart, destroy (~N min under TCG)
+#   bash testbed/vm/vagrant-stage.sh cycle      # box, up, quickstart, destroy (17-22 min, 2 cores, TCG)
 #   bash testbed/vm/vagrant-stage.sh clean      # remove what an interrupted cycle left
 # A cycle, from a clean state:
 #   1. the box: testbed/vm/box.sh (Debian's packages; this host cannot download
