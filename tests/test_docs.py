@@ -22,12 +22,12 @@ import unicodedata
 from pathlib import Path
 
 import pytest
+from test_schemes import GRAPHS, _bad_values, _inputs
 
 from testbed import config, docgen
 from testbed.errors import ConfigError
 from testbed.plan import check_allreduce
 from testbed.planners import REGISTRY, make_plan, schemes
-from test_schemes import GRAPHS, _bad_values, _inputs
 
 REPO = Path(__file__).resolve().parent.parent
 DOCS = REPO / "docs"

@@ -8,7 +8,8 @@
 # 3. the netem-path tests (skipped on a host without netem; method auto is netem here); the
 #    two linkcheck-based ones are reported, gating only with STRICT=1 (docs/install.md: TCG timing);
 # 4. (LINKCHECKS=1, `stage --linkchecks`; ~15 min under TCG) linkcheck of netstorm-internet2-9
-#    and of lossy-jitter-4 (loss + jitter on every link), link by link (`--single`: with every
+#    of lossy-jitter-4 (loss + jitter on every link) and of jitter-3 (2-8 ms of jitter at
+#    20-60 Mbit/s, one distribution per link), link by link (`--single`: with every
 #    link loaded at once the TCG guest measures its emulated CPU, not netem): it runs to its
 #    verdict and every link is shaped htb+netem; the verdict is printed and kept in OUT but
 #    gates only with STRICT=1 (docs/install.md);
@@ -55,7 +56,7 @@ linkcheck() {  # the check must run to its verdict (exit 0 or 1); the verdict ga
   [ $rc -eq 1 ] && [ "${STRICT:-0}" != 1 ] && { reported false; return 0; }
   return $rc
 }
-for topo in netstorm-internet2-9 testbed/vm/lossy-jitter-4.yaml; do
+for topo in netstorm-internet2-9 testbed/vm/lossy-jitter-4.yaml testbed/vm/jitter-3.yaml; do
   name=$(basename "$topo" .yaml)
   step "linkcheck $name (scale $SCALE, link by link)" linkcheck "$topo" --single --scale "$SCALE" --tcp-cc bbr \
     --seconds 4 --out "$OUT/linkcheck-$name"
