@@ -21,6 +21,25 @@ from pathlib import Path
 from testbed.vm import VmError, boot, compare_linkchecks, image, netem_problems
 
 
+def _check(files) -> int:
+    """``check``: each results.json / linkcheck.json, a line each; 0 when all show the netem path."""
+    ok = True
+    for f in files:
+        try:
+            result = json.loads(Path(f).read_text())
+        except (OSError, ValueError) as e:
+            result, bad = {}, [f"cannot read it: {e}"]
+        else:
+            bad = netem_problems(result) if isinstance(result, dict) else ["not a JSON object"]
+        if not bad:
+            n = len(result.get("links") or result.get("directions"))
+            print(f"{f}: {n} link directions, all htb+netem")
+        else:
+            print(f"{f}: " + "; ".join(bad))
+        ok = ok and not bad
+    return 0 if ok else 1
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python3 -m testbed.vm",
                                 description="Build a Debian guest from packages and run commands in it with qemu.")
@@ -51,21 +70,7 @@ def main(argv=None) -> int:
     k.add_argument("files", nargs="+", metavar="RESULT.json")
     args = p.parse_args(argv)
     if args.verb == "check":
-        ok = True
-        for f in args.files:
-            try:
-                result = json.loads(Path(f).read_text())
-            except (OSError, ValueError) as e:
-                result, bad = {}, [f"cannot read it: {e}"]
-            else:
-                bad = netem_problems(result) if isinstance(result, dict) else ["not a JSON object"]
-            if not bad:
-                n = len(result.get("links") or result.get("directions"))
-                print(f"{f}: {n} link directions, all htb+netem")
-            else:
-                print(f"{f}: " + "; ".join(bad))
-            ok = ok and not bad
-        return 0 if ok else 1
+        return _check(args.files)
     if args.verb == "compare":
         try:
             a, b = (json.loads(Path(f).read_text()) for f in args.files)
