@@ -5,6 +5,7 @@
                                     exit with COMMAND's exit code
   stage [options]                   the CI stage: testbed/vm/stage.sh in the guest
   compare A.json B.json             two linkcheck results (relay vs netem) side by side
+  check RESULT.json ...             every link htb+netem and (results.json) every run correct
 
 Exit codes: the guest command's own; 1 when the guest could not be built or booted or
 gave no exit code (a message says which); 2 for bad arguments.
@@ -17,7 +18,26 @@ import sys
 import time
 from pathlib import Path
 
-from testbed.vm import VmError, boot, compare_linkchecks, image
+from testbed.vm import VmError, boot, compare_linkchecks, image, netem_problems
+
+
+def _check(files) -> int:
+    """``check``: each results.json / linkcheck.json, a line each; 0 when all show the netem path."""
+    ok = True
+    for f in files:
+        try:
+            result = json.loads(Path(f).read_text())
+        except (OSError, ValueError) as e:
+            result, bad = {}, [f"cannot read it: {e}"]
+        else:
+            bad = netem_problems(result) if isinstance(result, dict) else ["not a JSON object"]
+        if not bad:
+            n = len(result.get("links") or result.get("directions"))
+            print(f"{f}: {n} link directions, all htb+netem")
+        else:
+            print(f"{f}: " + "; ".join(bad))
+        ok = ok and not bad
+    return 0 if ok else 1
 
 
 def main(argv=None) -> int:
@@ -46,7 +66,11 @@ def main(argv=None) -> int:
     c = sub.add_parser("compare", help="two linkcheck.json files (relay on the host, netem in the guest) side by side")
     c.add_argument("files", nargs=2, metavar="LINKCHECK.json")
     c.add_argument("--labels", nargs=2, default=("relay", "netem"))
+    k = sub.add_parser("check", help="results.json / linkcheck.json: every link htb+netem, every run correct")
+    k.add_argument("files", nargs="+", metavar="RESULT.json")
     args = p.parse_args(argv)
+    if args.verb == "check":
+        return _check(args.files)
     if args.verb == "compare":
         try:
             a, b = (json.loads(Path(f).read_text()) for f in args.files)

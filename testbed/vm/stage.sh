@@ -29,22 +29,7 @@ step() {  # step NAME COMMAND...
   if "$@"; then echo "== vm stage: $name: ok ($(( $(date +%s) - t )) s)"
   else echo "== vm stage: $name: FAILED ($(( $(date +%s) - t )) s)"; failed+=("$name"); fi
 }
-netem_only() {  # every link of DIR/FILE shaped htb+netem (and, for results.json, every run correct)
-  python3 - "$1" <<'PY'
-import json, sys
-r = json.load(open(sys.argv[1]))
-links = r.get("links") or r.get("directions")
-methods = {d["method"] for d in links}
-bad = [] if methods == {"htb+netem"} else [f"link methods {sorted(methods)}, expected only htb+netem"]
-if "runs" in r and not r["runs"]:
-    bad.append("no runs")
-for v in r.get("runs", []):
-    if not v.get("correct", True):
-        bad.append(f"run {v.get('variant')} rep {v.get('repetition')}: result not correct")
-print(f"{sys.argv[1]}: " + ("; ".join(bad) if bad else f"{len(links)} link directions, all htb+netem"))
-sys.exit(1 if bad else 0)
-PY
-}
+netem_only() { python3 -m testbed.vm check "$@"; }  # every link htb+netem, every run correct
 doctor_netem() {
   python3 -m testbed doctor --json > "$OUT/doctor.json" || return 1
   python3 -c 'import json, sys; d = json.load(open(sys.argv[1])); c = d.get("capabilities", d)
