@@ -39,7 +39,8 @@ GENERATED = re.compile(r"<!-- BEGIN GENERATED: ([a-z0-9-]+) -->.*?<!-- END GENER
 # the tests, the docs' generator and site, the lint, the VM's and Vagrant's commands.
 COMMAND_PREFIXES = ("sudo python3 -m testbed", "sudo bash testbed/setup.sh", "sudo python3 -m pytest",
                     "python3 -m pytest", "python3 -m testbed.docgen", "sudo GLOO_SOCKET_IFNAME=tbnode python3 -m testbed",
-                    "sudo PYTHON=", "sudo apt-get install", "vagrant ", "mkdocs ", "ruff check", "pip install")
+                    "sudo PYTHON=", "sudo apt-get install", "vagrant ", "mkdocs ", "ruff check", "pip install",
+                    "sudo bash testbed/vm/")
 
 
 def _rel(p: Path) -> str:
