@@ -97,3 +97,12 @@ def test_check_passes_only_netem_links_and_correct_runs(tmp_path):
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode == 1
     assert "result not correct" in bad.stdout and "empty.json: cannot read it" in bad.stdout
+
+
+def test_stage_runs_the_link_checks_named_and_only_those():
+    from testbed.vm.__main__ import LINKCHECKS, stage_command
+    assert "LINKCHECKS='' bash testbed/vm/stage.sh 0.1" == stage_command(0.1, False, None)
+    every = stage_command(0.1, True, [])
+    assert every.startswith("STRICT=1 ") and all(t in every for t in LINKCHECKS.values())
+    two = stage_command(0.2, False, ["jitter-3", "lossy-jitter-4"])
+    assert two == "LINKCHECKS='testbed/vm/lossy-jitter-4.yaml testbed/vm/jitter-3.yaml' bash testbed/vm/stage.sh 0.2"
