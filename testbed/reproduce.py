@@ -80,6 +80,8 @@ def load_claims(path: str | Path = CLAIMS_FILE) -> tuple[dict, dict[str, Run], l
     c.mapping(data, "", {"papers", "runs", "claims"})
     papers = data.get("papers") or {}
     c.mapping(papers, "papers")
+    for k, v in papers.items():
+        c.mapping(v, f"papers.{k}", {"title", "seed", "notes"})
     runs: dict[str, Run] = {}
     for rid, spec in (data.get("runs") or {}).items():
         key = f"runs.{rid}"
@@ -481,7 +483,8 @@ def reproduce(wanted: list[str], mode: str, out: Path, progress: Callable[[str],
     busy, steal = cpu.stop()
     rows = [judge(c, state, mode, known, runs) for c in chosen]
     env = environment()
-    meta = {"command": command, "mode": mode, "mode_text": MODE_TEXT[mode], "papers": wanted or ["all"],
+    meta = {"notes": {p: papers[p]["notes"] for p in dict.fromkeys(c.paper for c in chosen) if papers[p].get("notes")},
+            "command": command, "mode": mode, "mode_text": MODE_TEXT[mode], "papers": wanted or ["all"],
             "date": time.strftime("%Y-%m-%d %H:%M %Z"), "wall_s": time.monotonic() - t0,
             "machine": {k: env[k] for k in ("host", "cpus", "cpu_model", "kernel", "python", "preemption")},
             "git_commit": env["git_commit"], "cpu_busy": busy, "steal": steal,
@@ -560,6 +563,7 @@ def markdown_doc(rows: list[dict], meta: dict) -> str:
         "",
         markdown_table(rows),
         "",
+        *[f"**{p}**: {note}\n" for p, note in meta.get("notes", {}).items()],
     ])
 
 
