@@ -45,6 +45,8 @@ def _topology(links, name):
 
 
 def bench_dataplane(out: Path, progress, size_mb: float = 48.0, rate: float = 100.0, delay: float = 30.0) -> dict:
+    """One transfer over one emulated link, by iperf3 and by the agents: the agents' goodput
+    as a share of iperf3's (the executor's own overhead)."""
     from testbed.emulator.network import WanNetwork
     from testbed.plan import Plan, ProgramBuilder
 
@@ -76,6 +78,8 @@ def bench_dataplane(out: Path, progress, size_mb: float = 48.0, rate: float = 10
 
 
 def bench_ring(out: Path, progress, size_mb: float = 24.0) -> dict:
+    """Ring AllReduce on `ring-6`, measured against the alpha-beta model and the flow-level
+    cost model."""
     from testbed import config
     from testbed.costmodel import alpha_beta
     from testbed.experiment import build_plan, run_experiment
@@ -94,6 +98,8 @@ def bench_ring(out: Path, progress, size_mb: float = 24.0) -> dict:
 
 
 def bench_planner(out: Path, progress) -> dict:
+    """Planning time: MTREE on the 40-node IDN-like WAN, and every scheme on NetStorm's overlay
+    (no network)."""
     from testbed.planners import make_plan, schemes
     from testbed.topology import load_topology
 
@@ -114,6 +120,8 @@ def bench_planner(out: Path, progress) -> dict:
 
 
 def bench_adaptive(out: Path, progress, size_mb: float = 16.0, repetitions: int = 3) -> dict:
+    """NetStorm with and without the closed loop on NetStorm's overlay with static rates: their
+    CCT ratio (what probing and re-planning cost where there is nothing to adapt to)."""
     from testbed import config
     from testbed.experiment import run_experiment
 

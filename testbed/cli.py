@@ -332,7 +332,7 @@ def cmd_linkcheck(args) -> int:
           f"{result['tcp_cc']} (informative)")
     kept = ("the emulator kept up" if result["emulation_kept_up"]["ok"] else
             "THE EMULATOR DID NOT KEEP UP (its load is the relayed frames: a lower --scale cuts them only "
-            "where flows fall under ~23 Mbit/s, two segments a millisecond; README, \"Emulator headroom\")")
+            "where flows fall under ~23 Mbit/s, two segments a millisecond; docs/guides/link-fidelity.md)")
     print(f"total configured capacity {result['total_capacity_mbps']:.0f} Mbit/s at scale {topo.scale:g}; "
           f"{'all directions within tolerance' if result['directions_ok'] else 'SOME DIRECTIONS OUT OF TOLERANCE'}; {kept}")
     print(f"linkcheck: {Path(out) / 'linkcheck.json'}")
@@ -458,7 +458,7 @@ def build_parser() -> argparse.ArgumentParser:
     dp = sub.add_parser("deploy", help="run an experiment's schemes with the same agents on real hosts over SSH",
                         description="Plan as `run` does, start one agent per datacenter on its real host over "
                                     "ssh, run, check, write DIR/results.json. Nothing is shaped: the topology "
-                                    "describes the real WAN. Hosts file format: README, 'Real hosts'.")
+                                    "describes the real WAN. Hosts file format: docs/guides/deploy.md.")
     _experiment_args(dp)
     dp.add_argument("--hosts", required=True, metavar="HOSTS.yaml",
                     help="coordinator address and, per datacenter, ssh destination and data address")
@@ -498,7 +498,7 @@ def build_parser() -> argparse.ArgumentParser:
     rd.set_defaults(func=cmd_reproduce)
 
     d = sub.add_parser("doctor", help="report what this machine can do and which link shaping run will use")
-    d.add_argument("--json", action="store_true")
+    d.add_argument("--json", action="store_true", help="print the capabilities as JSON")
     d.set_defaults(func=cmd_doctor)
 
     c = sub.add_parser("clean", help="remove namespaces, interfaces, bridges and processes a crashed run left")

@@ -143,7 +143,7 @@ def load_hosts(path: str | Path, nodes: list[str]) -> HostsFile:
     c.mapping(data, "", HOSTS_KEYS)
     for key in ("coordinator", "hosts"):
         if key not in data:
-            c.fail(key, "missing (format: testbed/deploy.py or the README's 'Real hosts')")
+            c.fail(key, "missing (format: docs/guides/deploy.md)")
     host, _, port = str(data["coordinator"]).rpartition(":")
     if not host or not port.isdigit() or int(port) > 65535:
         c.fail("coordinator", f"expected ADDRESS:PORT (port 0: any free), got {data['coordinator']!r}")

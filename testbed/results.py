@@ -143,7 +143,7 @@ def tcp_memory(sockstat: str = "/proc/net/sockstat", tcp_mem: str = "/proc/sys/n
     """The machine's TCP memory in use and orphaned sockets (both counted over every network
     namespace), and tcp_mem's low/pressure/high marks, in MB.  Orphans of earlier runs holding
     their queued data count against the same marks, and TCP under memory pressure cuts the
-    windows of long-RTT flows (docs/emulator-log.md)."""
+    windows of long-RTT flows (docs/measurements/emulator-log.md)."""
     page_mb = os.sysconf("SC_PAGE_SIZE") / 1e6
     with open(sockstat) as f:
         tcp = next(l.split()[1:] for l in f if l.startswith("TCP:"))

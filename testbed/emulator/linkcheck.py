@@ -642,7 +642,7 @@ def run_linkcheck(topo, *, seconds: float = 6.0, phases=("single", "concurrent")
             # what one relayed frame (data or ACK) costs this machine, relay and TCP endpoints together,
             # and how many there were: the same check's keep-up follows the cost, and the frame rate,
             # not the bit rate, is the load (under BBR a flow sends about one TSO frame per ms whatever
-            # its rate; docs/emulator-log.md, "What one frame costs" and "Frames, not bits")
+            # its rate; docs/measurements/emulator-log.md, "What one frame costs" and "Frames, not bits")
             window = max(s["window_s"] for s in result["relay"])
             result["concurrent_frames_per_s"] = frames / window
             result["concurrent_cpu_us_per_frame"] = (result["concurrent_cpu_util"] * (os.cpu_count() or 1)

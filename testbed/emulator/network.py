@@ -141,7 +141,7 @@ class WanNetwork:
         self._owns_bridge = True  # from here on, stop() removes what this run made
         self.memory_hold = memory.hold(log=self.log)
         if self.memory_hold and not self.memory_hold["full"]:
-            self.log(f"warning: {self.memory_hold['note']}: the emulator may stall (README, Emulator headroom)")
+            self.log(f"warning: {self.memory_hold['note']}: the emulator may stall (docs/guides/link-fidelity.md)")
         self.log(f"building {len(self.topo.nodes)} datacenters, {len(self.topo.links)} links "
                  f"(shaping: {method})")
         net = self.net = Mininet(build=False, controller=None, topo=None, autoSetMacs=False,

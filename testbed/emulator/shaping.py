@@ -6,7 +6,7 @@ qdisc that depends on the method:
 
 * ``netem``: a netem qdisc for delay, jitter and loss.  Its ``limit`` holds the sender
   queue plus every packet in flight on the emulated wire (bandwidth-delay product).  Made to
-  model the link the relay models (measured in the Debian guest, docs/emulator-log.md "The
+  model the link the relay models (measured in the Debian guest, docs/measurements/emulator-log.md "The
   netem path's lossy and jittery links"): jitter keeps FIFO order (:func:`_leaf`) and a lossy
   direction's sender sends one segment per packet (``network``: ``gso_max_segs 1``), so netem,
   which drops whole packets, loses segments one by one, not a TSO frame's several at once.

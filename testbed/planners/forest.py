@@ -790,8 +790,8 @@ def compile_forest(forest: Forest, nodes: list[str], length: int, active: list[s
     max_trees=Param(int, 64, "keep at most this many reduce and this many broadcast trees (pruned in rounds, "
                              "heaviest first, every root keeps its best tree, weights re-solved); 0 = no limit",
                    ge=0),
-    chunks=Param(int, 8, "pipelined sub-chunks (rounds) per root's data (Property 2 pipelining); 8: measured "
-                         "on NetStorm's overlay at 64 MB 10.9 s vs 12.9 s with 4 (bench efficiency, issue 17)", ge=1),
+    chunks=Param(int, 8, "pipelined sub-chunks (rounds) per root's data (Property 2 pipelining); 8 ran faster than 4 "
+                         "on NetStorm's overlay at 64 MB (docs/measurements/2026-11-26-efficiency.md)", ge=1),
     oracle=Param(str, "auto", "minimum Steiner tree oracle A: auto/heuristic = Edmonds when all nodes are "
                               "terminals (exact), else best of shortest-path heuristic and pruned arborescence; "
                               "exact = MILP (small graphs)", choices=ORACLES),

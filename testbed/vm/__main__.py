@@ -42,7 +42,7 @@ def main(argv=None) -> int:
     sub.choices["stage"].add_argument("--linkchecks", action="store_true",
                                       help="also the link checks (~20 min under TCG; CI runs them)")
     sub.choices["stage"].add_argument("--strict", action="store_true",
-                                      help="link-check verdicts gate the stage (default: reported; README)")
+                                      help="link-check verdicts gate the stage (default: reported; docs/install.md)")
     c = sub.add_parser("compare", help="two linkcheck.json files (relay on the host, netem in the guest) side by side")
     c.add_argument("files", nargs=2, metavar="LINKCHECK.json")
     c.add_argument("--labels", nargs=2, default=("relay", "netem"))

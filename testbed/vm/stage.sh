@@ -6,12 +6,12 @@
 #    nothing; it builds the relay and runs doctor on the guest's kernel);
 # 2. doctor must report netem and choose it;
 # 3. the netem-path tests (skipped on a host without netem; method auto is netem here); the
-#    two linkcheck-based ones are reported, gating only with STRICT=1 (README: TCG timing);
+#    two linkcheck-based ones are reported, gating only with STRICT=1 (docs/install.md: TCG timing);
 # 4. (LINKCHECKS=1, `stage --linkchecks`; ~15 min under TCG) linkcheck of netstorm-internet2-9
 #    and of lossy-jitter-4 (loss + jitter on every link), link by link (`--single`: with every
 #    link loaded at once the TCG guest measures its emulated CPU, not netem): it runs to its
 #    verdict and every link is shaped htb+netem; the verdict is printed and kept in OUT but
-#    gates only with STRICT=1 (README);
+#    gates only with STRICT=1 (docs/install.md);
 # 5. experiments/quickstart.yaml: correct, its links htb+netem.
 # SCALE multiplies link rates (and quickstart's data size): the guest runs under qemu's TCG.
 # Every step runs even if an earlier one failed; the last line names the failed steps.
@@ -54,8 +54,8 @@ step "setup.sh (second run)" bash testbed/setup.sh
 step "doctor reports netem" doctor_netem
 step "python is the interpreter with the packages" python -c 'import mininet.net, numpy, scipy, yaml, testbed'
 
-step "netem-path tests" python3 -m pytest -q -p no:cacheprovider tests/test_netem.py -k "not relay"  # the relay under TCG: README
-reported() {  # run; a failure is printed but gates only with STRICT=1 (timing under TCG: README)
+step "netem-path tests" python3 -m pytest -q -p no:cacheprovider tests/test_netem.py -k "not relay"  # the relay under TCG: docs/measurements/2026-11-28-vm-stage.md
+reported() {  # run; a failure is printed but gates only with STRICT=1 (timing under TCG: docs/install.md)
   "$@" && return 0
   [ "${STRICT:-0}" = 1 ] && return 1
   echo "(reported, not gating: under qemu's TCG the guest's own timing is not a real machine's; STRICT=1 gates)"

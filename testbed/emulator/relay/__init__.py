@@ -182,7 +182,7 @@ RTPRIO = 10  # SCHED_FIFO priority of every relay process
 def layout(links: Sequence[RelayLink], cpus: int, procs: int = 0) -> dict[str, Any]:
     """How many relay processes, on which cores, at which priority (recorded in results.json).
 
-    Decided from measurement (issue 11; docs/emulator-log.md): a relay's sends run the
+    Decided from measurement (issue 11; docs/measurements/emulator-log.md): a relay's sends run the
     receiving hosts' network stack in its own context, so the relays must spread that work
     over every core.  With one process for NetStorm's 13 links (2059 Mbit/s) on 2 cores one
     ``sendmmsg`` took up to 35 ms and p99 lateness reached 22 ms; with one process per core,
