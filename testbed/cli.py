@@ -11,10 +11,14 @@ import json
 import signal
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from testbed.emulator import DEFAULT_TCP_CC
 from testbed.emulator.shaping import CHOICES as SHAPING_CHOICES
 from testbed.errors import ConfigError, TestbedError
+
+if TYPE_CHECKING:
+    from testbed.config import Experiment, Variant
 
 
 def _experiment_args(p: argparse.ArgumentParser) -> None:
@@ -25,9 +29,9 @@ def _experiment_args(p: argparse.ArgumentParser) -> None:
 
 def cmd_run(args) -> int:
     from testbed import config
-    from testbed.results import new_run_dir, write_json_atomic
-    from testbed.progress import Progress
     from testbed.experiment import run_experiment
+    from testbed.progress import Progress
+    from testbed.results import new_run_dir, write_json_atomic
 
     exp = config.load_experiment(args.experiment, args.overrides)
     progress = Progress(quiet=args.quiet)
@@ -84,8 +88,8 @@ def cmd_report(args) -> int:
 def cmd_exec(args) -> int:
     from testbed import config
     from testbed.execute import exec_command
-    from testbed.results import new_run_dir, write_json_atomic
     from testbed.progress import Progress
+    from testbed.results import new_run_dir, write_json_atomic
 
     exp = config.load_experiment(args.experiment, args.overrides)
     out = Path(args.out) if args.out else new_run_dir(exp.output_dir, f"{exp.name}-exec")
@@ -143,7 +147,7 @@ def _print_summary(results: dict) -> None:
     for v, cmp in zip(results["variants"], results["summary"]["comparison"]):
         s, c = v["summary"], v["summary"]["cct_s"]
         print(f"{v['label'][:24]:24} {c['mean']:9.3f} {c['min']:8.3f} {c['max']:8.3f} {s['predicted_cct_s']:9.3f} "
-              f"{_num(s['bound_cct_s'], 8, 3)} {_num(s['efficiency'], 6, 2)}  {cmp['cct_ratio_to_first']:7.2f}x  "
+              f"{_num(s['bound_s'], 8, 3)} {_num(s['efficiency'], 6, 2)}  {cmp['cct_ratio_to_first']:7.2f}x  "
               f"{s['correct']}")
     _print_rounds(results)
     for w in results.get("emulation", {}).get("warnings", []):
@@ -209,11 +213,12 @@ def cmd_plan(args) -> int:
     return 0
 
 
-def _print_plan(exp: dict, variant: dict, args) -> None:
+def _print_plan(exp: Experiment, variant: Variant, args) -> None:
     from testbed.experiment import build_plan, scheme_key
+    from testbed.plan import Tree
 
-    topo, graph, plan, prediction, bound = build_plan(exp, variant.scheme, source=args.experiment,
-                                                      key=scheme_key(exp.variants.index(variant)))
+    topo, _, plan, prediction, bound = build_plan(exp, variant.scheme, source=args.experiment,
+                                                  key=scheme_key(exp.variants.index(variant)))
     if args.json:
         print(json.dumps({"label": variant.label, "at_s": args.at_s, "plan": plan.to_dict() if args.full else plan.meta,
                           "prediction": prediction, "bound": bound}, indent=1, default=str))
@@ -224,11 +229,7 @@ def _print_plan(exp: dict, variant: dict, args) -> None:
           + f"): {exp.workload.bytes} bytes, "
           f"{sum(len(p) for p in plan.programs.values())} ops, {plan.bytes_sent(exp.workload.elem_bytes) / 1e6:.3g} MB on the wire")
     for i, t in enumerate(plan.meta.get("trees", [])):
-        ch = {}
-        for n, p in t["parent"].items():
-            if p is not None:
-                ch.setdefault(p, []).append(n)
-        fan = max((len(v) for v in ch.values()), default=0)
+        fan = max((len(v) for v in Tree(t["root"], t["parent"]).children().values()), default=0)
         print(f"  tree {i}: root {t['root']}, height {t.get('height')}, max fan-out {fan}, "
               f"rate {t.get('rate_mbps', 0):.1f} Mbit/s, share {t.get('share', 0):.3f}, chunks {t.get('chunks')}")
         print("    parents: " + ", ".join(f"{n}<-{p}" for n, p in t["parent"].items() if p is not None))
@@ -242,7 +243,9 @@ def _print_plan(exp: dict, variant: dict, args) -> None:
               "(sender, next aggregator) pairs" + "".join(f"\n    {'>'.join(p)}" for p in paths[:8])
               + ("\n    ..." if len(paths) > 8 else ""))
     print(f"predicted CCT {prediction['cct_s']:.4f}s ({prediction.get('model', '')}); "
-          + (f"bound: rate {bound['rate_mbps']:.1f} Mbit/s, CCT {bound['cct_s']:.4f}s" if bound else
+          + (f"bound (strict, {bound['bound']}): rate {bound['rate_mbps']:.1f} Mbit/s, transfer "
+             f"{bound['transfer_s']:.4f}s; the packing ({bound['packing_rate_mbps']:.1f} Mbit/s, gap "
+             f"{bound['gap']:.2g}) with its best tree's delay: estimated CCT {bound['estimate_cct_s']:.4f}s" if bound else
              "no bound: the tree-packing optimum bounds an AllReduce of every node, this is a partial reduce"))
 
 
@@ -388,10 +391,21 @@ def cmd_bench(args) -> int:
     for key in ("sizes", "schemes", "topologies"):
         val = getattr(args, key, None)
         if val:
-            if args.name not in ("efficiency", "peers"):
+            if args.name not in ("efficiency", "peers") and not (key == "sizes" and args.name == "dataplane"):
                 print(f"error: bench {args.name}: --{key} applies to bench efficiency and peers only", file=sys.stderr)
                 return 2
             options[key] = tuple(x for x in val.split(",") if x)
+    if args.rates:
+        if args.name != "dataplane":
+            print(f"error: bench {args.name}: --rates applies to bench dataplane only", file=sys.stderr)
+            return 2
+        try:
+            options["rates"] = tuple(float(x) for x in args.rates.split(",") if x)
+            if not options["rates"] or min(options["rates"]) <= 0:
+                raise ValueError
+        except ValueError:
+            print(f"error: bench dataplane: --rates {args.rates!r}: not a list of rates in Mbit/s > 0", file=sys.stderr)
+            return 2
     try:
         _check_bench_options(options)
     except ConfigError as e:
@@ -421,7 +435,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python3 -m testbed",
                                 description="Emulated inter-datacenter WANs for geo-distributed ML synchronisation.")
     sub = p.add_subparsers(dest="verb", required=True, metavar="VERB")
+    for add in (_verb_run, _verb_report, _verb_exec, _verb_shell, _verb_deploy, _verb_validate, _verb_plan,
+                _verb_reproduce, _verb_doctor, _verb_clean, _verb_linkcheck, _verb_bench):  # one subparser each, in --help order
+        add(sub)
+    return p
 
+
+def _verb_run(sub) -> None:
     r = sub.add_parser("run", help="run an experiment and write results.json",
                        description="Build the experiment's WAN, run its scheme with real agents, check results, write DIR/results.json.")
     _experiment_args(r)
@@ -430,6 +450,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--no-report", action="store_true", help="do not write figures, CSV and report.html")
     r.set_defaults(func=cmd_run)
 
+
+def _verb_report(sub) -> None:
     rp = sub.add_parser("report", help="figures, CSV tables and one self-contained HTML page from results folders",
                         description="Read DIR/results.json (or a sweep's DIR/sweep.json) of every DIR; write PNG "
                                     "figures, variants.csv, links.csv and report.html into --out.")
@@ -437,6 +459,8 @@ def build_parser() -> argparse.ArgumentParser:
     rp.add_argument("--out", help="output folder (default: the first DIR)")
     rp.set_defaults(func=cmd_report)
 
+
+def _verb_exec(sub) -> None:
     ex = sub.add_parser("exec", help="run your own program in every datacenter of an experiment's emulated WAN",
                         description="Build the experiment's WAN (with its dynamics and faults), run CMD in every "
                                     "datacenter with RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, LOCAL_RANK, "
@@ -451,10 +475,14 @@ def build_parser() -> argparse.ArgumentParser:
     ex.add_argument("command", nargs="*", metavar="-- CMD ARGS", help="the program and its arguments, after --")
     ex.set_defaults(func=cmd_exec)
 
+
+def _verb_shell(sub) -> None:
     sh = sub.add_parser("shell", help="Mininet's interactive CLI on an experiment's emulated WAN")
     _experiment_args(sh)
     sh.set_defaults(func=cmd_shell)
 
+
+def _verb_deploy(sub) -> None:
     dp = sub.add_parser("deploy", help="run an experiment's schemes with the same agents on real hosts over SSH",
                         description="Plan as `run` does, start one agent per datacenter on its real host over "
                                     "ssh, run, check, write DIR/results.json. Nothing is shaped: the topology "
@@ -466,11 +494,15 @@ def build_parser() -> argparse.ArgumentParser:
     dp.add_argument("--quiet", action="store_true", help="no progress lines")
     dp.set_defaults(func=cmd_deploy)
 
+
+def _verb_validate(sub) -> None:
     v = sub.add_parser("validate", help="check an experiment (and its topology) without running anything")
     _experiment_args(v)
     v.add_argument("--hosts", metavar="HOSTS.yaml", help="also check a `deploy` hosts file against the topology")
     v.set_defaults(func=cmd_validate)
 
+
+def _verb_plan(sub) -> None:
     pl = sub.add_parser("plan", help="print the plan (trees, roots, rates, shares, chunks) and the bound; no network")
     _experiment_args(pl)
     pl.add_argument("--json", action="store_true", help="print JSON (plan meta, prediction, bound)")
@@ -481,6 +513,8 @@ def build_parser() -> argparse.ArgumentParser:
                          "e.g. an oracle's plan after a redraw")
     pl.set_defaults(func=cmd_plan)
 
+
+def _verb_reproduce(sub) -> None:
     rd = sub.add_parser("reproduce", help="run the experiments behind the seed papers' headline claims and judge "
                                           "each claim against what was measured",
                         description="For each paper (crew, netstorm, mtree, topoadapt, multitree, or all), run the "
@@ -497,15 +531,21 @@ def build_parser() -> argparse.ArgumentParser:
     rd.add_argument("--quiet", action="store_true", help="no progress lines")
     rd.set_defaults(func=cmd_reproduce)
 
+
+def _verb_doctor(sub) -> None:
     d = sub.add_parser("doctor", help="report what this machine can do and which link shaping run will use")
     d.add_argument("--json", action="store_true", help="print the capabilities as JSON")
     d.set_defaults(func=cmd_doctor)
 
+
+def _verb_clean(sub) -> None:
     c = sub.add_parser("clean", help="remove namespaces, interfaces, bridges and processes a crashed run left")
     c.add_argument("--all", action="store_true", help="also those of runs still going (default: only runs whose "
                                                       "owner process is gone)")
     c.set_defaults(func=cmd_clean)
 
+
+def _verb_linkcheck(sub) -> None:
     lc = sub.add_parser("linkcheck", help="measure every link direction's rate, delay, jitter, loss and queue "
                                            "against the topology (UDP probes, iperf3, ping)")
     lc.add_argument("topology", help="topology name (topologies/) or file")
@@ -528,6 +568,8 @@ def build_parser() -> argparse.ArgumentParser:
                          "the informative TCP goodput column, and the concurrent rate on lossless links")
     lc.set_defaults(func=cmd_linkcheck)
 
+
+def _verb_bench(sub) -> None:
     b = sub.add_parser("bench", help="benchmarks that report ratios measured in one run")
     b.add_argument("name", choices=("dataplane", "ring", "planner", "adaptive", "efficiency", "peers", "chaos",
                                     "fuzz", "emulator"), help="which benchmark")
@@ -535,12 +577,13 @@ def build_parser() -> argparse.ArgumentParser:
                                       "(default netstorm-internet2-9)")
     b.add_argument("--tcp-cc", help=f"emulator: the hosts' TCP congestion control (default {DEFAULT_TCP_CC})")
     b.add_argument("--seconds", type=float, help="emulator: linkcheck measuring time per scale (default 6)")
-    b.add_argument("--sizes", help="efficiency, peers: comma-separated model sizes before the scale (e.g. 16MB,64MB)")
+    b.add_argument("--sizes", help="efficiency, peers: comma-separated model sizes before the scale (e.g. 16MB,64MB); "
+                                   "dataplane: chunk sizes (default 4KB,64KB,1MB,16MB,64MB)")
+    b.add_argument("--rates", help="dataplane: comma-separated rates in Mbit/s of the emulated link (default 100)")
     b.add_argument("--schemes", help="efficiency, peers: comma-separated schemes (default: the tree schemes)")
     b.add_argument("--topologies", help="efficiency, peers: comma-separated topologies among the benchmarked ones")
     b.add_argument("--out", help="output folder")
     b.set_defaults(func=cmd_bench)
-    return p
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -273,6 +273,10 @@ class SshHosts(Hosts):
         self._procs[dc] = conn.start(f"cd {shlex.quote(h.workdir)} && echo $$ > agent.pid && "
                                      f"exec {h.python} -m agents.agent --config node.json", log)
 
+    def carry_paths(self, paths: dict) -> dict[str, dict[str, str]]:
+        """Real hosts' networks route as they do: named paths are not carried ({})."""
+        return {}
+
     def health(self) -> str | None:
         """Why a run cannot go on (an agent exited, a connection dropped), or None."""
         for dc, p in self._procs.items():

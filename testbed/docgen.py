@@ -74,7 +74,7 @@ def _parsers() -> dict[str, argparse.ArgumentParser]:
     from testbed.cli import build_parser
 
     top = build_parser()
-    sub = next(a for a in top._actions if isinstance(a, argparse._SubParsersAction))
+    sub = next(a for a in top._actions if isinstance(a, argparse._SubParsersAction))  # noqa: SLF001 -- argparse offers no public API for a parser's actions
     return dict(sub.choices)
 
 
@@ -82,8 +82,8 @@ def _verb_help() -> dict[str, str]:
     from testbed.cli import build_parser
 
     top = build_parser()
-    sub = next(a for a in top._actions if isinstance(a, argparse._SubParsersAction))
-    return {a.dest: a.help or "" for a in sub._choices_actions}
+    sub = next(a for a in top._actions if isinstance(a, argparse._SubParsersAction))  # noqa: SLF001 -- argparse offers no public API for a parser's actions
+    return {a.dest: a.help or "" for a in sub._choices_actions}  # noqa: SLF001 -- argparse offers no public API for a parser's actions
 
 
 def section_cli_verbs() -> str:
@@ -108,8 +108,8 @@ def section_cli() -> str:
             out += [" ".join(p.description.split()), ""]
         out += ["```", "sudo " + _usage(verb, p), "```", ""]
         rows = []
-        for a in p._actions:
-            if isinstance(a, argparse._HelpAction):
+        for a in p._actions:  # noqa: SLF001 -- argparse offers no public API for a parser's actions
+            if isinstance(a, argparse._HelpAction):  # noqa: SLF001 -- argparse offers no public API for a parser's actions
                 continue
             name = ", ".join(a.option_strings) if a.option_strings else (a.metavar or a.dest)
             if a.option_strings and a.nargs != 0:
@@ -492,7 +492,15 @@ RESULTS_FIELDS: list[tuple[str, str, str]] = [
     ("variants[].prediction.*", "", "the model's breakdown: per-link busy time and bytes, node finish times, "
                                     "bottleneck, phases, the model's assumptions"),
     ("variants[].bound", "", "the optimum for this network and size (`null` for a partial reduce)"),
-    ("variants[].bound.cct_s", "s", "the bound: no scheme can finish an AllReduce of every node sooner"),
+    ("variants[].bound.transfer_s", "s", "the strict bound: the optimal packing's transfer time at `rate_mbps`; "
+                                         "no tree-based AllReduce of every node finishes sooner in the model"),
+    ("variants[].bound.rate_mbps", "Mbit/s", "a proven upper bound on the packing's rate"),
+    ("variants[].bound.bound", "", "which bound `rate_mbps` is (a packing meeting a bound, the directed cut, "
+                                   "the degree bound or the dual bound)"),
+    ("variants[].bound.packing_rate_mbps", "Mbit/s", "the rate of the best packing found"),
+    ("variants[].bound.gap", "", "(rate_mbps - packing_rate_mbps) / rate_mbps"),
+    ("variants[].bound.estimate_cct_s", "s", "the packing's transfer time plus its best tree's round-trip delay: "
+                                             "an estimate, not a bound"),
     ("variants[].bound.cut_rate_mbps", "Mbit/s", "the minimum directed cut (a bound for any scheme)"),
     ("variants[].bound.model", "", "what the bound models"),
     ("variants[].bound.assumes", "", "what it assumes"),
@@ -553,8 +561,11 @@ RESULTS_FIELDS: list[tuple[str, str, str]] = [
     ("summary.cct_s", "s", "`{mean, min, max, stdev, n}` over the runs' CCTs"),
     ("summary.cct_s.*", "", ""),
     ("summary.predicted_cct_s", "s", "the cost model's prediction"),
-    ("summary.bound_cct_s", "s", "the bound (empty for a partial reduce)"),
-    ("summary.efficiency", "", "bound / mean CCT (1 = optimal)"),
+    ("summary.bound_s", "s", "the strict bound: the optimal tree packing's transfer time (empty for a partial "
+                             "reduce)"),
+    ("summary.estimate_cct_s", "s", "that packing's estimated CCT with its best tree's delay (an estimate, not a "
+                                    "bound)"),
+    ("summary.efficiency", "", "bound_s / mean CCT (at most 1 in the model)"),
     ("summary.prediction_ratio", "", "mean CCT / predicted CCT"),
     ("summary.rounds_total", "", "`groups`: `{mean, min, max, stdev, n}` of the runs' total rounds"),
     ("summary.rounds_total.*", "", ""),
@@ -589,7 +600,8 @@ COLUMN_DOCS: dict[str, dict[str, str]] = {
         "experiment": "experiment name", "variant": "variant label", "scheme": "scheme name",
         "repetitions": "runs", "cct_mean_s": "mean CCT (s)", "cct_min_s": "fastest run (s)",
         "cct_max_s": "slowest run (s)", "cct_stdev_s": "standard deviation (s)",
-        "predicted_cct_s": "cost model (s)", "bound_cct_s": "bound (s)", "efficiency": "bound / mean CCT",
+        "predicted_cct_s": "cost model (s)", "bound_s": "strict bound (s)",
+        "estimate_cct_s": "optimal packing's estimated CCT with delay (s)", "efficiency": "bound / mean CCT",
         "rounds_total_mean": "`groups`: mean total rounds", "correct": "every run exact",
         "error": "why the variant did not run",
     },

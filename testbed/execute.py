@@ -70,8 +70,8 @@ def exec_command(exp: Experiment, argv: list[str], out_dir: Path, *, on: list[st
     """Run ``argv`` in the chosen datacenters of ``exp``'s network; return the results
     record (``processes``: per datacenter rank, argv, exit code, wall time, output)."""
     from testbed.emulator.dynamics import Scheduler
-    from testbed.results import environment
     from testbed.experiment import open_network
+    from testbed.results import environment
 
     if not argv:
         raise ConfigError("no command given (usage: exec EXP.yaml -- CMD ARGS...)")

@@ -22,12 +22,12 @@ import unicodedata
 from pathlib import Path
 
 import pytest
+from test_schemes import GRAPHS, _bad_values, _inputs
 
 from testbed import config, docgen
 from testbed.errors import ConfigError
 from testbed.plan import check_allreduce
 from testbed.planners import REGISTRY, make_plan, schemes
-from test_schemes import GRAPHS, _bad_values, _inputs
 
 REPO = Path(__file__).resolve().parent.parent
 DOCS = REPO / "docs"
@@ -36,10 +36,11 @@ USER_PAGES = [README] + sorted(p for p in DOCS.rglob("*.md") if "measurements" n
 ALL_PAGES = [README] + sorted(DOCS.rglob("*.md"))
 GENERATED = re.compile(r"<!-- BEGIN GENERATED: ([a-z0-9-]+) -->.*?<!-- END GENERATED: \1 -->", re.S)
 # What a user types: the testbed's verbs as root from the repository root, the set-up script,
-# the tests, the docs' generator, the VM's and Vagrant's commands.
+# the tests, the docs' generator and site, the lint, the VM's and Vagrant's commands.
 COMMAND_PREFIXES = ("sudo python3 -m testbed", "sudo bash testbed/setup.sh", "sudo python3 -m pytest",
                     "python3 -m pytest", "python3 -m testbed.docgen", "sudo GLOO_SOCKET_IFNAME=tbnode python3 -m testbed",
-                    "sudo PYTHON=", "sudo apt-get install", "vagrant ", "mkdocs ")
+                    "sudo PYTHON=", "sudo apt-get install", "vagrant ", "mkdocs ", "ruff check", "pip install",
+                    "sudo bash testbed/vm/")
 
 
 def _rel(p: Path) -> str:

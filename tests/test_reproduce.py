@@ -7,8 +7,20 @@ from testbed import cli, topogen
 from testbed.errors import ConfigError
 from testbed.planners import schemes
 from testbed.progress import time_left
-from testbed.reproduce import (CLAIMS_FILE, Claim, EvalError, Run, check_runs, evaluate, in_range, judge,
-                               load_claims, referenced_runs, runnable, select)
+from testbed.reproduce import (
+    CLAIMS_FILE,
+    Claim,
+    EvalError,
+    Run,
+    check_runs,
+    evaluate,
+    in_range,
+    judge,
+    load_claims,
+    referenced_runs,
+    runnable,
+    select,
+)
 
 
 def _results(cct: dict, rounds: dict | None = None, meta: dict | None = None, correct: bool = True) -> dict:
