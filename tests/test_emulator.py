@@ -294,8 +294,8 @@ def test_non_adjacent_datacenters_are_routed(netenv):
 
 
 def test_the_control_network_hides_none_of_the_machines_own_addresses(netenv):
-    """The machine routes only its hosts' control block: an address of its own elsewhere in
-    10.255.0.0/16 (this machine's nameserver is 10.255.255.53) still leaves by its own route."""
+    """The machine routes only its hosts' control block: an address elsewhere in 10.255.0.0/16
+    (a resolver at 10.255.255.53, say) still leaves by the machine's own route."""
     with WanNetwork(_two()) as net:
         route = subprocess.run(["ip", "-4", "route", "get", "10.255.255.53"], capture_output=True, text=True).stdout
         host = subprocess.run(["ip", "-4", "route", "get", net.control_address("b")], capture_output=True,
