@@ -5,11 +5,10 @@
 # 1. testbed/setup.sh again (the image was provisioned by it: a second run must change
 #    nothing; it builds the relay and runs doctor on the guest's kernel);
 # 2. doctor must report netem and choose it;
-# 3. the netem-path tests (skipped on a host without netem; method auto is netem here); the
-#    two linkcheck-based ones are reported, gating only with STRICT=1 (docs/install.md: TCG timing);
+# 3. the netem-path tests (skipped on a host without netem; method auto is netem here);
 # 4. (LINKCHECKS="TOPOLOGY ...", `stage --linkchecks [NAME ...]`) with no names (LINKCHECK_TESTS=1)
 #    first the two linkcheck-based netem-path tests (each measures up to 3 times under TCG:
-#    10-15 min), then linkcheck of each topology named:
+#    over 15 min; reported, gating only with STRICT=1), then linkcheck of each topology named:
 #    netstorm-internet2-9 (~14 min), lossy-jitter-4 (loss + jitter on every link), jitter-3
 #    (2-8 ms of jitter at 20-60 Mbit/s, one distribution per link), link by link (`--single`: with every
 #    link loaded at once the TCG guest measures its emulated CPU, not netem): it runs to its
