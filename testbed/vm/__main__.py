@@ -77,7 +77,7 @@ def main(argv=None) -> int:
     sub.choices["stage"].add_argument(
         "--linkchecks", nargs="*", choices=sorted(LINKCHECKS), metavar="NAME",
         help="also link checks through netem, of the named topologies (none named: all of "
-             f"{', '.join(LINKCHECKS)} and the emulator's two link-check tests; 30-40 min under "
+             f"{', '.join(LINKCHECKS)} and the emulator's two link-check tests; 40 min or more under "
              "TCG, of which netstorm-internet2-9 ~14)")
     sub.choices["stage"].add_argument("--strict", action="store_true",
                                       help="link-check verdicts gate the stage (default: reported; docs/install.md)")
