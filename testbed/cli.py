@@ -523,7 +523,7 @@ def _verb_reproduce(sub) -> None:
                                     "spread), a verdict (reproduced / not reproduced / not comparable / not run) and "
                                     "why: DIR/table.txt, claims.csv, reproducing.md, report.html.")
     rd.add_argument("papers", nargs="*", metavar="PAPER", help="papers (default: all)")
-    rd.add_argument("--quick", action="store_true", help="reduced sizes and fewer runs: about 20 minutes on 2 cores")
+    rd.add_argument("--quick", action="store_true", help="reduced sizes and fewer runs: about 25 minutes on 2 cores")
     rd.add_argument("--smoke", action="store_true", help="tiny sizes, a few runs (a few minutes): checks the command, "
                                                          "judges no emulated claim")
     rd.add_argument("--out", help="output folder (default: a new folder under results/)")
