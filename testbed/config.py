@@ -39,6 +39,8 @@ Format (YAML; every key but ``name``, ``topology`` and ``scheme.name`` is option
                                  # schemes compared see the same rates and faults at the same
                                  # point of their run
     faults: []                   # link down/up, datacenter crash/restart
+    placement: {}                # with --servers: {dc: server} pins datacenters to servers (the
+                                 # rest are placed by testbed/placement.py)
     variants:                    # optional: more schemes run on the SAME network, compared
       - {label: ps, scheme: {name: ps}}     # in one results.json (the main scheme runs first)
     output: {dir: results}
@@ -76,6 +78,7 @@ DEFAULTS: dict[str, Any] = {
     "dynamics": [],
     "dynamics_per_run": False,
     "faults": [],
+    "placement": {},
     "variants": [],
     "output": {"dir": "results"},
     "sweep": None,
@@ -186,6 +189,7 @@ class Experiment:
     output_dir: str
     sweep: dict | None  # {"keys": [key paths], "points": [{"values": {key: value}, "experiment": Experiment}]}
     resolved: dict = field(repr=False)
+    placement: dict = field(default_factory=dict)  # dc -> server pinned (with --servers)
 
     @property
     def scheme(self) -> dict:
@@ -346,6 +350,11 @@ def validate(data: dict, source: str = "<experiment>") -> Experiment:
         c.number(ms, f"agents.clock_offset_ms.{dc}")
     if not isinstance(exp["output"]["dir"], str):
         c.fail("output.dir", "expected a path string")
+    c.mapping(exp["placement"], "placement")
+    for dc, server in exp["placement"].items():
+        c.node(dc, "placement", nodes)
+        if not isinstance(server, str) or not server:
+            c.fail(f"placement.{dc}", f"expected a server name of the servers file, got {server!r}")
 
     from testbed.emulator.dynamics import scaled, validate_dynamics, validate_faults
 
@@ -365,7 +374,7 @@ def validate(data: dict, source: str = "<experiment>") -> Experiment:
         dynamics=tuple(scaled(exp["dynamics"], exp["scale"])),
         dynamics_per_run=exp["dynamics_per_run"], faults=tuple(exp["faults"]), emulator=EmulatorSettings(**e),
         agents=AgentSettings(**a), output_dir=exp["output"]["dir"], sweep=sweep,
-        resolved=copy.deepcopy({**exp, "sweep": None}))
+        placement=dict(exp["placement"]), resolved=copy.deepcopy({**exp, "sweep": None}))
 
 
 SWEEP_FIXED = {"name", "sweep", "output"}  # keys a sweep point may not change
