@@ -325,7 +325,6 @@ def run_experiment(exp: Experiment, out_dir: Path, progress: Callable[[str], Non
 def _run_on_network(exp: Experiment, planned: list, results: dict, out_dir: Path, progress, caps, net,
                     checkpoint: Callable[[list], None]) -> None:
     from testbed.emulator.dynamics import Scheduler, restore_network
-    from testbed.emulator.hosts import EmulatedHosts
 
     with (open_network(exp, progress, caps) if net is None else contextlib.nullcontext(net)) as net:
         results["links"] = net.link_report()
@@ -344,7 +343,7 @@ def _run_on_network(exp: Experiment, planned: list, results: dict, out_dir: Path
         net.reset_relay_window()  # judge the emulator on the measured phase only
         cpu = CpuMeter().start()
         try:
-            run_variants(exp, planned, EmulatedHosts(net), out_dir, progress, on_run=checkpoint,
+            run_variants(exp, planned, net.agent_hosts(), out_dir, progress, on_run=checkpoint,
                          before_run=replay_dynamics if per_run else None)
         finally:
             for sched in scheds:

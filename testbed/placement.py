@@ -5,7 +5,8 @@ runs on several machines (``--servers``).  Pure: a topology and the servers' siz
 The load that matters is frames, not bits (README, "Emulator headroom"; docs/emulator-log.md,
 "Frames, not bits"): under TCP a loaded direction carries about one TSO frame per millisecond
 plus its ACKs whatever its rate, so a direction's cost is :func:`direction_frames` and a
-datacenter's is the sum over the directions of its links (it sends one, receives the other).
+datacenter's is half of its links' (the other half is the far end's): the frames a server
+carries are its datacenters' sum, a link inside it counted once, a cut link half on each side.
 
 The partition is METIS's multilevel k-way (``pymetis``): the graph partitioner MaxiNet used for
 the same job, kept up, deterministic for a fixed seed, and it takes what this problem has --
@@ -49,10 +50,10 @@ def direction_frames(rate_mbps: float) -> float:
 def node_loads(topo) -> dict[str, float]:
     """Frames per second each datacenter's links put on the server that emulates it."""
     load = {n: 0.0 for n in topo.nodes}
-    for link in topo.links:
+    for link in topo.links:  # each end takes half: a link inside one server counts once there
         f = direction_frames(link.ab.rate_mbps) + direction_frames(link.ba.rate_mbps)
-        load[link.a] += f
-        load[link.b] += f
+        load[link.a] += f / 2
+        load[link.b] += f / 2
     return load
 
 
