@@ -148,7 +148,8 @@ class Agent:
 
     # -- control channel ---------------------------------------------------------
     def send(self, obj: dict, typ: int = wire.CTRL) -> None:
-        """To the coordinator; a send blocked for the silence limit raises socket.timeout.
+        """To the coordinator; a send that fails (or is blocked for the silence limit) raises
+        ConnectionError naming the coordinator.
         Detached from a lost controller (CREW tasks mode, :meth:`detach`): dropped; the
         latest task reports (sent or not) go again in the REJOIN (:meth:`reattach`)."""
         with self.ctrl_lock:
@@ -159,9 +160,10 @@ class Agent:
             try:
                 wire.send_json(self.ctrl, obj, typ)
             except OSError as e:
+                why = f"cannot send to the {self.coord}: {type(e).__name__}: {e}"
                 if not self.standalone_ok or self.stopping:
-                    raise
-                self._detach_locked(f"cannot send to the {self.coord}: {type(e).__name__}: {e}")
+                    raise ConnectionError(why) from None
+                self._detach_locked(why)
 
     def detach(self, why: str) -> None:
         """CREW §IV-B: the controller is gone; the worker goes on standalone (crew.worker_loop)."""
@@ -242,7 +244,7 @@ class Agent:
                 self.send({"msg": "alive"})
         except Exception as e:  # (send() does not raise once detached)
             if not self.stopping:
-                self.abort_soon(f"cannot send a heartbeat to the {self.coord}: {type(e).__name__}: {e}")
+                self.abort_soon(f"heartbeat: {type(e).__name__}: {e}")  # send() names the coordinator
 
     def next_msg(self, kind: str | tuple[str, ...], timeout: float) -> dict:
         """The coordinator's next message, which must be ``kind`` (or one of them), within
