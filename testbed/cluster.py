@@ -362,7 +362,10 @@ class ClusterNetwork(WanNetwork):
                     tail += chan.recv_stderr(65536)
                 why = tail.decode(errors="replace").strip().splitlines()[-1:] or ["the SSH channel closed"]
                 raise conn.error(f"the server's emulator exited: {why[0]}")
-            msg = json.loads(line)
+            try:
+                msg = json.loads(line)
+            except ValueError:  # something of the server's wrote to its output: pass it on
+                msg = {"log": line.decode(errors="replace").rstrip()}
             if "log" in msg:
                 self.log(f"{name}: {msg['log']}")
             elif "error" in msg:

@@ -171,7 +171,9 @@ def serve(spec: dict, requests) -> int:
 
 
 def main() -> int:
-    def on_signal(signum, frame):
+    def on_signal(signum, frame):  # once: a second signal must not cut the teardown short
+        for sig in (signal.SIGTERM, signal.SIGHUP):
+            signal.signal(sig, signal.SIG_IGN)
         raise KeyboardInterrupt
 
     for sig in (signal.SIGTERM, signal.SIGHUP):
