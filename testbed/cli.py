@@ -7,6 +7,7 @@ Exit codes: 0 success, 1 run failure (wrong result, agent error, emulator proble
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import signal
 import sys
@@ -124,8 +125,21 @@ def cmd_exec(args) -> int:
 
     exp = config.load_experiment(args.experiment, args.overrides)
     out = Path(args.out) if args.out else new_run_dir(exp.output_dir, f"{exp.name}-exec")
-    results = exec_command(exp, args.command, out, on=args.on.split(",") if args.on else None, master_port=args.master_port,
-                           timeout_s=args.timeout, progress=Progress(quiet=args.quiet))
+    progress = Progress(quiet=args.quiet)
+    with contextlib.ExitStack() as stack:
+        net = None
+        if args.servers:
+            from testbed.cluster import ClusterNetwork
+
+            sf, placement = _cluster(exp, args.servers, progress)
+            em = exp.emulator
+            net = stack.enter_context(ClusterNetwork(exp.topology, sf, placement, method=em.method,
+                                                     relay_procs=em.relay_procs, seed=exp.seed, log=progress,
+                                                     tcp_cc=em.tcp_cc))
+        results = exec_command(exp, args.command, out, on=args.on.split(",") if args.on else None,
+                               master_port=args.master_port, timeout_s=args.timeout, progress=progress, net=net)
+        if net is not None:
+            results["cluster"] = net.report(exp.emulator.max_late_ms)
     write_json_atomic(out / "results.json", results)
     for dc, p in results["processes"].items():
         wall = f"{p['wall_s']:.3f}s" if p["wall_s"] is not None else "timed out"
@@ -514,6 +528,7 @@ def build_parser() -> argparse.ArgumentParser:
     ex.add_argument("--master-port", type=int, default=29500, help="MASTER_PORT (default 29500)")
     ex.add_argument("--timeout", type=float, help="seconds before the processes are killed (default agents.timeout_s)")
     ex.add_argument("--quiet", action="store_true", help="no progress lines")
+    _servers_arg(ex)
     ex.add_argument("command", nargs="*", metavar="-- CMD ARGS", help="the program and its arguments, after --")
     ex.set_defaults(func=cmd_exec)
 

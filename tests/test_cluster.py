@@ -200,3 +200,17 @@ def test_doctor_reports_every_server_and_the_underlay(servers, tmp_path):
     assert {(p["from"], p["to"]) for p in d["underlay"]["pairs"]} == {("s1", "s2"), ("s2", "s1")}
     assert all(p["mbps"] > 100 and p["mtu"] == 9000 for p in d["underlay"]["pairs"])
     assert d["underlay"]["link_mtu"] == 1500
+
+
+@pytest.mark.net
+def test_exec_runs_in_every_datacenter_on_its_server(servers, tmp_path):
+    """exec --servers: the command runs in each datacenter's namespace on its server, with
+    its rank, and reaches rank 0's node address over the WAN."""
+    res = _run(tmp_path, "exec", "experiments/quickstart.yaml", "--servers", _servers_file(tmp_path), "--out",
+               tmp_path / "out", "--quiet", "--", "sh", "-c",
+               "echo $RANK $TESTBED_DC; ping -n -q -c 1 -W 3 $MASTER_ADDR >/dev/null", timeout=300)
+    assert res.returncode == 0, res.stdout + res.stderr[-3000:]
+    out = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert {dc: p["stdout"].split() for dc, p in out["processes"].items()} == {
+        dc: [str(i), dc] for i, dc in enumerate(["h1", "h2", "h3", "h4", "h5"])}
+    assert out["cluster"]["placement"]["cut_links"]
