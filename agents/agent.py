@@ -12,11 +12,10 @@ server starts, default 10).  Life cycle: listen on the data port, connect
 and authenticate to the coordinator (retrying while it starts), receive the JOB, open
 the outgoing data connections, report READY, then per iteration wait for GO, sleep the
 compute time, run the program, check the result and report DONE.  Exit 0 after FINISH,
-1 on any failure or ABORT.  Control messages are JSON objects with a ``"msg"`` key:
-
-    agent -> coordinator: ready, installed, done, bye, alive (heartbeat), status, clock, probe, train;
-                          error (ERROR frame)
-    coordinator -> agent: welcome, job, plan, go, finish, alive (heartbeat), status, clock; abort (ERROR)
+1 on any failure or ABORT.  Control messages are JSON objects with a ``"msg"`` key, one of
+:class:`agents.protocol.Msg` (``agents.protocol.FIELDS``: who sends it, its fields).  A JOB
+whose ``mode`` is a key of :data:`WORKER_LOOPS` runs that loop after READY instead of the
+iterations (CREW's ``tasks``: :class:`agents.crew_worker.WorkerLoop`).
 
 PLAN installs another version of the plan (program, peers, scratch: one more executor with
 its own data connections, whose handshake names the version); the agent answers INSTALLED.
@@ -57,21 +56,20 @@ import numpy as np
 from testbed.plan import Op
 
 from . import clock, wire
+from .crew_worker import WorkerLoop
 from .executor import Executor, LinkGate, Stalled
 from .inputs import expected_sum, make_input
-
-PRECOMPUTE_BYTES = 512 << 20  # inputs and true sums made before READY (Agent.precompute)
 from .probe import Prober, Sample
+from .protocol import Aborted, Msg, message
 from .trains import Trains
 
 log = logging.getLogger("agents")
 
+PRECOMPUTE_BYTES = 512 << 20  # inputs and true sums made before READY (Agent.precompute)
 CONNECT_RETRY_S = 10.0
 MAX_PENDING = 64  # unauthenticated connections at once; more are refused
-
-
-class Aborted(Exception):
-    """The coordinator aborted the run (or its connection was lost)."""
+# The JOB's mode -> the loop an agent runs after READY (``iterations``: Agent.run_iterations).
+WORKER_LOOPS = {"tasks": WorkerLoop}  # CREW's groups from the controller's ready queue
 
 
 @dataclass
@@ -97,7 +95,7 @@ class Job:
     probe: dict | None = None  # {"chunk_bytes", "chunk_num"}: report received chunks (agents.probe);
     # "trains": [[peer, ip, port, packets, every_s]]: send packet trains on these links (agents.trains)
     aux: dict = field(default_factory=dict)  # auxiliary paths through this node (testbed.plan.Plan.aux)
-    mode: str = "iterations"  # or "tasks": CREW's groups from the controller's ready queue (agents.crew)
+    mode: str = "iterations"  # or a key of WORKER_LOOPS (the driver's loop, e.g. CREW's "tasks")
 
     def to_dict(self) -> dict:
         d = dict(self.__dict__)
@@ -125,6 +123,7 @@ class Agent:
         self.coord = f"coordinator at {host}:{port}"
         self.handshake_s = float(cfg.get("handshake_timeout_s", wire.HANDSHAKE_TIMEOUT_S))
         self.retry_s = float(cfg.get("connect_retry_s", CONNECT_RETRY_S))
+        self.sources = {str(k): str(v) for k, v in (cfg.get("sources") or {}).items()}  # "peer/channel" -> address
         self.prober: Prober | None = None
         self.trains: Trains | None = None
         self.iteration = 0  # the one GO last started
@@ -140,7 +139,7 @@ class Agent:
         self._installed = threading.Condition()
         self._gates: dict[str, LinkGate] = {}
         self.stopping = False
-        self.standalone_ok = False  # CREW tasks mode: a lost controller is survived (crew.worker_loop)
+        self.standalone_ok = False  # CREW tasks mode: a lost controller is survived (agents.crew_worker.WorkerLoop)
         self.detached: list | None = None  # not None while the controller is gone
         self.losses = 0  # how often the controller was lost (a version installed across a loss is void)
         self.recent: deque = deque(maxlen=32)  # the latest task reports
@@ -153,7 +152,7 @@ class Agent:
         Detached from a lost controller (CREW tasks mode, :meth:`detach`): dropped; the
         latest task reports (sent or not) go again in the REJOIN (:meth:`reattach`)."""
         with self.ctrl_lock:
-            if obj.get("msg") in ("task_done", "task_failed"):
+            if obj.get("msg") in (Msg.TASK_DONE, Msg.TASK_FAILED):
                 self.recent.append(obj)
             if self.detached is not None:
                 return
@@ -166,7 +165,7 @@ class Agent:
                 self._detach_locked(why)
 
     def detach(self, why: str) -> None:
-        """CREW §IV-B: the controller is gone; the worker goes on standalone (crew.worker_loop)."""
+        """CREW §IV-B: the controller is gone; the worker goes on standalone (agents.crew_worker.WorkerLoop)."""
         with self.ctrl_lock:
             self._detach_locked(why)
 
@@ -175,7 +174,7 @@ class Agent:
             self.detached, self.losses = [], self.losses + 1
             wire.close_quietly(self.ctrl)
             log.warning("controller lost: %s", why)
-            self.inbox.put({"msg": "_ctrl_lost", "why": why})
+            self.inbox.put(message(Msg.CTRL_LOST, why=why))
 
     def reattach(self, sock: socket.socket, first: dict) -> None:
         """Connected to the controller again: ``first`` (with ``reports``, the latest task
@@ -187,9 +186,18 @@ class Agent:
             self.ctrl, self.detached = sock, None
         threading.Thread(target=self._ctrl_reader, args=(sock,), daemon=True, name="ctrl-reader").start()
 
+    def connect_again(self, deadline: float) -> socket.socket:
+        """A new control connection to the coordinator, as a rejoining worker (one attempt)."""
+        return wire.connect(self.coord_addr, self.secret, {**self.ident, "rejoin": True},
+                            timeout_s=min(self.handshake_s, max(0.1, deadline - time.monotonic())))
+
+    def post(self, msg: dict) -> None:
+        """Any thread: put a (local) message in the main thread's inbox."""
+        self.inbox.put(msg)
+
     def abort_soon(self, reason: str) -> None:
         """Any thread: make the main thread (and a running iteration) fail with ``reason``."""
-        self.inbox.put({"msg": "abort", "reason": reason})
+        self.inbox.put(message(Msg.ABORT, reason=reason))
         for ex in list(self.execs.values()):
             ex.abort(reason)
 
@@ -201,20 +209,19 @@ class Agent:
             while True:
                 h, msg = wire.recv_json(sock)
                 kind = msg.get("msg")
-                if h.type == wire.ERROR or kind == "abort":
+                if h.type == wire.ERROR or kind == Msg.ABORT:
                     self.abort_soon(f"aborted by the coordinator: {wire.sanitize(msg.get('reason', '?'))}")
                     return
-                if kind == "alive":
+                if kind == Msg.ALIVE:
                     continue
-                if kind == "clock":  # NTP-style: receive and answer times on this agent's clock
+                if kind == Msg.CLOCK:  # NTP-style: receive and answer times on this agent's clock
                     t2 = time.time_ns()
-                    self.send({"msg": "clock", "seq": msg.get("seq"), "t1": msg.get("t1"), "t2": t2,
-                               "t3": time.time_ns()})
+                    self.send(message(Msg.CLOCK, seq=msg.get("seq"), t1=msg.get("t1"), t2=t2, t3=time.time_ns()))
                     continue
-                if kind == "status":
-                    self.send({"msg": "status", **(self.ex.status() if self.ex else {})})
+                if kind == Msg.STATUS:
+                    self.send(message(Msg.STATUS, **(self.ex.status() if self.ex else {})))
                     continue
-                if kind == "resend":  # a receiver misses chunks this agent sent over auxiliary paths
+                if kind == Msg.RESEND:  # a receiver misses chunks this agent sent over auxiliary paths
                     ex, xfers = self.execs.get(msg.get("version")), msg.get("xfers")
                     if ex is None or not isinstance(msg.get("iteration"), int) or not isinstance(xfers, list) \
                             or not all(isinstance(x, int) for x in xfers):
@@ -222,7 +229,7 @@ class Agent:
                     log.info("re-sending %d chunks of iteration %d", ex.resend(msg["iteration"], xfers),
                              msg["iteration"])
                     continue
-                if kind == "welcome":
+                if kind == Msg.WELCOME:
                     self.silence_s = float(msg["silence_s"])
                     self.ctrl.settimeout(self.silence_s)
                 self.inbox.put(msg)
@@ -241,7 +248,7 @@ class Agent:
         try:
             while not self.stopping:
                 time.sleep(period)
-                self.send({"msg": "alive"})
+                self.send(message(Msg.ALIVE))
         except Exception as e:  # (send() does not raise once detached)
             if not self.stopping:
                 self.abort_soon(f"heartbeat: {type(e).__name__}: {e}")  # send() names the coordinator
@@ -255,7 +262,7 @@ class Agent:
         except queue.Empty:
             raise Aborted(f"no {'/'.join(k.upper() for k in kinds)} from the {self.coord} within "
                           f"{timeout:g} s") from None
-        if msg.get("msg") == "abort":
+        if msg.get("msg") == Msg.ABORT:
             raise Aborted(msg["reason"])
         if msg.get("msg") not in kinds:
             raise wire.ProtocolError(f"{self.coord} sent {wire.sanitize(msg.get('msg'), 40)!r}, "
@@ -272,8 +279,8 @@ class Agent:
             return
         window = self.prober.add(peer, Sample(*sample))
         if window:
-            self.send({"msg": "probe", "src": peer, "dst": self.name, "t_ns": time.time_ns(),
-                       "samples": [list(s) for s in window]})
+            self.send(message(Msg.PROBE, src=peer, dst=self.name, t_ns=time.time_ns(),
+                              samples=[list(s) for s in window]))
 
     # -- data connections ----------------------------------------------------------
     def _handshake(self, sock: socket.socket, addr) -> None:
@@ -305,8 +312,14 @@ class Agent:
         with self._installed:
             return self._gates.setdefault(peer, LinkGate())
 
-    def _install(self, version: int, program: list[Op], scratch: dict, peers: dict, aux: dict,
-                 link_fifo: bool = False) -> None:
+    def install_plan(self, version: int, msg: dict) -> None:
+        """Install the PLAN ``msg`` as ``version`` (:meth:`install`)."""
+        self.install(version, [Op.from_dict(o) for o in msg["program"]], msg["scratch"],
+                     {p: (str(a[0]), int(a[1])) for p, a in msg["peers"].items()}, msg.get("aux", {}),
+                     link_fifo=bool(msg.get("link_fifo")))
+
+    def install(self, version: int, program: list[Op], scratch: dict, peers: dict, aux: dict,
+                link_fifo: bool = False) -> None:
         """One executor for plan ``version``, its outgoing data connections open;
         ``link_fifo``: its sends take turns with the other such versions' (:meth:`gate`)."""
         job = self.job
@@ -314,8 +327,8 @@ class Agent:
                       stop_and_wait=job.stop_and_wait, timeout_s=job.timeout_s, limit_s=job.limit_s,
                       on_chunk=self._on_chunk if self.prober else None, nodes=job.nodes, aux=aux,
                       connect=lambda peer, ch: self._data_connection(version, peers, peer, ch),
-                      on_missing=lambda it, xfers: self.send({"msg": "missing", "version": version,
-                                                             "iteration": it, "xfers": xfers}),
+                      on_missing=lambda it, xfers: self.send(message(Msg.MISSING, version=version,
+                                                                    iteration=it, xfers=xfers)),
                       gate=self.gate if link_fifo else None)
         if self.ex is not None:
             ex.advance(self.ex.iteration)
@@ -330,8 +343,11 @@ class Agent:
             raise ConnectionError(f"data connection to peer {peer} (channel {ch}): no address known")
         addr = peers[peer]
         ident = {"role": "data", "name": self.name, "channel": ch, **({"version": version} if version else {})}
+        # the first plan's connections on a named path: from that path's address (testbed.hosts.run_agents)
+        source = self.sources.get(f"{peer}/{ch}") if version == 0 else None
         try:
-            sock = wire.connect(addr, self.secret, ident, timeout_s=self.handshake_s, retry_s=self.retry_s)
+            sock = wire.connect(addr, self.secret, ident, timeout_s=self.handshake_s, retry_s=self.retry_s,
+                                source=source)
         except (OSError, wire.ProtocolError) as e:
             raise ConnectionError(f"data connection to peer {peer} (channel {ch}, expected listening at "
                                   f"{addr[0]}:{addr[1]}): {e}") from None
@@ -363,7 +379,7 @@ class Agent:
         """Inputs and true sums of the first iterations, made before READY while they fit in
         ``budget`` bytes: made after GO (the input) and after the run (the sum), they took
         every agent's CPU on a shared machine while others communicated -- 9 agents on 2
-        cores started up to 0.7 s apart at 16 MB (issue 17).  Later ones are made on demand."""
+        cores started up to 0.7 s apart at 16 MB.  Later ones are made on demand."""
         per = 2 * self.job.length * np.dtype(self.job.dtype).itemsize
         return {it: self.inputs(it) for it in range(min(self.job.iterations, budget // max(1, per)))}
 
@@ -378,6 +394,27 @@ class Agent:
                 "digest": hashlib.sha256(memoryview(x).cast("B")).hexdigest()}
 
     def run(self) -> int:
+        """Register, take the JOB, open the data connections, say READY, run the job's loop;
+        the exit code."""
+        welcome = self._register()
+        self.job = job = Job.from_dict(self.next_msg(Msg.JOB, float(welcome["job_within_s"]))["job"])
+        if job.probe:
+            self.prober = Prober(job.probe["chunk_bytes"], job.probe["chunk_num"])
+        if job.probe and job.probe.get("trains"):  # capacity of this node's WAN links (agents.trains)
+            self.trains = Trains(job.nodes.index(self.name), job.nodes, self.data_port,
+                                 job.probe["trains"], self._on_train, seed=str(job.seed),
+                                 bind=self.listener.getsockname()[0]).start()
+        self.install(0, job.program, job.scratch, job.peers, job.aux)
+        self.ex = self.execs[0]
+        loop = WORKER_LOOPS.get(job.mode)
+        if loop is not None:
+            self.send(message(Msg.READY))
+            return loop(self).run()
+        return self.run_iterations()
+
+    def _register(self) -> dict:
+        """Connect to the coordinator, start the control reader, the data listener and the
+        heartbeats; the coordinator's WELCOME."""
         self.ident = ident = {"role": "agent", "name": self.name, "data_port": self.data_port,
                               "pid": os.getpid(), "host": socket.gethostname()}
         try:
@@ -393,32 +430,24 @@ class Agent:
         threading.Thread(target=wire.serve, daemon=True, name="accept",
                          args=(self.listener, wire.Gate(MAX_PENDING), self._handshake,
                                lambda: self.stopping, log)).start()
-        welcome = self.next_msg("welcome", self.handshake_s)
+        welcome = self.next_msg(Msg.WELCOME, self.handshake_s)
         threading.Thread(target=self._heartbeat, args=(float(welcome["heartbeat_s"]),), daemon=True,
                          name="heartbeat").start()
-        self.job = job = Job.from_dict(self.next_msg("job", float(welcome["job_within_s"]))["job"])
-        if job.probe:
-            self.prober = Prober(job.probe["chunk_bytes"], job.probe["chunk_num"])
-        if job.probe and job.probe.get("trains"):  # capacity of this node's WAN links (agents.trains)
-            self.trains = Trains(job.nodes.index(self.name), job.nodes, self.data_port,
-                                 job.probe["trains"], self._on_train, seed=str(job.seed),
-                                 bind=self.listener.getsockname()[0]).start()
-        self._install(0, job.program, job.scratch, job.peers, job.aux)
-        self.ex = self.execs[0]
-        if job.mode == "tasks":
-            self.send({"msg": "ready"})
-            from .crew import worker_loop
-            return worker_loop(self, Aborted)
+        return welcome
+
+    def run_iterations(self) -> int:
+        """The iteration barrier: per iteration GO (installing PLANs before it), compute, run
+        the program, check, DONE; then FINISH and BYE."""
+        job = self.job
         made = self.precompute()
-        self.send({"msg": "ready"})
+        self.send(message(Msg.READY))
         for it in range(job.iterations):
-            while (msg := self.next_msg(("go", "plan"), job.wait_s))["msg"] == "plan":
+            while (msg := self.next_msg((Msg.GO, Msg.PLAN), job.wait_s))["msg"] == Msg.PLAN:
                 v = msg.get("version")
                 if not isinstance(v, int) or v in self.execs:
                     raise wire.ProtocolError(f"PLAN for version {wire.sanitize(v, 20)}: not a new version")
-                self._install(v, [Op.from_dict(o) for o in msg["program"]], msg["scratch"],
-                              {p: (str(a[0]), int(a[1])) for p, a in msg["peers"].items()}, msg.get("aux", {}))
-                self.send({"msg": "installed", "version": v})
+                self.install_plan(v, msg)
+                self.send(message(Msg.INSTALLED, version=v))
             go_ns = time.time_ns()
             if msg.get("iteration") != it or msg.get("version", 0) not in self.execs:
                 raise wire.ProtocolError(f"GO for iteration {wire.sanitize(msg.get('iteration'), 20)} version "
@@ -435,19 +464,18 @@ class Agent:
                 log.error("iteration %d: wrong result (max abs error %g)", it, check["max_abs_err"])
             for ex in self.execs.values():  # before DONE: a peer's data for it + 1 may come any time now
                 ex.advance(it + 1)
-            self.send({"msg": "done", "iteration": it, "go_ns": go_ns, "compute_end_ns": compute_end,
-                       **timing, **check})
+            self.send(message(Msg.DONE, iteration=it, go_ns=go_ns, compute_end_ns=compute_end, **timing, **check))
             log.info("iteration %d done in %.3f s", it, (timing["comm_done_ns"] - timing["comm_start_ns"]) / 1e9)
-        self.next_msg("finish", job.wait_s)
+        self.next_msg(Msg.FINISH, job.wait_s)
         late = [e for ex in self.execs.values() for e in ex.late_errors()]  # e.g. a frame after the end
         for e in late:
             log.error("after the last iteration: %s", e)
-        self.send({"msg": "bye", "errors": late})
+        self.send(message(Msg.BYE, errors=late))
         return 1 if late else 0
 
     def _on_train(self, src: str, rate_mbps: float | None, send_ns: int, recv_ns: int) -> None:
-        self.send({"msg": "train", "src": src, "rate_mbps": rate_mbps, "send_ns": send_ns, "recv_ns": recv_ns,
-                   "t_ns": time.time_ns()})
+        self.send(message(Msg.TRAIN, src=src, rate_mbps=rate_mbps, send_ns=send_ns, recv_ns=recv_ns,
+                          t_ns=time.time_ns()))
 
     def close(self) -> None:
         self.stopping = True
@@ -496,9 +524,9 @@ def main(argv: list[str] | None = None) -> int:
         log.error("failed: %s: %s", type(e).__name__, e)
         if agent and agent.ctrl:
             try:
-                agent.send({"msg": "error", "message": f"{type(e).__name__}: {e}", "peer": getattr(e, "peer", None),
-                            "stall": isinstance(e, Stalled),
-                            "status": agent.ex.status() if agent.ex else {}}, wire.ERROR)
+                agent.send(message(Msg.ERROR, message=f"{type(e).__name__}: {e}",
+                                   peer=e.peer if isinstance(e, wire.ProtocolError) else None, stall=isinstance(e, Stalled),
+                                   status=agent.ex.status() if agent.ex else {}), wire.ERROR)
                 # let the coordinator diagnose (it asks every agent for its status) and abort
                 agent.inbox.get(timeout=agent.silence_s)
             except (OSError, queue.Empty):

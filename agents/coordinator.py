@@ -8,6 +8,13 @@ Library use::
     results = c.run()    # raises testbed.errors.RunError on any failure
     c.close()
 
+A run-time driver (``driver=``: CREW's groups, :class:`agents.crew_run.TaskRun`) runs instead
+of the iterations once every agent is READY, and uses only the driver API: ``send``,
+``next_event`` / ``collect`` (events: :mod:`agents.protocol`), ``diagnose`` (raises
+:class:`Failure`), ``health_problem``, ``plan_message``, ``data_addresses``, ``to_my_clock``,
+``note_error``, ``drop_connections`` and the limits ``ready_limit()``, ``limit_s``,
+``silence_s``.
+
 Command line (real hosts)::
 
     python3 -m agents.coordinator --plan plan.json --addresses addr.json \\
@@ -53,27 +60,35 @@ import sys
 import threading
 import time
 from types import MappingProxyType
-from typing import Callable, Iterable, Mapping
+from typing import Callable, Iterable, Mapping, NoReturn, Protocol
 
 import numpy as np
 
 from testbed.clock import estimate as clock_estimate
 from testbed.errors import ConfigError, RunError
-from testbed.plan import RECV, Plan
+from testbed.plan import Plan
 
 from . import wire
 from .agent import Job
 from .netstate import NetState
+from .protocol import (
+    TRANSFER_COLUMNS,
+    Deadline,
+    Event,
+    FailureReport,
+    Held,
+    Lost,
+    Msg,
+    Received,
+    Registered,
+    Violation,
+    message,
+)
 from .trains import FRAME as TRAIN_FRAME
 from .trains import shape as train_shape
 
 log = logging.getLogger("agents.coordinator")
 
-# send_ts_ns: the sender's clock in the DATA header; recv_start_ns/recv_end_ns: first/last
-# payload byte read at the receiver; apply_ns: when the receiver added/copied it in.
-TRANSFER_COLUMNS = ["iteration", "xfer", "src", "dst", "channel", "flow", "chunk", "phase", "bytes",
-                    "send_start_ns", "send_end_ns", "send_ts_ns", "recv_start_ns", "recv_end_ns", "apply_ns",
-                    "route"]  # route: "" direct, else the auxiliary path "src>relay>...>dst" (send_ts_ns: last hop's)
 WORKER_KEYS = ["go_ns", "compute_end_ns", "comm_start_ns", "comm_done_ns", "receiver", "correct", "max_abs_err",
                "digest"]
 MAX_PENDING = 64  # unauthenticated connections at once; more are refused
@@ -127,12 +142,21 @@ def _address(addresses: Mapping, src: str, dst: str) -> str:
 
 
 class Failure(RunError):
-    """A failed run: ``culprit`` is the node (or "coordinator") the failure is laid to,
-    ``link`` (src, dst) the stalled link if one was found, ``results`` what completed."""
+    """A failed run: its :class:`~agents.protocol.FailureReport` (``culprit``: the node, or
+    "coordinator", the failure is laid to; ``link``: (src, dst), the stalled link if one was
+    found) and ``results``, what completed (None until :meth:`Coordinator.run` adds them)."""
 
-    def __init__(self, message: str, culprit: str | None = None, link: tuple[str, str] | None = None):
-        super().__init__(message)
-        self.culprit, self.link, self.results = culprit, link, None
+    def __init__(self, report: FailureReport, results: dict | None = None):
+        super().__init__(report.message)
+        self.report, self.results = report, results
+
+    @property
+    def culprit(self) -> str | None:
+        return self.report.culprit
+
+    @property
+    def link(self) -> tuple[str, str] | None:
+        return self.report.link
 
 
 def _off_cpu_since_start() -> float:
@@ -167,16 +191,78 @@ class _Conn:
                 kind = item[0].get("msg")
                 wire.send_json(self.sock, *item)
         except socket.timeout:
-            self.events.put(("silent", self.name, f"cannot send {kind.upper()} to the agent at {self.addr}: no "
-                             f"byte accepted for {self.sock.gettimeout():g} s (stopped or unreachable)"))
+            self.events.put(Lost(self.name, f"cannot send {kind.upper()} to the agent at {self.addr}: no "
+                                 f"byte accepted for {self.sock.gettimeout():g} s (stopped or unreachable)"))
         except Exception as e:  # no thread dies silently
-            self.events.put(("lost", self.name, f"cannot send {kind.upper()} to the agent at {self.addr}: "
-                             f"{type(e).__name__}: {e}"))
+            self.events.put(Lost(self.name, f"cannot send {kind.upper()} to the agent at {self.addr}: "
+                                 f"{type(e).__name__}: {e}"))
 
     def close(self, grace_s: float = 0.0) -> None:
         self.q.put(None)
         self.thread.join(grace_s)
         wire.close_quietly(self.sock)
+
+
+
+class _Diagnosis:
+    """What :meth:`Coordinator.diagnose` gathers while it asks every agent for its status."""
+
+    def __init__(self):
+        self.dead: dict[str, str] = {}  # node -> why it is gone (disconnected, silent, exited)
+        self.errors: dict[str, dict] = {}
+        self.statuses: dict[str, dict] = {}
+        self.other: list[str] = []
+        self.me: str | None = None  # the coordinator itself was held up
+
+    def note(self, ev: Event) -> None:
+        if isinstance(ev, Held):
+            self.me = ev.why
+        elif isinstance(ev, Lost):
+            if ev.node is None:
+                self.other.append(ev.why)
+            else:
+                self.dead.setdefault(ev.node, ev.why)
+        elif isinstance(ev, (Violation, Deadline)):
+            self.other.append(f"{ev.node}: {ev.why}")
+        elif isinstance(ev, Received) and ev.kind == Msg.STATUS:
+            self.statuses[ev.node] = ev.msg
+        elif isinstance(ev, Received) and ev.kind == Msg.ERROR:
+            self.errors.setdefault(ev.node, ev.msg)
+        elif isinstance(ev, Received) and ev.kind not in (Msg.READY, Msg.DONE, Msg.BYE):
+            self.other.append(f"{ev.node}: unexpected {wire.sanitize(ev.msg.get('msg'), 40)!r} message")
+
+
+def _stalled_link(statuses: dict[str, dict]) -> tuple[str, tuple[str, str], str] | None:
+    """(culprit, link, reason) from the agents' STATUS answers after a stall: the sender of a
+    payload stalled part-way, a send stalled part-way, else the end of a chain of waits."""
+    for dst, st in statuses.items():  # a payload stalled part-way: its sender stopped
+        for src, rows in (st.get("awaiting") or {}).items():
+            for xfer, got, n in rows:
+                if 0 < got < n:
+                    return src, (src, dst), (f"stalled mid-payload on link {src} -> {dst}: {dst} received "
+                                             f"{got} of {n} bytes of transfer {xfer}")
+    waits = {n: set(st.get("awaiting") or ()) for n, st in statuses.items()}
+    for n, st in statuses.items():
+        for dst, rows in (st.get("sending") or {}).items():
+            if any(0 < sent < size for _, sent, size in rows):
+                return n, (n, dst), f"send to {dst} stalled part-way (link {n} -> {dst})"
+    for n in dict.fromkeys(p for ps in waits.values() for p in ps):  # end of a chain of waits
+        if not waits.get(n) and not (statuses.get(n) or {}).get("sending"):
+            who = sorted(a for a, ps in waits.items() if n in ps)
+            return n, (n, who[0]), f"sends nothing, while {', '.join(who)} wait(s) for its data"
+    return None
+
+
+class Driver(Protocol):
+    """A run-time driver: what runs once every agent is READY, instead of the iterations."""
+
+    mode: str  # the JOB's mode: the worker loop the agents run (agents.agent.WORKER_LOOPS)
+
+    def run(self) -> None:
+        """Drive the run to its end (FINISH and BYE included); raise :class:`Failure`."""
+
+    def results(self) -> dict:
+        """The driver's part of :meth:`Coordinator.results` (what completed so far)."""
 
 
 class Coordinator:
@@ -203,7 +289,9 @@ class Coordinator:
     (:mod:`testbed.clock`); every timestamp is reported on this machine's clock.
     ``sync_clocks`` (default: when probing) measures the offsets again over the control
     connection before the first GO (NetStorm §V's clock synchronisation); ``probe``,
-    ``truth`` and ``policy``: the closed loop (module docstring).
+    ``truth`` and ``policy``: the closed loop (module docstring).  ``driver(coordinator)``:
+    a :class:`Driver` that runs instead of the iteration barrier once every agent is READY
+    (CREW's groups: :class:`agents.crew_run.TaskRun`), on the driver API below.
     """
 
     def __init__(self, plan: Plan, *, addresses: Mapping, data_port: int | None, secret: bytes | str,
@@ -216,7 +304,7 @@ class Coordinator:
                  clock_offsets_ns: Mapping[str, int] | None = None, probe: dict | None = None,
                  truth: Callable[[str, str], dict | None] | None = None,
                  policy: Callable[[int, NetState], Plan | None] | None = None, sync_clocks: bool | None = None,
-                 tasks: dict | None = None):
+                 driver: Callable[["Coordinator"], "Driver"] | None = None):
         plan.validate()
         np.dtype(dtype)
         self.plan, self.secret, self.data_port = plan, wire.as_secret(secret), data_port
@@ -248,9 +336,19 @@ class Coordinator:
         self._iterations: list[dict] = []
         self._rows: list[list] = []
         self._errors: list[str] = []
+        self._init_closed_loop(probe, truth, clock_offsets_ns, policy, sync_clocks)
+        self._plans: list[Plan] = [plan]  # index = version
+        self.version = 0
+        self.switches = 0
+        self.resend_requests = 0  # receivers that asked for chunks again (auxiliary recovery)
+        self.driver = driver(self) if driver else None  # built last: it may read any of the above
+
+    def _init_closed_loop(self, probe: dict | None, truth, clock_offsets_ns: Mapping[str, int] | None, policy,
+                          sync_clocks: bool | None) -> None:
+        """Probing, packet trains, clock offsets and the re-planning policy (module docstring)."""
         # probe: {"chunk_bytes", "chunk_num", "estimator", "from_iteration"}; truth(src, dst): the emulator's rate/delay now
         self.probe = dict(probe) if probe else None
-        self.net = NetState(plan.nodes, (probe or {}).get("estimator", "busy"), truth)
+        self.net = NetState(self.plan.nodes, (probe or {}).get("estimator", "busy"), truth)
         trains = (probe or {}).get("trains")  # (src, dst) -> (configured Mbit/s, datagrams per train, seconds apart)
         self._trains = {(s, d): (float(r), *train_shape(float(r), float(trains["duty"])))
                         for s, d, r in trains["links"]} if trains else {}
@@ -261,11 +359,6 @@ class Coordinator:
         self.policy = policy
         self.sync_clocks = bool(probe) if sync_clocks is None else sync_clocks  # CLOCK exchanges before GO
         self._trains_open = False  # TRAIN reports are taken from the first probed iteration (as PROBE windows)
-        self._plans: list[Plan] = [plan]  # index = version
-        self.version = 0
-        self.switches = 0
-        self.resend_requests = 0  # receivers that asked for chunks again (auxiliary recovery)
-        self.tasks = tasks  # CREW's run-time groups (agents.crew.TaskRun): {p, window_s, plan_for}
 
     def _resolve_addresses(self, addresses: Mapping, plan: Plan | None = None) -> dict[tuple[str, str], str]:
         out = {}
@@ -337,10 +430,10 @@ class Coordinator:
                 return
             conn = self._conns[name] = _Conn(name, sock, who, self._events)
             self._idents.setdefault(name, ident)
-        conn.put({"msg": "welcome", "heartbeat_s": self.heartbeat_s, "silence_s": self.silence_s,
-                  "job_within_s": self.register_timeout_s + self.silence_s})
+        conn.put(message(Msg.WELCOME, heartbeat_s=self.heartbeat_s, silence_s=self.silence_s,
+                         job_within_s=self.register_timeout_s + self.silence_s))
         log.info("agent %s registered from %s", name, who)
-        self._events.put(("registered", name, None))
+        self._events.put(Registered(name))
         threading.Thread(target=self._reader, args=(conn,), daemon=True, name=f"read-{name}").start()
 
     def _reader(self, conn: _Conn) -> None:
@@ -349,33 +442,33 @@ class Coordinator:
             while True:
                 h, msg = wire.recv_json(conn.sock)
                 if h.type == wire.ERROR:
-                    msg = {"msg": "error", "message": wire.sanitize(msg.get("message", msg), 2000),
-                           "stall": bool(msg.get("stall")), "status": msg.get("status"),
-                           "peer": msg.get("peer") if msg.get("peer") in self.plan.nodes else None}
+                    msg = message(Msg.ERROR, message=wire.sanitize(msg.get("message", msg), 2000),
+                                  stall=bool(msg.get("stall")), status=msg.get("status"),
+                                  peer=msg.get("peer") if msg.get("peer") in self.plan.nodes else None)
                 kind = msg.get("msg")
-                if kind == "clock":
+                if kind == Msg.CLOCK:
                     self._clock_answer(name, msg, time.time_ns())
-                elif kind == "train" and not self._trains_open:
+                elif kind == Msg.TRAIN and not self._trains_open:
                     pass  # clocks not synchronised yet, or a warm-up iteration's queues (TCP start-up)
-                elif kind in ("probe", "train"):
+                elif kind in (Msg.PROBE, Msg.TRAIN):
                     try:
-                        (self.net.add if kind == "probe" else self.net.add_train)({**msg, "dst": name})
+                        (self.net.add if kind == Msg.PROBE else self.net.add_train)({**msg, "dst": name})
                     except ValueError as e:
                         raise wire.ProtocolError(f"malformed {kind.upper()} report: {wire.sanitize(e)}") from None
-                elif kind == "missing":
+                elif kind == Msg.MISSING:
                     self._ask_resend(name, msg)
-                elif kind != "alive":
-                    self._events.put(("msg", name, msg))
+                elif kind != Msg.ALIVE:
+                    self._events.put(Received(name, msg))
         except socket.timeout:
-            self._events.put(("silent", name, f"no heartbeat from the agent at {conn.addr} for {self.silence_s:g} s "
-                                              "(stopped or unreachable)"))
+            self._events.put(Lost(name, f"no heartbeat from the agent at {conn.addr} for {self.silence_s:g} s "
+                                        "(stopped or unreachable)"))
         except wire.ProtocolError as e:
             log.error("protocol error from agent %s: %s", name, wire.sanitize(e))
-            self._events.put(("lost", name, f"protocol error from the agent at {conn.addr}: {wire.sanitize(e)}"))
+            self._events.put(Lost(name, f"protocol error from the agent at {conn.addr}: {wire.sanitize(e)}"))
         except (wire.Closed, OSError) as e:
-            self._events.put(("lost", name, f"agent at {conn.addr} disconnected ({type(e).__name__}: {e})"))
+            self._events.put(Lost(name, f"agent at {conn.addr} disconnected ({type(e).__name__}: {e})"))
         except Exception as e:  # no thread dies silently
-            self._events.put(("lost", name, f"reader failed: {type(e).__name__}: {wire.sanitize(e)}"))
+            self._events.put(Lost(name, f"reader failed: {type(e).__name__}: {wire.sanitize(e)}"))
         finally:
             wire.close_quietly(conn.sock)
 
@@ -394,7 +487,7 @@ class Coordinator:
             with self._lock:
                 conn = self._conns.get(src)
             if conn:
-                conn.put({"msg": "resend", "version": msg.get("version"), "iteration": msg["iteration"], "xfers": xs})
+                conn.put(message(Msg.RESEND, version=msg.get("version"), iteration=msg["iteration"], xfers=xs))
 
     def _ticker(self) -> None:
         """Heartbeats to every agent; notices when this process itself was stopped (also
@@ -410,80 +503,119 @@ class Coordinator:
             if now - last > self.silence_s:
                 self._stalled = (f"the coordinator itself was stopped or starved for {now - last:.1f} s: "
                                  "its agents gave up on it")
-                self._events.put(("self", "coordinator", self._stalled))
+                self._events.put(Held(self._stalled))
             last = now
             with self._lock:
                 conns = list(self._conns.values())
             for c in conns:
                 if c.q.empty():
-                    c.put({"msg": "alive"})
+                    c.put(message(Msg.ALIVE))
 
     def agents(self) -> dict[str, dict]:
         """Registered agents: name -> identity (``data_port``, ``pid``, ``host``)."""
         with self._lock:
             return dict(self._idents)
 
-    # -- waiting, with deadlines ---------------------------------------------------------
-    def _send(self, name: str, obj: dict) -> None:
-        self._conns[name].put(obj)
+    # -- the driver API: what a run-time driver (the iteration loop, agents.crew_run) uses ------
+    def send(self, node: str, msg: dict) -> None:
+        """Queue control message ``msg`` (:func:`agents.protocol.message`) to ``node``'s agent."""
+        self._conns[node].put(msg)
 
-    def _next(self, deadline: float, gone: Iterable[str] = ()):
+    def next_event(self, deadline: float) -> Event | None:
+        """The next event from the agents' threads before ``deadline`` (None if none within 0.2 s)."""
+        try:
+            return self._events.get(timeout=max(0.0, min(0.2, deadline - time.monotonic())))
+        except queue.Empty:
+            return None
+
+    def pending_events(self) -> list[Event]:
+        """Every event already queued (without waiting)."""
+        out = []
+        while True:
+            try:
+                out.append(self._events.get_nowait())
+            except queue.Empty:
+                return out
+
+    def health_problem(self) -> str | None:
+        """Why a run cannot go on (``"NODE: why"``, e.g. an agent process exited), or None."""
+        return self.health() if self.health else None
+
+    def note_error(self, text: str) -> None:
+        """Record an error of the run (results ``errors``; a wrong result, a late frame)."""
+        self._errors.append(text)
+
+    def data_addresses(self, src: str) -> dict[str, tuple[str, int]]:
+        """The node map as ``src`` sees it: every other node's (address, data port) that is known."""
+        view = self._addresses.get(src) if isinstance(self._addresses.get(src), Mapping) else self._addresses
+        out = {}
+        for d in self.plan.nodes:
+            port = self.data_port_of(d)
+            if d != src and isinstance(view.get(d), str) and port:
+                out[d] = (view[d], port)
+        return out
+
+    def data_port_of(self, node: str) -> int:
+        """``node``'s data port (the configured one, else the one its agent reported; 0: unknown)."""
+        return self.data_port or int(self._idents.get(node, {}).get("data_port") or 0)
+
+    def plan_message(self, node: str, version: int, plan: Plan, **extra) -> dict:
+        """The PLAN installing ``plan`` as ``version`` on ``node`` (its program, peers, scratch)."""
+        program, peers, scratch = self._part(node, plan)
+        return message(Msg.PLAN, version=version, program=[op.to_dict() for op in program],
+                       peers={p: list(a) for p, a in peers.items()}, scratch=scratch, **extra)
+
+    def _next(self, deadline: float, gone: Iterable[str] = ()) -> Event | None:
         """The next event before ``deadline`` (None if none within 0.2 s); fails on a health
         problem of a node not in ``gone`` (those that said BYE may exit), once the events
         before it are handled (an agent's last message may still be queued when its exit is
         seen)."""
-        try:
-            ev = self._events.get(timeout=max(0.0, min(0.2, deadline - time.monotonic())))
-        except queue.Empty:
-            ev = None
-        problem = self.health() if self.health else None
+        ev = self.next_event(deadline)
+        problem = self.health_problem()
         if problem and ev is None:
             node = problem.split(":", 1)[0]
             if node not in gone:
-                self._diagnose(("lost", node if node in self.plan.nodes else None, problem))
+                self.diagnose(Lost(node if node in self.plan.nodes else None, problem))
         return ev
 
-    def _collect(self, kind: str, nodes: list[str], limit_s: float, iteration: int | None = None) -> dict:
+    def collect(self, kind: Msg, nodes: list[str], limit_s: float, iteration: int | None = None) -> dict:
         """Wait for message ``kind`` from every node within ``limit_s``; fail on anything else."""
         got: dict[str, dict] = {}
         deadline = time.monotonic() + limit_s
+        what = kind.upper() + (f" of iteration {iteration}" if iteration is not None else "")
         while len(got) < len(nodes):
             if time.monotonic() > deadline:
                 missing = [n for n in nodes if n not in got]
-                self._diagnose(("deadline", missing[0], f"no {kind.upper()} from {', '.join(missing)} within "
-                                                        f"{limit_s:g} s"))
-            ev = self._next(deadline, got if kind == "bye" else ())
-            if ev is None:
+                self.diagnose(Deadline(missing[0], f"no {kind.upper()} from {', '.join(missing)} within "
+                                                   f"{limit_s:g} s"))
+            ev = self._next(deadline, got if kind == Msg.BYE else ())
+            if ev is None or isinstance(ev, Registered):
                 continue
-            what, node, data = ev
-            if what in ("lost", "silent") and kind == "bye" and node in got:
+            if isinstance(ev, Lost) and kind == Msg.BYE and ev.node in got:
                 continue  # an agent that said goodbye may close at once
-            if what != "msg":
-                if what == "registered":
-                    continue
-                self._diagnose(ev)
-            m = data.get("msg")
-            if m == "status":
+            if not isinstance(ev, Received) or ev.kind == Msg.ERROR:
+                self.diagnose(ev)
+            if ev.kind == Msg.STATUS:
                 continue  # a late answer to an earlier question
-            if m == "error":
-                self._diagnose(ev)
-            if m != kind:
-                self._diagnose(("protocol", node, f"unexpected {wire.sanitize(m, 40)!r} message while waiting "
-                                                  f"for {kind.upper()}" + (f" of iteration {iteration}"
-                                                                           if iteration is not None else "")))
-            if iteration is not None and data.get("iteration") != iteration:
-                late = isinstance(data.get("iteration"), int) and data["iteration"] < iteration
-                self._diagnose(("protocol", node, f"{'late' if late else 'unexpected'} {kind.upper()} for "
-                                                  f"iteration {wire.sanitize(data.get('iteration'), 20)} "
-                                                  f"(expected iteration {iteration})"))
-            if node in got:
-                self._diagnose(("protocol", node, f"duplicate {kind.upper()}" + (
-                    f" for iteration {iteration}" if iteration is not None else "")))
-            why = check_done(data, self._xfers, node) if kind == "done" else None
+            why = self._unexpected(ev, kind, what, iteration, got)
             if why:
-                self._diagnose(("protocol", node, f"malformed DONE for iteration {iteration}: {why}"))
-            got[node] = data
+                self.diagnose(Violation(ev.node, why))
+            got[ev.node] = ev.msg
         return got
+
+    def _unexpected(self, ev: Received, kind: Msg, what: str, iteration: int | None, got: dict) -> str | None:
+        """Why ``ev`` is not the next ``kind`` :meth:`collect` waits for, or None."""
+        data = ev.msg
+        if ev.kind != kind:
+            return f"unexpected {wire.sanitize(data.get('msg'), 40)!r} message while waiting for {what}"
+        if iteration is not None and data.get("iteration") != iteration:
+            late = isinstance(data.get("iteration"), int) and data["iteration"] < iteration
+            return (f"{'late' if late else 'unexpected'} {kind.upper()} for iteration "
+                    f"{wire.sanitize(data.get('iteration'), 20)} (expected iteration {iteration})")
+        if ev.node in got:
+            return f"duplicate {kind.upper()}" + (f" for iteration {iteration}" if iteration is not None else "")
+        why = check_done(data, self._xfers, ev.node) if kind == Msg.DONE else None
+        return f"malformed DONE for iteration {iteration}: {why}" if why else None
 
     def _wait_registered(self) -> None:
         deadline = time.monotonic() + self.register_timeout_s
@@ -494,72 +626,48 @@ class Coordinator:
                 self.progress(f"all {len(self.plan.nodes)} agents registered")
                 return
             if time.monotonic() > deadline:
-                self._diagnose(("deadline", missing[0], f"did not register within {self.register_timeout_s:g} s"
-                                + (f" (nor did {', '.join(missing[1:])})" if missing[1:] else "")))
+                self.diagnose(Deadline(missing[0], f"did not register within {self.register_timeout_s:g} s"
+                                       + (f" (nor did {', '.join(missing[1:])})" if missing[1:] else "")))
             ev = self._next(deadline)
-            if ev and ev[0] != "registered" and not (ev[0] == "msg" and ev[2].get("msg") == "status"):
-                self._diagnose(ev)
+            if ev and not isinstance(ev, Registered) and not (isinstance(ev, Received) and ev.kind == Msg.STATUS):
+                self.diagnose(ev)
 
     # -- diagnosis -----------------------------------------------------------------------
-    def _diagnose(self, first: tuple) -> None:
+    def diagnose(self, first: Event) -> NoReturn:
         """Ask every live agent for its status, gather what else goes wrong meanwhile, lay the
         failure to the node that stopped, and raise :class:`Failure`."""
-        dead: dict[str, str] = {}  # node -> why it is gone (disconnected, silent, exited)
-        errors: dict[str, dict] = {}
-        statuses: dict[str, dict] = {}
-        other: list[str] = []
-        me = None
-
-        def note(ev) -> None:
-            nonlocal me
-            what, node, data = ev
-            if what == "self":
-                me = data
-            elif what in ("lost", "silent"):
-                if node is None:
-                    other.append(data)
-                else:
-                    dead.setdefault(node, data)
-            elif what == "msg" and data.get("msg") == "status":
-                statuses[node] = data
-            elif what == "msg" and data.get("msg") == "error":
-                errors.setdefault(node, data)
-            elif what in ("protocol", "deadline"):
-                other.append(f"{node}: {data}")
-            elif what == "msg" and data.get("msg") not in ("ready", "done", "bye"):
-                other.append(f"{node}: unexpected {wire.sanitize(data.get('msg'), 40)!r} message")
-
-        note(first)
+        seen = _Diagnosis()
+        seen.note(first)
         with self._lock:
-            ask = [n for n in self._conns if n not in dead]
+            ask = [n for n in self._conns if n not in seen.dead]
         for n in ask:
-            self._conns[n].put({"msg": "status"})
+            self._conns[n].put(message(Msg.STATUS))
         start = time.monotonic()
         deadline = start + max(1.5, min(5.0, self.silence_s))
-        while time.monotonic() < deadline and (any(n not in statuses and n not in dead for n in ask)
+        while time.monotonic() < deadline and (any(n not in seen.statuses and n not in seen.dead for n in ask)
                                                or time.monotonic() < start + 2 * self.heartbeat_s):
-            try:
-                note(self._events.get(timeout=max(0.0, min(0.2, deadline - time.monotonic()))))
-            except queue.Empty:
-                pass
-            problem = self.health() if self.health else None
+            ev = self.next_event(deadline)
+            if ev is not None:
+                seen.note(ev)
+            problem = self.health_problem()
             if problem:
                 node = problem.split(":", 1)[0]
-                note(("lost", node if node in self.plan.nodes else None, problem))
-        unresponsive = [n for n in ask if n not in statuses and n not in dead]
-        culprit, link, why = self._blame(first, me or self._stalled, dead, unresponsive, errors, statuses)
+                seen.note(Lost(node if node in self.plan.nodes else None, problem))
+        unresponsive = [n for n in ask if n not in seen.statuses and n not in seen.dead]
+        culprit, link, why = self._blame(first, seen.me or self._stalled, seen, unresponsive)
         lines = [f"{culprit}: {why}" if culprit else why]
-        lines += [f"{n}: {e.get('message')}" for n, e in errors.items()]
-        lines += [f"{n}: {d}" for n, d in dead.items() if n != culprit]
-        lines += other
-        raise Failure("; ".join(dict.fromkeys(lines)), culprit, link)
+        lines += [f"{n}: {e.get('message')}" for n, e in seen.errors.items()]
+        lines += [f"{n}: {d}" for n, d in seen.dead.items() if n != culprit]
+        lines += seen.other
+        raise Failure(FailureReport("; ".join(dict.fromkeys(lines)), culprit, link))
 
-    def _blame(self, first, me, dead, unresponsive, errors, statuses):
-        """(culprit, link, reason) — see :meth:`_diagnose`."""
+    def _blame(self, first: Event, me: str | None, seen: "_Diagnosis", unresponsive: list[str]):
+        """(culprit, link, reason) — see :meth:`diagnose`."""
+        dead = seen.dead
         if me:
             return "coordinator", None, me
-        if first[0] in ("lost", "silent") and first[1] in dead:
-            return first[1], None, dead[first[1]]
+        if isinstance(first, Lost) and first.node in dead:
+            return first.node, None, dead[first.node]
         if dead:
             n = next(iter(dead))
             return n, None, dead[n]
@@ -567,32 +675,22 @@ class Coordinator:
             n = unresponsive[0]
             return n, None, f"does not answer (no status within {max(1.5, min(5.0, self.silence_s)):g} s: " \
                             "stopped or unreachable)"
-        stalled = first[0] == "deadline" or any(e.get("stall") for e in errors.values())
-        if first[0] == "msg" and first[2].get("peer"):  # a peer sent it a bad frame
-            peer = first[2]["peer"]
-            return peer, (peer, first[1]), f"protocol violation on link {peer} -> {first[1]} (reported by {first[1]})"
-        if first[0] == "msg" and not first[2].get("stall"):
-            return first[1], None, first[2].get("message")
-        if first[0] == "protocol":
-            return first[1], None, first[2]
-        if stalled:
-            for dst, st in statuses.items():  # a payload stalled part-way: its sender stopped
-                for src, rows in (st.get("awaiting") or {}).items():
-                    for xfer, got, n in rows:
-                        if 0 < got < n:
-                            return src, (src, dst), (f"stalled mid-payload on link {src} -> {dst}: {dst} received "
-                                                     f"{got} of {n} bytes of transfer {xfer}")
-            waits = {n: set(st.get("awaiting") or ()) for n, st in statuses.items()}
-            for n, st in statuses.items():
-                for dst, rows in (st.get("sending") or {}).items():
-                    if any(0 < sent < size for _, sent, size in rows):
-                        return n, (n, dst), f"send to {dst} stalled part-way (link {n} -> {dst})"
-            for n in dict.fromkeys(p for ps in waits.values() for p in ps):  # end of a chain of waits
-                if not waits.get(n) and not (statuses.get(n) or {}).get("sending"):
-                    who = sorted(a for a, ps in waits.items() if n in ps)
-                    return n, (n, who[0]), f"sends nothing, while {', '.join(who)} wait(s) for its data"
-        node = first[1]
-        return node, None, first[2].get("message") if isinstance(first[2], dict) else first[2]
+        if isinstance(first, Received):
+            if first.msg.get("peer"):  # a peer sent it a bad frame
+                peer = first.msg["peer"]
+                return peer, (peer, first.node), \
+                    f"protocol violation on link {peer} -> {first.node} (reported by {first.node})"
+            if not first.msg.get("stall"):
+                return first.node, None, first.msg.get("message")
+        if isinstance(first, Violation):
+            return first.node, None, first.why
+        stalled = isinstance(first, Deadline) or any(e.get("stall") for e in seen.errors.values())
+        found = _stalled_link(seen.statuses) if stalled else None
+        if found:
+            return found
+        if isinstance(first, Received):
+            return first.node, None, first.msg.get("message")
+        return first.node, None, first.why
 
     # -- clocks ------------------------------------------------------------------------
     def _clock_answer(self, name: str, msg: dict, t4: int) -> None:
@@ -607,7 +705,7 @@ class Coordinator:
         ``estimates.clocks``); it is not a failure (its heartbeats still are the judge)."""
         for r in range(CLOCK_ROUNDS):
             for n in nodes:
-                self._send(n, {"msg": "clock", "seq": r, "t1": time.time_ns()})
+                self.send(n, message(Msg.CLOCK, seq=r, t1=time.time_ns()))
             time.sleep(0.005)
         deadline = time.monotonic() + CLOCK_WAIT_S
         while time.monotonic() < deadline:
@@ -615,8 +713,9 @@ class Coordinator:
                 if all(len(self._clock_x.get(n, ())) >= CLOCK_ROUNDS for n in nodes):
                     break
             ev = self._next(deadline)
-            if ev is not None and not (ev[0] == "msg" and ev[2].get("msg") == "status"):
-                self._diagnose(ev)
+            if ev is not None and not isinstance(ev, Registered) and not (isinstance(ev, Received)
+                                                                          and ev.kind == Msg.STATUS):
+                self.diagnose(ev)
         with self._lock:
             got = {n: list(self._clock_x.get(n, ())) for n in nodes}
         for n, xs in got.items():
@@ -648,11 +747,8 @@ class Coordinator:
         self._xfers = {op.xfer: (src, op.peer) for src, op in self.plan.transfers()}
         if new:  # agents keep every version they installed
             for n in self.plan.nodes:
-                program, peers, scratch = self._part(n)
-                self._send(n, {"msg": "plan", "version": known, "program": [op.to_dict() for op in program],
-                               "peers": {p: list(a) for p, a in peers.items()}, "scratch": scratch,
-                               "aux": self._aux_part(n)})
-            self._collect("installed", list(self.plan.nodes), self.ready_limit())
+                self.send(n, self.plan_message(n, known, self.plan, aux=self._aux_part(n)))
+            self.collect(Msg.INSTALLED, list(self.plan.nodes), self.ready_limit())
         return True
 
     def _part(self, node: str, plan: Plan | None = None) -> tuple[list, dict, dict]:
@@ -682,7 +778,7 @@ class Coordinator:
                    scratch=scratch, dtype=self.dtype, seed=self.seed,
                    iterations=self.iterations, compute_s=self.compute_s.get(node, []),
                    stop_and_wait=self.stop_and_wait, timeout_s=self.timeout_s,
-                   mode="tasks" if self.tasks else "iterations",
+                   mode=self.driver.mode if self.driver else "iterations",
                    wait_s=self._iteration_limit() + self.ready_limit() + self.silence_s, limit_s=self.limit_s,
                    probe=({"chunk_bytes": int(self.probe["chunk_bytes"]), "chunk_num": int(self.probe["chunk_num"]),
                            "from_iteration": int(self.probe.get("from_iteration", 0)),
@@ -699,62 +795,66 @@ class Coordinator:
 
     def results(self) -> dict:
         """What completed so far (complete after :meth:`run`)."""
-        return {"scheme": self.plan.scheme, "nodes": list(self.plan.nodes), "length": self.plan.length,
-                "dtype": self.dtype, "seed": self.seed, "stop_and_wait": self.stop_and_wait,
-                "iterations": self._iterations, "transfers": {"columns": TRANSFER_COLUMNS, "rows": self._rows},
-                "estimates": {**self.net.report(), **self._trains_report()}, "switches": self.switches,
-                "resend_requests": self.resend_requests,
-                "versions": [{"version": v, "scheme": p.scheme, "meta": p.meta} for v, p in enumerate(self._plans)],
-                "errors": self._errors}
+        out = {"scheme": self.plan.scheme, "nodes": list(self.plan.nodes), "length": self.plan.length,
+               "dtype": self.dtype, "seed": self.seed, "stop_and_wait": self.stop_and_wait,
+               "iterations": self._iterations, "transfers": {"columns": TRANSFER_COLUMNS, "rows": self._rows},
+               "estimates": {**self.net.report(), **self._trains_report()}, "switches": self.switches,
+               "resend_requests": self.resend_requests,
+               "versions": [{"version": v, "scheme": p.scheme, "meta": p.meta} for v, p in enumerate(self._plans)],
+               "errors": self._errors}
+        return {**out, **self.driver.results()} if self.driver else out
 
     def run(self) -> dict:
-        """Run every iteration; return :meth:`results`.  Raises :class:`Failure` (a RunError
-        naming the culprit, with ``results``: what completed)."""
+        """Run every iteration (or the driver's run); return :meth:`results`.  Raises
+        :class:`Failure` (a RunError naming the culprit, with ``results``: what completed)."""
         nodes = list(self.plan.nodes)
         try:
             self._wait_registered()
             for n in nodes:
-                self._send(n, {"msg": "job", "job": self.make_job(n).to_dict()})
-            self._collect("ready", nodes, self.ready_limit())
+                self.send(n, message(Msg.JOB, job=self.make_job(n).to_dict()))
+            self.collect(Msg.READY, nodes, self.ready_limit())
             self.progress(f"all {len(nodes)} agents ready")
             if self.sync_clocks:
                 self._sync_clocks(nodes)
-            if self.tasks:  # groups from a ready queue instead of iterations (agents.crew)
-                from .crew import TaskRun
-                self._task_run = TaskRun(self, self.tasks)
-                return self._task_run.run()
-            for it in range(self.iterations):
-                self._trains_open = it >= int((self.probe or {}).get("from_iteration", 0))
-                new = self.policy(it, self.net) if self.policy else None
-                if new is not None and self._use(new):
-                    self.switches += 1
-                go_ns = time.time_ns()
-                for n in nodes:
-                    self._send(n, {"msg": "go", "iteration": it, "version": self.version})
-                done = self._collect("done", nodes, self._iteration_limit(), iteration=it)
-                routes = {x: path for d in done.values() for x, path in d.get("aux", ())}
-                done = {n: self._on_my_clock(n, d, routes) for n, d in done.items()}
-                result = {**self._summarise(it, go_ns, done, self._errors), "version": self.version}
-                self._iterations.append(result)
-                self._rows.extend(self._transfer_rows(it, done))
-                self.progress(f"iteration {it + 1}/{self.iterations}: cct {result['cct_s']:.4f} s, "
-                              f"{'correct' if result['correct'] else 'WRONG'}")
-            for n in nodes:
-                self._send(n, {"msg": "finish"})
-            for n, bye in self._collect("bye", nodes, self.silence_s + 2).items():
-                for e in bye.get("errors") or []:  # e.g. a late or duplicate frame after the last iteration
-                    self._errors.append(f"{n}: after the last iteration: {wire.sanitize(e)}")
+            if self.driver:
+                self.driver.run()
+            else:
+                self._run_iterations(nodes)
         except Failure as e:
-            e.results = self._task_run.results() if getattr(self, "_task_run", None) else self.results()
             self._errors.append(str(e))
             self.abort(str(e))
-            raise
+            raise Failure(e.report, self.results()) from None
         except BaseException as e:
             self.abort(f"coordinator failed: {e}")
             raise
         return self.results()
 
-    def _on_my_clock(self, node: str, done: dict, routes: Mapping = MappingProxyType({})) -> dict:
+    def _run_iterations(self, nodes: list[str]) -> None:
+        """The iteration barrier: per iteration (switching versions as ``policy`` says) GO to
+        every agent and DONE from each; then FINISH and BYE."""
+        for it in range(self.iterations):
+            self._trains_open = it >= int((self.probe or {}).get("from_iteration", 0))
+            new = self.policy(it, self.net) if self.policy else None
+            if new is not None and self._use(new):
+                self.switches += 1
+            go_ns = time.time_ns()
+            for n in nodes:
+                self.send(n, message(Msg.GO, iteration=it, version=self.version))
+            done = self.collect(Msg.DONE, nodes, self._iteration_limit(), iteration=it)
+            routes = {x: path for d in done.values() for x, path in d.get("aux", ())}
+            done = {n: self.to_my_clock(n, d, routes) for n, d in done.items()}
+            result = {**self._summarise(it, go_ns, done, self._errors), "version": self.version}
+            self._iterations.append(result)
+            self._rows.extend(self._transfer_rows(it, done))
+            self.progress(f"iteration {it + 1}/{self.iterations}: cct {result['cct_s']:.4f} s, "
+                          f"{'correct' if result['correct'] else 'WRONG'}")
+        for n in nodes:
+            self.send(n, message(Msg.FINISH))
+        for n, bye in self.collect(Msg.BYE, nodes, self.silence_s + 2).items():
+            for e in bye.get("errors") or []:  # e.g. a late or duplicate frame after the last iteration
+                self._errors.append(f"{n}: after the last iteration: {wire.sanitize(e)}")
+
+    def to_my_clock(self, node: str, done: dict, routes: Mapping = MappingProxyType({})) -> dict:
         """``node``'s DONE with its timestamps moved from the agents' clocks to this machine's
         (a recv row's ``send_ts_ns`` is on the clock of the node that sent it the last hop --
         the sender, or the last relay of its ``routes`` entry -- the rest on ``node``'s)."""
@@ -811,7 +911,7 @@ class Coordinator:
         with self._lock:
             conns = list(self._conns.values())
         for c in conns:
-            c.put({"msg": "abort", "reason": reason}, wire.ERROR)
+            c.put(message(Msg.ABORT, reason=reason), wire.ERROR)
         deadline = time.monotonic() + 1.0
         for c in conns:
             c.close(max(0.0, deadline - time.monotonic()))
@@ -826,7 +926,7 @@ class Coordinator:
 
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python3 -m agents.coordinator", description="Run a plan on agents.")
     ap.add_argument("--plan", required=True, help="plan JSON (testbed.plan.Plan.to_json)")
     ap.add_argument("--addresses", required=True, help="JSON: node -> IP, or node -> {peer: IP}")
@@ -843,7 +943,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout", type=float, default=60.0, help="seconds without progress before failing")
     ap.add_argument("--register-timeout", type=float, default=None)
     ap.add_argument("--predicted", type=float, default=None, help="predicted seconds per iteration (bounds one)")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s coordinator %(levelname)s %(message)s")
 
     def load(path):
@@ -865,8 +969,7 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 results = coord.run()
             except Failure as e:  # keep what completed, with the failure
-                failure, results = e, {**e.results, "failure": {"culprit": e.culprit, "link": e.link,
-                                                                "message": str(e)}}
+                failure, results = e, {**e.results, "failure": e.report.to_dict()}
     except (RunError, ConfigError, OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return getattr(e, "exit_code", 1)

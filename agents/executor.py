@@ -1,16 +1,35 @@
 """Runs one node's program (a list of :class:`testbed.plan.Op`) over sockets.
 
-Threads:
+How bytes flow (threads):
 
-* one sender per outgoing connection ``(peer, channel)``: takes ready send ops from a
-  FIFO queue and writes each as one DATA frame straight from the buffer (``sendmsg``,
-  no copy); in stop-and-wait mode it then waits for the receiver's ACK;
-* one receiver per incoming connection: reads a header, matches ``xfer`` against the
-  recv ops expected on that ``(peer, channel)``, and ``recv_into``s the payload into
-  that op's preallocated buffer (allocated once, reused every iteration);
-* the caller's thread runs :meth:`Executor.run`: it tracks deps, hands ready sends to
-  the senders and applies arrived receives (add or copy) once their deps are met.  All
-  applies happen in that thread, i.e. serialised, as the plan semantics require.
+* one receiver per incoming connection: reads a header, matches ``xfer`` against the recv
+  ops expected on that ``(peer, channel)``, and ``recv_into``s the payload into that op's
+  preallocated buffer (allocated once, reused every iteration).  Once the op's deps are
+  met (it is *active*), the receiver applies (numpy add or copy, in place) what arrived to
+  the op's block a sub-block (``subblock_bytes``) at a time as the bytes come; data that
+  arrives before its op is active waits in the buffer and is applied when it becomes so;
+* one sender per outgoing connection ``(peer, channel)``: takes the sends handed to it in
+  order and writes each as one DATA frame straight from the buffer (``sendmsg``, no copy);
+  in stop-and-wait mode it then waits for the receiver's ACK;
+* whichever thread completes an op (a receiver applying the last bytes, a sender writing
+  the last byte) updates the deps of the ops after it and hands the sends whose deps are
+  met to their senders, activates the receives whose deps are met -- all under the
+  executor's lock, so applies are serialised as the plan semantics require.  There is no
+  per-chunk hand-off through a central thread; the caller's thread runs
+  :meth:`Executor.run`, which only starts the iteration and waits for its end or an error.
+
+Cut-through (``cut_through``, on by default): a send longer than a sub-block whose unmet deps
+are all active receives whose frames have begun to arrive is handed to its sender at once;
+the sender writes the header and streams each byte of the block as soon as every receive it
+depends on has applied it (an interior node of a reduce tree adds and forwards a chunk as it
+arrives, a broadcast node forwards it), and the send completes once its deps have.  The
+plan's semantics are unchanged: a chunk is still the unit of dependency; only when its bytes
+move changes.  Waiting for the frames to begin keeps it deadlock-free: a frame, once its
+header is written, depends only on frames already under way, never on a send queued behind
+it.  Cut-through is off for a send that must be whole before it is written: one that may take
+an auxiliary path (the path keeps a copy), CREW's withdrawn sends and FL-FCFS link turns, and
+in an executor with a probing hook (a chunk streamed as it arrives would be measured at its
+upstream's pace, not this link's).
 
 Each connection's socket is closed only by the thread that reads or writes it, when it ends;
 :meth:`Executor.close` shuts the sockets down (which wakes those threads) but closes none, and
@@ -80,8 +99,8 @@ from __future__ import annotations
 import fcntl
 import logging
 import queue
-import struct
 import socket
+import struct
 import threading
 import time
 from collections import defaultdict, deque
@@ -90,8 +109,25 @@ import numpy as np
 
 from testbed.plan import RECV, SEND, Op
 
-from .wire import (ACK, DATA, FLAG_ACK_REQ, FLAG_AUX, FLAG_WITHDRAWN, TYPE_NAMES, Closed, Header, ProtocolError, Truncated,
-                   close_quietly, phase_code, shutdown_quietly, recv_header, recv_into_exact, send_frame)
+from .wire import (
+    ACK,
+    DATA,
+    FLAG_ACK_REQ,
+    FLAG_AUX,
+    FLAG_WITHDRAWN,
+    SEND_SLICE,
+    TYPE_NAMES,
+    Closed,
+    Header,
+    ProtocolError,
+    Truncated,
+    close_quietly,
+    phase_code,
+    recv_header,
+    recv_into_exact,
+    send_frame,
+    shutdown_quietly,
+)
 
 log = logging.getLogger("agents.executor")
 
@@ -101,6 +137,8 @@ RECV_COLUMNS = ["xfer", "send_ts_ns", "recv_start_ns", "recv_end_ns", "apply_ns"
 
 SO_MAX_PACING_RATE = getattr(socket, "SO_MAX_PACING_RATE", 47)  # Linux value
 AUX_CHANNEL = -1  # the data connections that carry auxiliary chunks (plans use channels >= 0)
+SUBBLOCK_BYTES = 64 << 10  # a receive's arrived bytes are applied (and streamed on) this many at a time
+POLL_S = 0.5  # how often a waiting sender thread looks at the executor's closing flag
 
 
 def aux_lane(upstream: int) -> int:
@@ -159,7 +197,7 @@ class LinkGate:
         with self._cv:
             head, moved = None, time.monotonic()
             while True:
-                for k in [k for k, o in self._pending.items() if k != t and getattr(o, "_closing", False)]:
+                for k in [k for k, o in self._pending.items() if k != t and getattr(o, "closing", False)]:
                     del self._pending[k]  # a closed executor's sends will not happen
                 if min(self._pending) == t:
                     break
@@ -239,18 +277,33 @@ def _summary(ids_by_peer: dict[str, list[int]]) -> str:
     return "; ".join(parts)
 
 
+class _Outbox:
+    """The frames waiting for one connection's sender thread: ``items`` (guarded by the
+    executor's lock) and ``cv`` (on that lock), notified when an item is added or data a
+    queued send streams from has been applied."""
+
+    __slots__ = ("items", "cv")
+
+    def __init__(self, lock: threading.Lock):
+        self.items: deque = deque()
+        self.cv = threading.Condition(lock)
+
+
 class Executor:
     """State of one node: buffers, connections and the program's dependency graph."""
 
     def __init__(self, name: str, program: list[Op], *, length: int, scratch: dict[str, int] | None = None,
                  dtype="float32", stop_and_wait: bool = False, timeout_s: float = 60.0,
                  limit_s: float | None = None, on_chunk=None, nodes: list[str] | None = None,
-                 aux: dict | None = None, connect=None, on_missing=None, gate=None):
+                 aux: dict | None = None, connect=None, on_missing=None, gate=None,
+                 cut_through: bool = True, subblock_bytes: int = SUBBLOCK_BYTES):
         """``nodes``: the plan's nodes (route entries index them); ``aux``: {"paths": [[src,
         relays..., dst]] through this node, "primary_busy_bound", "aux_queue_length",
         "resend_after_s"}; ``connect(peer, channel)``: an authenticated data socket (a relay's
         next hop on first use); ``on_missing(iteration, [[src, xfer], ...])``: ask for re-sends;
-        ``gate(peer)``: the :class:`LinkGate` of the link to ``peer`` (FL-FCFS across executors)."""
+        ``gate(peer)``: the :class:`LinkGate` of the link to ``peer`` (FL-FCFS across executors);
+        ``cut_through``: stream a send as the receives it depends on arrive (else store and
+        forward); ``subblock_bytes``: how many arrived bytes of a receive are applied at a time."""
         self.name = name
         # probing hooks, called in the receiver thread: on_chunk(peer, None) when a chunk's header
         # arrived, on_chunk(peer, (bytes, send_ts_ns, first_ns, last_ns, channel, mid_ns, mid_bytes))
@@ -261,14 +314,21 @@ class Executor:
         self.stop_and_wait = stop_and_wait
         self.timeout_s = timeout_s
         self.limit_s = limit_s
+        self.cut_through = cut_through
+        self.subblock = max(int(subblock_bytes), self.dtype.itemsize)
         self.bufs = {"x": np.zeros(length, self.dtype)}
         self.bufs.update({b: np.zeros(n, self.dtype) for b, n in (scratch or {}).items()})
         pos = {op.id: i for i, op in enumerate(self.prog)}
         self._ndeps = [len(set(op.deps)) for op in self.prog]
+        self._deps = [sorted({pos[d] for d in op.deps}) for op in self.prog]
         self._users: list[list[int]] = [[] for _ in self.prog]
         for i, op in enumerate(self.prog):
-            for d in sorted(set(op.deps)):
-                self._users[pos[d]].append(i)
+            for d in self._deps[i]:
+                self._users[d].append(i)
+        self._is_send = [op.kind == SEND for op in self.prog]
+        # a send may stream while receives it depends on arrive (cut-through) if it depends on one
+        self._streams = [op.kind == SEND and any(not self._is_send[d] for d in self._deps[i])
+                         for i, op in enumerate(self.prog)]
         self._views = [self.bufs[op.buf][op.offset:op.offset + op.length] for op in self.prog]
         self._rbuf: dict[int, np.ndarray] = {}
         self._expect: dict[tuple[str, int], dict[int, int]] = defaultdict(dict)  # (src, ch) -> xfer -> op
@@ -280,24 +340,46 @@ class Executor:
                 self._expect[(op.peer, op.channel)][op.xfer] = i
             elif op.kind == SEND:
                 self._out_keys.add((op.peer, op.channel))
-        self._got = [-1] * len(self.prog)  # iteration whose data last arrived, per recv op
-        self._senders: dict[tuple[str, int], tuple[socket.socket, queue.SimpleQueue]] = {}
+        n = len(self.prog)
+        self._got = [-1] * n  # iteration whose data last arrived whole, per recv op
+        self._senders: dict[tuple[str, int], tuple[socket.socket, _Outbox]] = {}
         self._receivers: dict[tuple[str, int], socket.socket] = {}
         self._events: queue.SimpleQueue = queue.SimpleQueue()
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # connections, and every op's state below
         self._closing = False
         self._progress = time.monotonic()  # last time any thread moved bytes or posted an event
-        self._rx_bytes = [0] * len(self.prog)  # bytes of the current iteration's data arrived, per recv op
-        self._rx_iter = [-1] * len(self.prog)  # iteration _rx_bytes counts
-        self._tx_bytes = [0] * len(self.prog)  # bytes sent, per send op
+        self._rx_bytes = [0] * n  # bytes of the current iteration's data arrived, per recv op
+        self._rx_iter = [-1] * n  # iteration _rx_bytes counts (its frame's header arrived)
+        self._rx_times: list[tuple] = [()] * n  # (send_ts, first, last, withdrawn) of the data arrived whole
+        self._tx_bytes = [0] * n  # bytes sent, per send op
+        self._active = [-1] * n  # recv op: iteration in which its deps are met (its data is applied as it arrives)
+        self._applied = [0] * n  # recv op: bytes of its data applied (in iteration _active)
+        self._done = [-1] * n  # iteration in which the op completed
+        self._wait = list(self._ndeps)  # deps not yet completed (this run)
+        self._dispatched = [False] * n  # send handed to a sender (this run)
+        self._work: deque = deque()  # ops whose deps changed, to look at (under the lock)
+        self._ndone = 0
+        self._run_it = -1  # the iteration being run
         self._queued: set[int] = set()
         self.iteration = 0  # the iteration whose data receivers accept
         self._gate = gate
         self._tickets: dict[int, int] = {}  # send op -> its LinkGate ticket (while queued)
         self.withdraw = None  # op -> bool: send it withdrawn (no payload), asked as it is written
         self.on_withdrawn = None  # recv op -> the payload this node holds for a withdrawn transfer, or None
+        self._reset_run(-1)
         self._init_aux(nodes or [], aux or {}, connect, on_missing)
 
+    def _reset_run(self, iteration: int) -> None:
+        """Per-run state (under the lock)."""
+        self._run_it = iteration
+        self._wait = list(self._ndeps)
+        self._dispatched = [False] * len(self.prog)
+        self._ndone = 0
+        self._queued = set()
+        self._load: dict[str, int] = defaultdict(int)  # sends queued on the direct connections to a peer
+        self._on_route: dict[int, tuple[int, ...]] = {}  # auxiliary sends in flight -> their route
+        self._in_flight: dict[tuple[int, ...], int] = defaultdict(int)
+        self._log = {"sends": [], "recvs": [], "aux": [], "withdrawn": []}
     def _init_aux(self, nodes: list[str], aux: dict, connect, on_missing) -> None:
         self.nodes, self._index = list(nodes), {n: k for k, n in enumerate(nodes)}
         self._aux_routes: dict[str, list[tuple[int, ...]]] = defaultdict(list)  # dst -> routes, fastest first
@@ -322,6 +404,12 @@ class Executor:
         self._asked: set[tuple[int, int]] = set()  # (recv op, iteration) re-sends were asked for
         self._rx_at = time.monotonic()  # last time a data byte arrived
         self._dead: set[str] = set()  # next hops whose auxiliary connection broke
+
+    @property
+    def closing(self) -> bool:
+        """:meth:`close` was called (its threads are ending)."""
+        return self._closing
+
     # -- connections -----------------------------------------------------------
     def outgoing(self) -> list[tuple[str, int]]:
         """(peer, channel) pairs this node must open connections to."""
@@ -345,10 +433,10 @@ class Executor:
                 raise ExecError(f"data connection to {peer} channel {channel}: the executor is closed")
             if (key not in self._out_keys and not is_aux(channel)) or key in self._senders:
                 raise ProtocolError(f"no (further) data connection to {peer} channel {channel} expected")
-            q: queue.SimpleQueue = queue.SimpleQueue()
-            self._senders[key] = (sock, q)
+            box = _Outbox(self._lock)
+            self._senders[key] = (sock, box)
             self._out_keys.add(key)
-        threading.Thread(target=self._send_loop, args=(key, sock, q), daemon=True,
+        threading.Thread(target=self._send_loop, args=(key, sock, box), daemon=True,
                          name=f"send-{peer}-{channel}").start()
 
     def attach_incoming(self, peer: str, channel: int, sock: socket.socket) -> None:
@@ -385,14 +473,64 @@ class Executor:
             self._progress = time.monotonic()
         return progress
 
-    def _send_loop(self, key: tuple[str, int], sock: socket.socket, q: queue.SimpleQueue) -> None:
+    def _put(self, key: tuple[str, int], item) -> None:
+        """Queue ``item`` for the sender of connection ``key`` (under the lock)."""
+        box = self._senders[key][1]
+        box.items.append(item)
+        box.cv.notify()
+
+    def _pick(self, box: _Outbox):
+        """The next item of ``box`` (under the lock), or None."""
+        return box.items.popleft() if box.items else None
+
+    def _ready_bytes(self, i: int, it: int) -> int:
+        """Bytes of send ``i``'s block that every write it depends on has reached (under the
+        lock): all of them once its deps are met, else up to the first element a receive it
+        depends on has not applied yet."""
+        op = self.prog[i]
+        if self._wait[i] == 0:
+            return self._views[i].nbytes
+        s0, s1, size = op.offset, op.offset + op.length, self.dtype.itemsize
+        front = s1
+        for d in self._deps[i]:
+            od = self.prog[d]
+            if self._done[d] == it or od.buf != op.buf:
+                continue
+            lo = od.offset + (self._applied[d] // size if self._active[d] == it else 0)
+            if lo < s1 and od.offset + od.length > s0:
+                front = min(front, max(lo, s0))
+        return (front - s0) * size
+
+    def _stream(self, sock: socket.socket, box: _Outbox, i: int, it: int, header: Header) -> None:
+        """Cut-through: ``header``, then send ``i``'s block as the receives it depends on apply it."""
+        send_frame(sock, header)
+        mv, sent = memoryview(self._views[i]).cast("B"), 0
+        total = mv.nbytes
+        while sent < total:
+            with self._lock:
+                while (ready := self._ready_bytes(i, it)) <= sent:
+                    if self._closing:
+                        raise ExecError("closed while streaming")
+                    box.cv.wait(POLL_S)
+            while sent < ready:
+                sent += sock.send(mv[sent:min(ready, sent + SEND_SLICE)])
+                self._tx_bytes[i] = sent
+                self._progress = time.monotonic()
+
+    def _send_loop(self, key: tuple[str, int], sock: socket.socket, box: _Outbox) -> None:  # noqa: PLR0915 -- one connection's sender thread: every error path must close the socket it owns
         peer, ch = key
         hbuf = bytearray(64)
         flags = FLAG_ACK_REQ if self.stop_and_wait else 0
         broken = (OSError, Truncated) if is_aux(ch) else ()  # an auxiliary path is given up, not fatal
         item = None
         try:
-            while (item := q.get()) is not None:
+            while True:
+                with self._lock:
+                    item = None
+                    while not self._closing and (item := self._pick(box)) is None:
+                        box.cv.wait(POLL_S)
+                if item is None:
+                    return
                 i, it, route, payload = item
                 start = time.time_ns()
                 if i is None:  # a relayed or re-sent chunk: ``it`` is its header, stamped per hop
@@ -410,22 +548,25 @@ class Executor:
                     send_frame(sock, Header(DATA, phase_code(op.phase), flags | FLAG_WITHDRAWN, it, op.xfer,
                                             op.flow, op.chunk, 0, start))
                     self._await_ack(sock, hbuf, op, it)
-                    self._events.put(("sent", i, start, time.time_ns(), True))
+                    self._sent(box, i, it, start, True)
                     continue
                 if t is not None:  # FL-FCFS: this link's turn among every task's flows
                     self._gate(peer).acquire(t, sock, self.timeout_s, lambda: self._tick() or self._closing)
                     start = time.time_ns()
+                header = Header(DATA, phase_code(op.phase), flags | (FLAG_AUX if route else 0), it,
+                                op.xfer, op.flow, op.chunk, view.nbytes, start, route)
                 try:
-                    send_frame(sock, Header(DATA, phase_code(op.phase), flags | (FLAG_AUX if route else 0), it,
-                                            op.xfer, op.flow, op.chunk, view.nbytes, start, route), view,
-                               self._count(self._tx_bytes, i))
+                    if payload is None and self._wait[i]:
+                        self._stream(sock, box, i, it, header)
+                    else:
+                        send_frame(sock, header, view, self._count(self._tx_bytes, i))
                 finally:
                     if t is not None:
                         self._gate(peer).release(self._tickets.pop(i), sock)
                 self._await_ack(sock, hbuf, op, it)
-                self._events.put(("sent", i, start, time.time_ns(), False))
+                self._sent(box, i, it, start, False)
         except broken as e:
-            self._give_up(key, sock, q, item, e)
+            self._give_up(key, sock, box, item, e)
         except Closed:
             self._fail(ExecError(f"data connection to {peer} (channel {ch}) closed by peer"))
         except ProtocolError as e:
@@ -441,15 +582,30 @@ class Executor:
         finally:
             self._close_own(sock)
             if self._gate:  # the sends still queued here will not happen: their turns pass
-                while True:
-                    try:
-                        rest = q.get_nowait()
-                    except queue.Empty:
-                        break
-                    if rest is not None and rest[0] is not None and rest[0] in self._tickets:
-                        self._gate(peer).release(self._tickets.pop(rest[0]))
-                if item is not None and item[0] is not None and item[0] in self._tickets:
-                    self._gate(peer).release(self._tickets.pop(item[0]))
+                with self._lock:
+                    rest = list(box.items) + ([item] if item is not None else [])
+                    box.items.clear()
+                for r in rest:
+                    if r[0] is not None and r[0] in self._tickets:
+                        self._gate(peer).release(self._tickets.pop(r[0]))
+
+    def _sent(self, box: _Outbox, i: int, it: int, start: int, without: bool) -> None:
+        """Send ``i`` of iteration ``it`` is written: it completes once its deps have (a
+        streamed send may finish before a receive it read from has applied its other bytes)."""
+        with self._lock:
+            while self._wait[i] and not self._closing:
+                box.cv.wait(POLL_S)
+            if self._closing or self._run_it != it:
+                return
+            if without:
+                self._log["withdrawn"].append(self.prog[i].xfer)
+            if i in self._on_route:
+                self._in_flight[self._on_route.pop(i)] -= 1
+            else:
+                self._load[self.prog[i].peer] -= 1
+            self._log["sends"].append([self.prog[i].xfer, start, time.time_ns()])
+            self._complete(i, it)
+            self._drain(it)
 
     def _await_ack(self, sock: socket.socket, hbuf: bytearray, op: Op, it: int) -> None:
         """Stop-and-wait: the receiver's ACK of ``op`` in iteration ``it``."""
@@ -459,7 +615,7 @@ class Executor:
                 raise ProtocolError(f"expected ACK of transfer {op.xfer}, got {TYPE_NAMES[a.type]} "
                                     f"of transfer {a.xfer}")
 
-    def _recv_loop(self, key: tuple[str, int], sock: socket.socket) -> None:
+    def _recv_loop(self, key: tuple[str, int], sock: socket.socket) -> None:  # noqa: C901, PLR0915 -- one connection's receiver thread: every error path must close the socket it owns
         peer, ch = key
         aux = is_aux(ch)
         expect = self._expect.get(key, {})
@@ -494,22 +650,25 @@ class Executor:
                     raise ProtocolError(f"unknown transfer {h.xfer}")
                 if h.flags & FLAG_WITHDRAWN:  # no payload: the receiver has the chunk
                     self._check(h, i)
-                    self._got[i] = h.op_id
                     if h.flags & FLAG_ACK_REQ:
                         send_frame(sock, Header(ACK, op_id=h.op_id, xfer=h.xfer, send_ts_ns=first))
-                    self._events.put(("recv", i, h.send_ts_ns, first, first, True))
+                    self._arrived(i, h.op_id, 0, (h.send_ts_ns, first, first, True))
                     continue
                 if aux or (i, h.op_id) in self._asked:  # a copy may also come the other way: commit once
                     self._receive_copy(sock, h, i, peer, ch, first)
                     continue
                 self._check(h, i)
-                self._rx_iter[i], self._rx_bytes[i] = h.op_id, 0
-                last = self._read(sock, h, memoryview(self._rbuf[i]).cast("B"), self._count(self._rx_bytes, i),
+                it = h.op_id
+                with self._lock:
+                    self._rx_iter[i], self._rx_bytes[i] = it, 0
+                    if self._active[i] == it:  # a send streaming from it may start its frame
+                        self._work.extend(u for u in self._users[i] if self._is_send[u])
+                        self._drain(it)
+                last = self._read(sock, h, memoryview(self._rbuf[i]).cast("B"), self._progress_fn(i, it),
                                   peer, ch, first)
-                self._got[i] = h.op_id
                 if h.flags & FLAG_ACK_REQ:
                     send_frame(sock, Header(ACK, op_id=h.op_id, xfer=h.xfer, send_ts_ns=last))
-                self._events.put(("recv", i, h.send_ts_ns, first, last, False))
+                self._arrived(i, it, h.payload_len, (h.send_ts_ns, first, last, False))
         except lost:
             if not self._closing:
                 log.warning("auxiliary connection from %s closed or failed", peer)
@@ -519,9 +678,7 @@ class Executor:
             self._fail(ExecError(f"data connection from {peer} (channel {ch}) closed by peer"))
         except ProtocolError as e:
             log.error("protocol error from %s (channel %d): %s; closing the connection", peer, ch, e)
-            err = ProtocolError(f"from {peer} (channel {ch}): {e}")
-            err.peer = peer  # the sender of the bad frame: the coordinator blames it
-            self._fail(err)
+            self._fail(ProtocolError(f"from {peer} (channel {ch}): {e}", peer=peer))
         except OSError as e:
             if not self._closing:
                 log.error("data connection from %s (channel %d) failed: %s", peer, ch, e)
@@ -531,27 +688,54 @@ class Executor:
         finally:
             self._close_own(sock)
 
+    def _progress_fn(self, i: int, it: int):
+        """Called with the bytes of recv ``i``'s payload arrived so far: applies them a
+        sub-block at a time once the op is active (cut-through)."""
+        sub = self.subblock
+
+        def progress(n: int) -> None:
+            self._rx_bytes[i] = n
+            self._progress = time.monotonic()
+            if self._active[i] == it and n - self._applied[i] >= sub:
+                with self._lock:
+                    if self._active[i] == it:
+                        self._apply(i, n)
+        return progress
+
+    def _arrived(self, i: int, it: int, nbytes: int, times: tuple) -> None:
+        """Recv ``i``'s data of iteration ``it`` is all there (``times``: send_ts, first,
+        last, withdrawn): it completes once active."""
+        with self._lock:
+            self._rx_iter[i], self._rx_bytes[i], self._got[i], self._rx_times[i] = it, nbytes, it, times
+            if self._active[i] == it:
+                self._finish_recv(i, it)
+                self._drain(it)
+
     def _read(self, sock: socket.socket, h: Header, mv: memoryview, count, peer: str, ch: int, first: int) -> int:
         """Receive ``h``'s payload into ``mv`` (``count(bytes so far)``), feeding the probing
         hook (not with a chunk a relay passed on: it came at the pace of the hop before); the
         time the last byte arrived."""
-        mid, half, inner = [0, 0], mv.nbytes // 2, count
         probe = self.on_chunk if not h.route or self.nodes[h.route[0]] == peer else None
+        if not probe:
+            def tick(n: int) -> None:
+                self._rx_at = time.monotonic()
+                count(n)
+            recv_into_exact(sock, mv, f"transfer {h.xfer}", tick)
+            return time.time_ns()
+        mid, half, inner = [0, 0], mv.nbytes // 2, count
 
-        def count(n: int) -> None:
+        def counted(n: int) -> None:
             self._rx_at = time.monotonic()
             inner(n)
-            if probe and not mid[1] and n >= half:
+            if not mid[1] and n >= half:
                 mid[:] = time.time_ns(), n
-        if probe:
-            probe(peer, None)
-        recv_into_exact(sock, mv, f"transfer {h.xfer}", count)
+        probe(peer, None)
+        recv_into_exact(sock, mv, f"transfer {h.xfer}", counted)
         last = time.time_ns()
-        if probe:
-            probe(peer, (h.payload_len, h.send_ts_ns, first, last, ch, *mid))
+        probe(peer, (h.payload_len, h.send_ts_ns, first, last, ch, *mid))
         return last
 
-    def _give_up(self, key: tuple[str, int], sock: socket.socket, q: queue.SimpleQueue, item,
+    def _give_up(self, key: tuple[str, int], sock: socket.socket, box: _Outbox, item,
                  why: Exception) -> None:
         """The auxiliary connection ``key`` broke (``item`` was being sent): no more chunks
         to its peer over any lane; this node's own chunks queued for it go to their primary
@@ -566,16 +750,17 @@ class Executor:
             self._senders.pop(key, None)
             self._out_keys.discard(key)
             close_quietly(sock)  # called in the thread that owns ``sock``
-        while item is not None:
-            i, it, route, copy = item
-            if i is not None:  # the main loop counts it as a primary send from now on
-                op = self.prog[i]
-                self._events.put(("rerouted", i))
-                self._senders[(op.peer, op.channel)][1].put((i, it, (), copy))
-            try:
-                item = q.get_nowait()
-            except queue.Empty:
-                item = None
+            rest = ([item] if item is not None else []) + list(box.items)
+            box.items.clear()
+            for i, it, route, copy in rest:
+                if i is None or it != self._run_it:  # a relayed chunk: its receiver asks for it again
+                    continue
+                op = self.prog[i]  # counted as a primary send from now on
+                if i in self._on_route:
+                    self._in_flight[self._on_route.pop(i)] -= 1
+                self._load[op.peer] += 1
+                self._log["aux"][:] = [a for a in self._log["aux"] if a[0] != op.xfer]
+                self._put((op.peer, op.channel), (i, it, (), copy))
 
     def _receive_copy(self, sock: socket.socket, h: Header, i: int, peer: str, ch: int, first: int) -> None:
         """Receive a chunk that may arrive twice (over an auxiliary path, or re-sent on the
@@ -591,20 +776,24 @@ class Executor:
                 return
             self._check(h, i)
             memoryview(self._rbuf[i]).cast("B")[:] = payload
-            self._got[i] = h.op_id
-        self._events.put(("recv", i, h.send_ts_ns, first, last, False))
+            self._rx_iter[i], self._rx_bytes[i], self._got[i] = h.op_id, h.payload_len, h.op_id
+            self._rx_times[i] = (h.send_ts_ns, first, last, False)
+            if self._active[i] == h.op_id:
+                self._finish_recv(i, h.op_id)
+                self._drain(h.op_id)
 
     def resend(self, iteration: int, xfers: list[int]) -> int:
         """Send the kept copies of ``xfers`` of ``iteration`` (sent over auxiliary paths) again
         on their primary connections; how many there were (any thread)."""
         n = 0
-        for x in xfers:
-            it, i, copy = self._kept.get(x, (None, None, None))
-            if it == iteration:
-                op = self.prog[i]
-                self._senders[(op.peer, op.channel)][1].put((None, Header(
-                    DATA, phase_code(op.phase), 0, it, op.xfer, op.flow, op.chunk, copy.nbytes), None, copy))
-                n += 1
+        with self._lock:
+            for x in xfers:
+                it, i, copy = self._kept.get(x, (None, None, None))
+                if it == iteration and (self.prog[i].peer, self.prog[i].channel) in self._senders:
+                    op = self.prog[i]
+                    self._put((op.peer, op.channel), (None, Header(
+                        DATA, phase_code(op.phase), 0, it, op.xfer, op.flow, op.chunk, copy.nbytes), None, copy))
+                    n += 1
         return n
 
     def _hop(self, h: Header, peer: str) -> tuple[str, str | None]:
@@ -619,6 +808,7 @@ class Executor:
         k = route.index(me)
         return names[0], (names[k + 1] if k + 1 < len(names) else None)
 
+
     def _forward(self, nxt: str, lane: int, h: Header, payload: Relayed) -> None:
         """Queue a relayed chunk to ``nxt`` on ``lane`` (connecting on first use)."""
         key = (nxt, lane)
@@ -631,7 +821,8 @@ class Executor:
             if nxt in self._dead:
                 log.info("dropped auxiliary transfer %d: the connection to %s broke", h.xfer, nxt)
                 return
-            self._senders[key][1].put((None, h, None, payload))
+            self._put(key, (None, h, None, payload))
+
 
     def _check(self, h: Header, i: int) -> None:
         """Every header field against recv op ``i`` (the transfer it names)."""
@@ -654,6 +845,117 @@ class Executor:
                 raise ProtocolError(f"transfer {h.xfer}: {key} {got}, expected {exp}")
 
     # -- main loop -----------------------------------------------------------------
+    # -- dependencies (every method here runs under the lock) ----------------------
+    def _cut_through_ok(self, i: int) -> bool:
+        """Send ``i`` may start before its deps are met: cut-through is on, the send reads
+        what a receive writes, is longer than a sub-block, and nothing needs it whole before it is written (an auxiliary
+        copy, a CREW withdrawal or link turn, a probed receiver measuring this link's pace)."""
+        return (self.cut_through and self._streams[i] and self._views[i].nbytes > self.subblock
+                and self.withdraw is None and self.on_withdrawn is None
+                and self._gate is None and self.on_chunk is None and not self._aux_routes.get(self.prog[i].peer))
+
+    def _notify_users(self, i: int) -> None:
+        """Wake the senders of the dispatched sends that read what recv ``i`` writes."""
+        for u in self._users[i]:
+            if self._dispatched[u] and self._done[u] != self._run_it:
+                box = self._senders.get((self.prog[u].peer, self.prog[u].channel))
+                if box:
+                    box[1].cv.notify_all()
+
+    def _apply(self, i: int, upto: int) -> None:
+        """Apply bytes [applied, ``upto``) of recv ``i``'s data (whole elements) to its block."""
+        size = self.dtype.itemsize
+        a, b = self._applied[i] // size, upto // size
+        if b <= a:
+            return
+        dst, src = self._views[i][a:b], self._rbuf[i][a:b]
+        if self.prog[i].reduce:
+            np.add(dst, src, out=dst)
+        else:
+            np.copyto(dst, src)
+        self._applied[i] = b * size
+        self._notify_users(i)
+
+    def _activate(self, i: int, it: int) -> None:
+        """Recv ``i``'s deps are met: what arrived of its data is applied, the rest as it comes."""
+        self._active[i], self._applied[i] = it, 0
+        if self._got[i] == it:
+            self._finish_recv(i, it)
+        elif self._rx_iter[i] == it:
+            self._apply(i, self._rx_bytes[i])
+            self._notify_users(i)
+        self._work.extend(u for u in self._users[i] if self._is_send[u])
+
+    def _finish_recv(self, i: int, it: int) -> None:
+        """Recv ``i`` is active and its data all there: apply the rest, complete."""
+        op = self.prog[i]
+        send_ts, first, last, without = self._rx_times[i]
+        if without:
+            self._log["withdrawn"].append(op.xfer)
+            data = self.on_withdrawn(op) if self.on_withdrawn is not None else None
+            if data is not None:
+                if op.reduce:
+                    np.add(self._views[i], data, out=self._views[i])
+                else:
+                    np.copyto(self._views[i], data)
+            self._applied[i] = self._rbuf[i].nbytes
+        else:
+            self._apply(i, self._rbuf[i].nbytes)
+        self._log["recvs"].append([op.xfer, send_ts, first, last, time.time_ns()])
+        self._complete(i, it)
+
+    def _complete(self, i: int, it: int) -> None:
+        self._done[i] = it
+        self._ndone += 1
+        self._queued.discard(i)
+        self._progress = time.monotonic()
+        for u in self._users[i]:
+            self._wait[u] -= 1
+            self._work.append(u)
+        if self._ndone == len(self.prog):
+            self._events.put(("done", it))
+
+    def _drain(self, it: int) -> None:
+        """Look at every op whose deps changed: activate receives whose deps are met, hand
+        sends to their senders once their deps are met (or, cut-through, once every unmet
+        dep is an active receive), wake the senders of sends already streaming."""
+        if self._run_it != it:
+            return
+        while self._work:
+            u = self._work.popleft()
+            if self._done[u] == it:
+                continue
+            if not self._is_send[u]:
+                if self._wait[u] == 0 and self._active[u] != it:
+                    self._activate(u, it)
+            elif self._dispatched[u]:
+                box = self._senders.get((self.prog[u].peer, self.prog[u].channel))
+                if box:
+                    box[1].cv.notify_all()
+            elif self._wait[u] == 0 or self._cut_through_ok(u) and all(
+                    self._done[d] == it or not self._is_send[d] and self._active[d] == it == self._rx_iter[d]
+                    for d in self._deps[u]):
+                self._dispatch(u, it)
+
+    def _dispatch(self, i: int, it: int) -> None:
+        """Hand send ``i`` to a sender: the primary connection's, or an auxiliary path's
+        (:meth:`_route`; only a send whose deps are met, since the path keeps a copy)."""
+        op = self.prog[i]
+        self._dispatched[i] = True
+        self._queued.add(i)
+        route = self._route(op, self._load, self._in_flight) if self._wait[i] == 0 else ()
+        if route:
+            copy = self._views[i].copy()  # kept for a re-send (sends read the buffer while they run)
+            self._put((self.nodes[route[1]], AUX_CHANNEL), (i, it, route, copy))
+            self._on_route[i] = route
+            self._in_flight[route] += 1
+            self._log["aux"].append([op.xfer, [self.nodes[k] for k in route]])
+            self._kept[op.xfer] = (it, i, copy)
+        else:
+            self._load[op.peer] += 1
+            if self._gate:
+                self._tickets[i] = self._gate(op.peer).ticket(self)
+            self._put((op.peer, op.channel), (i, it, (), None))
     def prepare(self, x: np.ndarray | None) -> None:
         """Reset buffers for the next iteration: ``x`` becomes the input (zeros if None)."""
         if x is None:
@@ -682,112 +984,35 @@ class Executor:
         missing = self._out_keys - self._senders.keys()
         if missing:
             raise ExecError(f"no data connection to {sorted(missing)}")
-        prog, views, rbuf, users = self.prog, self._views, self._rbuf, self._users
-        waiting = list(self._ndeps)
-        ready = deque(i for i, n in enumerate(waiting) if n == 0)
-        arrived: dict[int, tuple[int, int, int]] = {}
-        blocked: set[int] = set()  # ready recv ops whose data has not arrived
-        queued = self._queued = set()  # sends handed to a sender, not yet completed
-        load: dict[str, int] = defaultdict(int)  # sends queued on the direct connections to a peer (all channels)
-        on_route: dict[int, tuple[int, ...]] = {}  # auxiliary sends in flight -> their route
-        in_flight: dict[tuple[int, ...], int] = defaultdict(int)
-        sends, recvs, aux, withdrawn = [], [], [], []
-        done = 0
         comm_start = time.time_ns()
         self._tick()
+        with self._lock:
+            self._reset_run(iteration)
+            log_ = self._log
+            self._work.extend(range(len(self.prog)))
+            self._drain(iteration)
         poll = min(1.0, self.timeout_s)
-
-        def complete(i: int) -> None:
-            nonlocal done
-            done += 1
-            for u in users[i]:
-                waiting[u] -= 1
-                if waiting[u] == 0:
-                    ready.append(u)
-
-        def apply(i: int, send_ts: int, first: int, last: int, without: bool) -> None:
-            op = prog[i]
-            data = rbuf[i]
-            if without:
-                withdrawn.append(op.xfer)
-                data = self.on_withdrawn(op) if self.on_withdrawn is not None else None
-            if data is None:
-                pass
-            elif op.reduce:
-                np.add(views[i], data, out=views[i])
-            else:
-                np.copyto(views[i], data)
-            recvs.append([op.xfer, send_ts, first, last, time.time_ns()])
-            complete(i)
-
-        while True:
-            while ready:
-                i = ready.popleft()
-                op = prog[i]
-                if op.kind == SEND:
-                    queued.add(i)
-                    with self._lock:  # as _give_up: nothing is queued for a connection once it is given up
-                        route = self._route(op, load, in_flight)
-                        if route:
-                            copy = views[i].copy()  # kept for a re-send (sends read the buffer while they run)
-                            self._senders[(self.nodes[route[1]], AUX_CHANNEL)][1].put((i, iteration, route, copy))
-                    if route:
-                        on_route[i] = route
-                        in_flight[route] += 1
-                        aux.append([op.xfer, [self.nodes[k] for k in route]])
-                        self._kept[op.xfer] = (iteration, i, copy)
-                    else:
-                        load[op.peer] += 1
-                        if self._gate:
-                            self._tickets[i] = self._gate(op.peer).ticket(self)
-                        self._senders[(op.peer, op.channel)][1].put((i, iteration, (), None))
-                elif i in arrived:
-                    apply(i, *arrived.pop(i))
-                else:
-                    blocked.add(i)
-            if done == len(prog):
-                break
+        while self.prog:
             try:
                 ev = self._events.get(timeout=poll)
             except queue.Empty:
                 if self._resend_after and time.monotonic() - self._rx_at > self._resend_after:
                     self._ask_missing(iteration)
                 if time.monotonic() - self._progress > self.timeout_s:
-                    raise Stalled(self._stall_message(queued, done)) from None
+                    raise Stalled(self._stall_message(self._queued, self._ndone)) from None
                 if self.limit_s and time.monotonic() - started > self.limit_s:
                     raise Stalled(f"iteration {iteration} not done within its limit of {self.limit_s:g} s; "
-                                    + self._stall_message(queued, done)) from None
+                                  + self._stall_message(self._queued, self._ndone)) from None
                 continue
-            self._tick()
-            if ev[0] == "sent":
-                _, i, start, end, without = ev
-                if without:
-                    withdrawn.append(prog[i].xfer)
-                queued.discard(i)
-                if i in on_route:
-                    in_flight[on_route.pop(i)] -= 1
-                else:
-                    load[prog[i].peer] -= 1
-                sends.append([prog[i].xfer, start, end])
-                complete(i)
-            elif ev[0] == "rerouted":  # its auxiliary path broke: on the primary connection now
-                i = ev[1]
-                in_flight[on_route.pop(i)] -= 1
-                load[prog[i].peer] += 1
-                aux[:] = [a for a in aux if a[0] != prog[i].xfer]
-            elif ev[0] == "recv":
-                _, i, *times = ev
-                if i in blocked:
-                    blocked.discard(i)
-                    apply(i, *times)
-                else:
-                    arrived[i] = tuple(times)
-            else:
-                raise ev[1]
+            if ev[0] == "done":
+                if ev[1] == iteration:
+                    break
+                continue
+            raise ev[1]
         self.iteration = iteration + 1
-        return {"comm_start_ns": comm_start, "comm_done_ns": time.time_ns(), "sends": sends, "recvs": recvs,
-                **({"aux": aux} if aux else {}), **({"withdrawn": withdrawn} if withdrawn else {})}
-
+        return {"comm_start_ns": comm_start, "comm_done_ns": time.time_ns(), "sends": log_["sends"],
+                "recvs": log_["recvs"], **({"aux": log_["aux"]} if log_["aux"] else {}),
+                **({"withdrawn": log_["withdrawn"]} if log_["withdrawn"] else {})}
     def _ask_missing(self, iteration: int) -> None:
         """Ask once per iteration for the re-send of every transfer not arrived (its senders
         re-send those they sent over auxiliary paths; the others are still coming directly)."""
@@ -831,10 +1056,11 @@ class Executor:
             if op.kind == RECV and self._got[i] != self.iteration:
                 got = self._rx_bytes[i] if self._rx_iter[i] == self.iteration else 0
                 awaiting[op.peer].append([op.xfer, got, int(self._rbuf[i].nbytes)])
-        for i in list(self._queued):
+        for i in sorted(self._queued):
             sending[self.prog[i].peer].append([self.prog[i].xfer, self._tx_bytes[i], int(self._views[i].nbytes)])
         return {"iteration": self.iteration, "idle_s": round(time.monotonic() - self._progress, 3),
                 "awaiting": dict(awaiting), "sending": dict(sending)}
+
 
     def late_errors(self) -> list[str]:
         """Protocol violations threads posted after the last :meth:`run` returned (e.g. a late
@@ -868,7 +1094,7 @@ class Executor:
         own socket as it ends."""
         with self._lock:
             self._closing = True
-            for _, q in self._senders.values():
-                q.put(None)
+            for _, box in self._senders.values():
+                box.cv.notify_all()
             for s in [s for s, _ in self._senders.values()] + list(self._receivers.values()):
                 shutdown_quietly(s)

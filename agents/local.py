@@ -39,11 +39,12 @@ class LocalCluster:
     def __init__(self, plan: Plan, *, iterations: int = 1, seed: int = 0, dtype: str = "float32",
                  timeout_s: float = 30.0, stop_and_wait: bool = False, compute_s=None, progress=None,
                  external: tuple[str, ...] = (), handshake_s: float | None = None, probe: dict | None = None,
-                 clock_offset_ms: dict[str, float] | None = None):
+                 clock_offset_ms: dict[str, float] | None = None, driver=None):
         self.plan = plan
         self.external = set(external)
         self.options = dict(iterations=iterations, seed=seed, dtype=dtype, timeout_s=timeout_s,
-                            stop_and_wait=stop_and_wait, compute_s=compute_s, progress=progress, probe=probe)
+                            stop_and_wait=stop_and_wait, compute_s=compute_s, progress=progress, probe=probe,
+                            driver=driver)
         self.clock_offset_ms = dict(clock_offset_ms or {})  # node -> shift of its agent's clock
         self.handshake_s = handshake_s or wire.HANDSHAKE_TIMEOUT_S  # agents' and coordinator's (tests shorten it)
         self.procs: dict[str, subprocess.Popen] = {}

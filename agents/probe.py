@@ -1,8 +1,8 @@
 """Passive probing (NetStorm §V): link rate and one-way delay from the DATA chunks themselves.
 
 Pure functions over per-chunk samples, plus :class:`Prober`, the receiver-side accumulator
-the executor is to feed (not wired in yet: issue 12's agent integration, re-planning and
-policy switches are still to come).  A sample is one DATA chunk as its receiver saw it
+each agent feeds from its executor's per-chunk hook, reporting full windows to the
+coordinator (:mod:`agents.agent`).  A sample is one DATA chunk as its receiver saw it
 (:class:`Sample`): payload bytes, the sender's ``send_ts_ns`` from the header (sender's
 clock), and the receiver's clock when the header was read (``first_ns``) and when the last
 payload byte arrived (``last_ns``).  Everything is per *directed link* = (sender, receiver)

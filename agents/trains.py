@@ -1,4 +1,4 @@
-"""Packet trains: the capacity of a directed link, whatever the data plan leaves on it (issue 12).
+"""Packet trains: the capacity of a directed link, whatever the data plan leaves on it.
 
 Passive probing (:mod:`agents.probe`, NetStorm §V) can only see what the trees send: a link
 the current plan leaves idle is never measured, and a link the trees use lightly between

@@ -92,7 +92,12 @@ assert HEADER_SIZE == 64
 
 
 class ProtocolError(Exception):
-    """A peer sent something malformed or unexpected, or failed authentication."""
+    """A peer sent something malformed or unexpected, or failed authentication; ``peer``: the
+    plan node that sent it, where known (the coordinator lays the failure to it)."""
+
+    def __init__(self, message: str = "", peer: str | None = None):
+        super().__init__(message)
+        self.peer = peer
 
 
 class Closed(ConnectionError):
@@ -347,18 +352,19 @@ def client_handshake(sock: socket.socket, secret: bytes, identity: dict, deadlin
 
 
 def connect(addr: tuple[str, int], secret: bytes, identity: dict, *, timeout_s: float = HANDSHAKE_TIMEOUT_S,
-            retry_s: float = 0.0) -> socket.socket:
+            retry_s: float = 0.0, source: str | None = None) -> socket.socket:
     """Open a TCP connection to ``addr`` and authenticate within ``timeout_s`` (one deadline
     for connect and handshake); retry for ``retry_s`` while the server is not listening yet
     or drops the connection before authenticating (it is busy: at its cap of pending
-    handshakes).  Errors say the address; a wrong secret is not retried."""
+    handshakes).  ``source``: the local address to send from (a path's, where the network
+    routes by source address).  Errors say the address; a wrong secret is not retried."""
     give_up = time.monotonic() + retry_s
     where = f"{addr[0]}:{addr[1]}"
     while True:
         deadline = time.monotonic() + timeout_s
         sock = None
         try:
-            sock = socket.create_connection(addr, timeout=timeout_s)
+            sock = socket.create_connection(addr, timeout=timeout_s, source_address=(source, 0) if source else None)
             tune(sock)
             client_handshake(sock, secret, identity, deadline)
             sock.settimeout(None)

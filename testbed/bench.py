@@ -1,21 +1,25 @@
 """``testbed bench``: benchmarks that report ratios measured in one run (no absolute pass/fail).
 
-* ``dataplane`` — one shaped link (100 Mbit/s, 30 ms): agent transfer goodput vs iperf3
-  goodput on the same link, same byte count, same run.
+* ``dataplane`` — the agents' data plane: per chunk size (4 KB to 64 MB), on loopback the
+  per-transfer CPU of an interior node (receive, add, forward) and goodput against iperf3,
+  cut-through against store-and-forward; on one shaped link (100 Mbit/s, 30 ms by default;
+  ``rates``) transfers/s and goodput against iperf3 on the same link, same bytes, same run.
 * ``ring`` — ring AllReduce on the uniform 6-node ring topology: measured CCT vs the α-β
   prediction (``costmodel.alpha_beta``) and the flow-level prediction.
 * ``planner`` — MTREE planner (tree generation + MILP) time on the 40-node, 231-link
-  IDN-like topology, and every scheme's planning time on NetStorm's 9-DC overlay.
+  IDN-like topology, every scheme's planning time on NetStorm's 9-DC overlay, and what
+  ``validate``/``plan``/``run`` do before a run (plan, prediction, optimum) for ring on
+  CREW's 60-datacenter mesh (1,770 links) and a 200-datacenter sparse WAN (600 links).
 * ``adaptive`` — NetStorm on its 9-DC overlay without dynamics, adaptive (probing,
   re-planning every 5 s) vs static, repetitions interleaved on one network: the CCT ratio is
-  the closed loop's overhead (NetStorm §V claims none worth noting; issue 12 asks <= 3 %).
+  the closed loop's overhead (NetStorm §V claims none worth noting).
 * ``efficiency`` — every tree scheme on NetStorm's overlay and GScale: CCT against the
   bound and the cost model's prediction, and where the time goes (:mod:`testbed.efficiency`).
 * ``peers`` — PyTorch's gloo all_reduce in the emulated datacenters (``exec``) against the
   schemes on the same WAN: each scheme's speed-up over it (skipped without torch).
 * ``chaos`` / ``fuzz`` — ``testbed.chaos``: 100 seeded SIGSTOP/SIGKILL trials on loopback
   (share ending right, time to end); 10^5 mutated wire frames (share detected per field).
-* ``emulator`` — emulator headroom (issue 11): for a topology, the largest scale at which
+* ``emulator`` — emulator headroom: for a topology, the largest scale at which
   ``linkcheck --concurrent`` passes every direction with the emulator kept up: through the
   user-space delay relay under TCP, and under UDP both through the relay and with HTB alone
   (delays, jitter and loss removed: the kernel's shaping capacity), and the UDP ratio — the
@@ -28,9 +32,9 @@ import json
 import subprocess
 import time
 from pathlib import Path
-
 from typing import Callable
 
+from agents.protocol import transfer_rows
 from testbed.chaos import bench_chaos, bench_fuzz
 from testbed.emulator.hosts import EmulatedHosts
 from testbed.hosts import run_agents
@@ -44,38 +48,85 @@ def _topology(links, name):
                           "links": links})
 
 
-def bench_dataplane(out: Path, progress, size_mb: float = 48.0, rate: float = 100.0, delay: float = 30.0) -> dict:
-    from testbed.emulator.network import WanNetwork
+DATAPLANE_CHUNKS = ("4KB", "64KB", "1MB", "16MB", "64MB")
+DATAPLANE_LOOPBACK_BYTES = 128 << 20  # per iteration of the loopback chain (at least 2 chunks)
+
+
+def _link_plan(nbytes: int, chunk: int):
+    """a sends ``nbytes`` to b in transfers of ``chunk`` bytes, one after another on one connection."""
     from testbed.plan import Plan, ProgramBuilder
 
-    topo = _topology([{"between": ["a", "b"], "rate_mbps": rate, "delay_ms": delay}], "bench-link")
-    nbytes = int(size_mb * 1e6) // 4 * 4
     b = ProgramBuilder(["a", "b"])
-    b.transfer("a", "b", 0, nbytes // 4, reduce=True)
-    plan = Plan("transfer", ["a", "b"], nbytes // 4, b.programs, participants=["a"], receivers=["b"])
-    with WanNetwork(topo, log=progress) as net:
-        progress(f"iperf3: {size_mb:g} MB over {rate:g} Mbit/s, {delay:g} ms")
-        srv = net.popen("b", ["iperf3", "-s", "-1", "-p", "5299"])
-        time.sleep(0.5)
-        cli = net.popen("a", ["iperf3", "-c", net.peer_address("a", "b"), "-p", "5299", "-n", str(nbytes), "-J"],
-                        stdout=subprocess.PIPE, text=True)
-        out_c, _ = cli.communicate(timeout=600)
-        srv.wait(timeout=10)
-        iperf_mbps = json.loads(out_c)["end"]["sum_received"]["bits_per_second"] / 1e6
-        progress(f"agents: the same {size_mb:g} MB as one transfer")
-        res = run_agents(EmulatedHosts(net), plan, out / "dataplane", progress=progress, timeout_s=600)
-        tr = res["transfers"]
-        col = {c: i for i, c in enumerate(tr["columns"])}
-        row = tr["rows"][0]
-        secs = (row[col["recv_end_ns"]] - row[col["send_start_ns"]]) / 1e9
-        agent_mbps = nbytes * 8 / secs / 1e6
-        method = net.method
-    return {"link": {"rate_mbps": rate, "delay_ms": delay, "method": method}, "bytes": nbytes,
-            "iperf3_mbps": iperf_mbps, "agent_mbps": agent_mbps, "ratio": agent_mbps / iperf_mbps,
-            "correct": all(it["correct"] for it in res["iterations"])}
+    elems, step = nbytes // 4, max(1, chunk // 4)
+    for k, off in enumerate(range(0, elems, step)):
+        b.transfer("a", "b", off, min(step, elems - off), reduce=True, chunk=k)
+    return Plan("transfer", ["a", "b"], elems, b.programs, participants=["a"], receivers=["b"])
+
+
+def bench_dataplane(out: Path, progress, sizes: tuple[str, ...] = DATAPLANE_CHUNKS, rates: tuple[float, ...] = (100.0,),
+                    delay: float = 30.0, link_mb: float = 48.0, loopback: bool = True) -> dict:
+    """The agents' data plane, chunk sizes ``sizes``: on loopback (:mod:`testbed.dataplane`:
+    a -> b -> c, b adds and forwards; its CPU per chunk is the interior node's per-transfer
+    cost; cut-through against store-and-forward in the same run; iperf3 on the same loopback);
+    then per rate in ``rates`` (Mbit/s) one emulated link (``delay`` ms): iperf3's goodput for
+    ``link_mb`` MB, and the agents' for the same bytes as one transfer and in chunks of each
+    size (transfers/s, goodput, ratio to iperf3)."""
+    from testbed.dataplane import iperf3_loopback, loopback_chain
+    from testbed.emulator.network import WanNetwork
+    from testbed.workloads import parse_size
+
+    rows = []
+    if loopback:
+        lo_mbps = iperf3_loopback(DATAPLANE_LOOPBACK_BYTES)
+        progress(f"loopback: iperf3 {lo_mbps:.0f} Mbit/s")
+        for size in sizes:
+            chunk = int(parse_size(size))
+            chunks = max(2, min(2000, DATAPLANE_LOOPBACK_BYTES // chunk))
+            r = {ct: loopback_chain(chunk, chunks, 3, cut_through=ct) for ct in (True, False)}
+            b, sf = r[True]["b"], r[False]["b"]
+            rows.append({"link": "loopback", "chunk": size, "chunks": chunks, "transfers_per_s": r[True]["c"]["transfers_per_s"],
+                         "goodput_mbps": r[True]["c"]["goodput_mbps"], "iperf3_mbps": lo_mbps,
+                         "ratio": r[True]["c"]["goodput_mbps"] / lo_mbps,
+                         "interior_cpu_ms": b["cpu_per_chunk_ms"], "leaf_cpu_ms": r[True]["c"]["cpu_per_chunk_ms"],
+                         "store_forward_goodput_mbps": r[False]["c"]["goodput_mbps"],
+                         "store_forward_interior_cpu_ms": sf["cpu_per_chunk_ms"],
+                         "correct": r[True]["exact"] and r[False]["exact"]})
+            progress(f"loopback {size} x {chunks}: {rows[-1]['goodput_mbps']:.0f} Mbit/s, "
+                     f"{rows[-1]['transfers_per_s']:.0f} transfers/s, interior CPU {b['cpu_per_chunk_ms']:.3f} ms/chunk")
+    links = []
+    for rate in rates:
+        topo = _topology([{"between": ["a", "b"], "rate_mbps": rate, "delay_ms": delay}], f"bench-link-{rate:g}")
+        nbytes = int(link_mb * 1e6) // 4 * 4
+        with WanNetwork(topo, log=progress) as net:
+            progress(f"iperf3: {link_mb:g} MB over {rate:g} Mbit/s, {delay:g} ms")
+            srv = net.popen("b", ["iperf3", "-s", "-1", "-p", "5299"])
+            time.sleep(0.5)
+            cli = net.popen("a", ["iperf3", "-c", net.peer_address("a", "b"), "-p", "5299", "-n", str(nbytes), "-J"],
+                            stdout=subprocess.PIPE, text=True)
+            out_c, _ = cli.communicate(timeout=600)
+            srv.wait(timeout=10)
+            iperf_mbps = json.loads(out_c)["end"]["sum_received"]["bits_per_second"] / 1e6
+            links.append({"rate_mbps": rate, "delay_ms": delay, "method": net.method, "iperf3_mbps": iperf_mbps})
+            for size in ("whole",) + tuple(sizes):
+                chunk = nbytes if size == "whole" else int(parse_size(size))
+                plan = _link_plan(nbytes, chunk)
+                progress(f"agents: the same {link_mb:g} MB in {len(plan.programs['a'])} transfers of {size}")
+                res = run_agents(EmulatedHosts(net), plan, out / f"link-{rate:g}-{size}", progress=progress,
+                                 timeout_s=600)
+                tr = transfer_rows(res["transfers"])
+                secs = (max(r.recv_end_ns for r in tr) - min(r.send_start_ns for r in tr)) / 1e9
+                mbps = nbytes * 8 / secs / 1e6
+                rows.append({"link": f"{rate:g} Mbit/s, {delay:g} ms", "chunk": size, "chunks": len(tr),
+                             "transfers_per_s": len(tr) / secs, "goodput_mbps": mbps,
+                             "iperf3_mbps": iperf_mbps, "ratio": mbps / iperf_mbps,
+                             "correct": all(it["correct"] for it in res["iterations"])})
+                progress(f"agents: {mbps:.1f} Mbit/s ({mbps / iperf_mbps:.3f} of iperf3)")
+    return {"table": rows, "links": links, "bytes_per_link_run": int(link_mb * 1e6) // 4 * 4}
 
 
 def bench_ring(out: Path, progress, size_mb: float = 24.0) -> dict:
+    """Ring AllReduce on `ring-6`, measured against the alpha-beta model and the flow-level
+    cost model."""
     from testbed import config
     from testbed.costmodel import alpha_beta
     from testbed.experiment import build_plan, run_experiment
@@ -93,7 +144,17 @@ def bench_ring(out: Path, progress, size_mb: float = 24.0) -> dict:
             "emulation": {k: res["emulation"][k] for k in ("method", "kept_up", "warnings")}}
 
 
+# The papers' scales: CREW's default n = 60 (full mesh) and a sparse WAN of 200 datacenters.
+PLANNER_SCALES = (("crew-mesh-60", {"kind": "crew-mesh", "n": 60}),
+                  ("sparse-200", {"kind": "mtree-random", "n": 200, "m": 600, "asymmetric": True}))
+
+
 def bench_planner(out: Path, progress) -> dict:
+    """Planning time: MTREE on the 40-node IDN-like WAN, every scheme on NetStorm's overlay, and
+    ring with its prediction and the optimum at the papers' scales (:data:`PLANNER_SCALES`; no
+    network)."""
+    from testbed import config
+    from testbed.experiment import build_plan
     from testbed.planners import make_plan, schemes
     from testbed.topology import load_topology
 
@@ -110,10 +171,21 @@ def bench_planner(out: Path, progress) -> dict:
         except Exception as e:  # a scheme that needs a special topology (e.g. a mesh)
             per[name] = f"n/a: {e}"
     result["netstorm9_s"] = per
+    for label, gen in PLANNER_SCALES:
+        exp = config.validate({"name": f"bench-planner-{label}", "topology": {"name": label, "generator": gen},
+                               "scheme": {"name": "ring"}, "workload": {"size": "8MB"}}, "<bench planner>")
+        progress(f"planner: ring, prediction and optimum on {label}")
+        t0 = time.perf_counter()
+        _, _, plan, _, bound = build_plan(exp)
+        result[label] = {"planning_s": time.perf_counter() - t0, "ring_s": plan.meta["planner_s"],
+                         "optimum_s": bound["planner_s"], "bound": bound["bound"], "gap": bound["gap"],
+                         "rate_mbps": bound["rate_mbps"], "packing_rate_mbps": bound["packing_rate_mbps"]}
     return result
 
 
 def bench_adaptive(out: Path, progress, size_mb: float = 16.0, repetitions: int = 3) -> dict:
+    """NetStorm with and without the closed loop on NetStorm's overlay with static rates: their
+    CCT ratio (what probing and re-planning cost where there is nothing to adapt to)."""
     from testbed import config
     from testbed.experiment import run_experiment
 
@@ -283,10 +355,10 @@ def bench_efficiency(out: Path, progress, sizes: tuple[str, ...] | None = None,
                 sm = v["summary"]
                 run = next(r for r in res["runs"] if r["variant"] == v["label"])
                 a = analyse_run(run, graph)
-                bd = breakdown(sm["cct_s"]["mean"], sm["bound_cct_s"], a)
+                bd = breakdown(sm["cct_s"]["mean"], sm["bound_s"], a)
                 hot = a.get("bottleneck") or {}
                 rows.append({"topology": topo, "size": size, "scheme": v["label"], "cct_s": sm["cct_s"]["mean"],
-                             "bound_s": sm["bound_cct_s"], "predicted_s": sm["predicted_cct_s"],
+                             "bound_s": sm["bound_s"], "predicted_s": sm["predicted_cct_s"],
                              "efficiency": sm["efficiency"], "measured_over_predicted": sm["prediction_ratio"],
                              "plan_factor": bd.get("plan_factor"), "execution_factor": bd.get("execution_factor"),
                              "bottleneck": hot.get("link"), "bottleneck_busy": hot.get("busy_share"),
@@ -408,7 +480,7 @@ def bench_peers(out: Path, progress, sizes: tuple[str, ...] = ("16MB",), schemes
             kept.append(res["emulation"]["kept_up"])
             rows.append({"topology": topo, "size": size, "scheme": "gloo (PyTorch)", "cct_s": gloo["cct_s"],
                          "speedup_over_gloo": 1.0 if gloo["cct_s"] else None, "efficiency":
-                         res["variants"][0]["summary"]["bound_cct_s"] / gloo["cct_s"] if gloo["cct_s"] else None,
+                         res["variants"][0]["summary"]["bound_s"] / gloo["cct_s"] if gloo["cct_s"] else None,
                          "correct": gloo["correct"]})
             for v in res["variants"]:
                 sm = v["summary"]

@@ -1,4 +1,4 @@
-"""Fault injection on real agent and coordinator processes over loopback (issue 16): shared by
+"""Fault injection on real agent and coordinator processes over loopback: shared by
 ``tests/test_chaos.py`` (a few seeded trials) and ``python3 -m testbed bench chaos`` (many).
 
 One trial: a coordinator process (``python3 -m agents.coordinator``) and one agent process
@@ -53,7 +53,7 @@ def _dead_within(p: subprocess.Popen, seconds: float) -> bool:
         return False
 
 
-def trial(seed: int, tmp: Path, iterations: int = 40, compute_s: float = 0.04) -> dict:
+def trial(seed: int, tmp: Path, iterations: int = 40, compute_s: float = 0.04) -> dict:  # noqa: C901, PLR0915 -- one trial: its processes, the fault and the verdict share the trial's state
     """Run one seeded trial in ``tmp``; return what happened (``ok`` and ``problems``)."""
     rng = random.Random(seed)
     plan = ring()
@@ -179,7 +179,7 @@ def fuzz_wire(frames: int, seed: int = 0, length: int = 16) -> dict:
         agents_log.setLevel(level)
 
 
-def _fuzz(frames: int, seed: int, length: int) -> dict:
+def _fuzz(frames: int, seed: int, length: int) -> dict:  # noqa: PLR0915 -- the fuzzer's one loop over mutated frames and what the executor said of each
     import threading
 
     import numpy as np

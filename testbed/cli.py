@@ -12,10 +12,14 @@ import json
 import signal
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from testbed.emulator import DEFAULT_TCP_CC
 from testbed.emulator.shaping import CHOICES as SHAPING_CHOICES
 from testbed.errors import ConfigError, TestbedError
+
+if TYPE_CHECKING:
+    from testbed.config import Experiment, Variant
 
 
 def _experiment_args(p: argparse.ArgumentParser) -> None:
@@ -26,9 +30,9 @@ def _experiment_args(p: argparse.ArgumentParser) -> None:
 
 def cmd_run(args) -> int:
     from testbed import config
-    from testbed.results import new_run_dir, write_json_atomic
-    from testbed.progress import Progress
     from testbed.experiment import run_experiment
+    from testbed.progress import Progress
+    from testbed.results import new_run_dir, write_json_atomic
 
     exp = config.load_experiment(args.experiment, args.overrides)
     progress = Progress(quiet=args.quiet)
@@ -48,12 +52,13 @@ def cmd_run(args) -> int:
     return code
 
 
-def _cluster(exp, servers: str, progress):
-    """The checked servers file and the placement of ``exp`` on it (printed)."""
+def _cluster(exp, servers: str, progress, planned=()):
+    """The checked servers file and the placement of ``exp`` on it (printed); ``planned``:
+    its variants' plans, checked as well (``check_placement``)."""
     from testbed.cluster import check_placement, load_servers
 
     sf = load_servers(servers)
-    placement = check_placement(exp, sf)
+    placement = check_placement(exp, sf, planned)
     for line in placement.describe(exp.topology):
         progress(line)
     return sf, placement
@@ -63,14 +68,15 @@ def _run_on_servers(exp, servers: str, out: Path, progress) -> dict:
     """``run --servers``: the experiment on the servers' network; results.json gets
     ``cluster`` (placement, every server's health, the underlay)."""
     from testbed.cluster import ClusterNetwork
-    from testbed.experiment import run_experiment
+    from testbed.experiment import plan_variants, run_experiment
     from testbed.results import write_json_atomic
 
-    sf, placement = _cluster(exp, servers, progress)
+    planned = plan_variants(exp, progress, source=exp.source)  # what cannot run on servers, before any is built
+    sf, placement = _cluster(exp, servers, progress, planned)
     em = exp.emulator
     with ClusterNetwork(exp.topology, sf, placement, method=em.method, relay_procs=em.relay_procs, seed=exp.seed,
                         log=progress, tcp_cc=em.tcp_cc) as net:
-        results = run_experiment(exp, out, progress, net=net, save=lambda r: write_json_atomic(
+        results = run_experiment(exp, out, progress, net=net, planned=planned, save=lambda r: write_json_atomic(
             out / "results.json", {**r, "cluster": {"placement": placement.to_dict()}}))
         results["cluster"] = net.report(em.max_late_ms)
     late = [w for s in results["cluster"]["servers"].values() for w in s["warnings"]]
@@ -120,8 +126,8 @@ def cmd_report(args) -> int:
 def cmd_exec(args) -> int:
     from testbed import config
     from testbed.execute import exec_command
-    from testbed.results import new_run_dir, write_json_atomic
     from testbed.progress import Progress
+    from testbed.results import new_run_dir, write_json_atomic
 
     exp = config.load_experiment(args.experiment, args.overrides)
     out = Path(args.out) if args.out else new_run_dir(exp.output_dir, f"{exp.name}-exec")
@@ -192,7 +198,7 @@ def _print_summary(results: dict) -> None:
     for v, cmp in zip(results["variants"], results["summary"]["comparison"]):
         s, c = v["summary"], v["summary"]["cct_s"]
         print(f"{v['label'][:24]:24} {c['mean']:9.3f} {c['min']:8.3f} {c['max']:8.3f} {s['predicted_cct_s']:9.3f} "
-              f"{_num(s['bound_cct_s'], 8, 3)} {_num(s['efficiency'], 6, 2)}  {cmp['cct_ratio_to_first']:7.2f}x  "
+              f"{_num(s['bound_s'], 8, 3)} {_num(s['efficiency'], 6, 2)}  {cmp['cct_ratio_to_first']:7.2f}x  "
               f"{s['correct']}")
     _print_rounds(results)
     for w in results.get("emulation", {}).get("warnings", []):
@@ -224,14 +230,17 @@ def cmd_validate(args) -> int:
 
     exp = config.load_experiment(args.experiment, args.overrides)
     for point in [p["experiment"] for p in exp.sweep["points"]] if exp.sweep else [exp]:
-        plan_variants(point, lambda m: None, source=args.experiment)  # what planning rejects, before any run
+        planned = plan_variants(point, lambda m: None, source=args.experiment)  # what planning rejects, before any run
+    placed: list[str] = []
+    if args.servers:  # a sweep is refused there, before its plans would count
+        sf, _ = _cluster(exp, args.servers, placed.append, planned)
     t = exp.topology
     print(f"{args.experiment}: ok — scheme {exp.scheme['name']}, topology {t.name} "
           f"({len(t.nodes)} datacenters, {len(t.links)} links), "
           f"{exp.workload.bytes} bytes, {exp.repetitions} repetition(s)"
           + (f", a sweep of {len(exp.sweep['points'])} points" if exp.sweep else ""))
     if args.servers:
-        sf, _ = _cluster(exp, args.servers, print)
+        print("\n".join(placed))
         print(f"{args.servers}: ok -- {len(sf.servers)} servers" + (" on this machine (namespaces)" if sf.local is not None
                                                                      else "") + " (no connection tried)")
     if args.hosts:
@@ -289,11 +298,12 @@ def _doctor_servers(args) -> int:
     return 1 if bad else 0
 
 
-def _print_plan(exp: dict, variant: dict, args) -> None:
+def _print_plan(exp: Experiment, variant: Variant, args) -> None:
     from testbed.experiment import build_plan, scheme_key
+    from testbed.plan import Tree
 
-    topo, graph, plan, prediction, bound = build_plan(exp, variant.scheme, source=args.experiment,
-                                                      key=scheme_key(exp.variants.index(variant)))
+    topo, _, plan, prediction, bound = build_plan(exp, variant.scheme, source=args.experiment,
+                                                  key=scheme_key(exp.variants.index(variant)))
     if args.json:
         print(json.dumps({"label": variant.label, "at_s": args.at_s, "plan": plan.to_dict() if args.full else plan.meta,
                           "prediction": prediction, "bound": bound}, indent=1, default=str))
@@ -304,11 +314,7 @@ def _print_plan(exp: dict, variant: dict, args) -> None:
           + f"): {exp.workload.bytes} bytes, "
           f"{sum(len(p) for p in plan.programs.values())} ops, {plan.bytes_sent(exp.workload.elem_bytes) / 1e6:.3g} MB on the wire")
     for i, t in enumerate(plan.meta.get("trees", [])):
-        ch = {}
-        for n, p in t["parent"].items():
-            if p is not None:
-                ch.setdefault(p, []).append(n)
-        fan = max((len(v) for v in ch.values()), default=0)
+        fan = max((len(v) for v in Tree(t["root"], t["parent"]).children().values()), default=0)
         print(f"  tree {i}: root {t['root']}, height {t.get('height')}, max fan-out {fan}, "
               f"rate {t.get('rate_mbps', 0):.1f} Mbit/s, share {t.get('share', 0):.3f}, chunks {t.get('chunks')}")
         print("    parents: " + ", ".join(f"{n}<-{p}" for n, p in t["parent"].items() if p is not None))
@@ -322,7 +328,9 @@ def _print_plan(exp: dict, variant: dict, args) -> None:
               "(sender, next aggregator) pairs" + "".join(f"\n    {'>'.join(p)}" for p in paths[:8])
               + ("\n    ..." if len(paths) > 8 else ""))
     print(f"predicted CCT {prediction['cct_s']:.4f}s ({prediction.get('model', '')}); "
-          + (f"bound: rate {bound['rate_mbps']:.1f} Mbit/s, CCT {bound['cct_s']:.4f}s" if bound else
+          + (f"bound (strict, {bound['bound']}): rate {bound['rate_mbps']:.1f} Mbit/s, transfer "
+             f"{bound['transfer_s']:.4f}s; the packing ({bound['packing_rate_mbps']:.1f} Mbit/s, gap "
+             f"{bound['gap']:.2g}) with its best tree's delay: estimated CCT {bound['estimate_cct_s']:.4f}s" if bound else
              "no bound: the tree-packing optimum bounds an AllReduce of every node, this is a partial reduce"))
 
 
@@ -380,7 +388,7 @@ def cmd_linkcheck(args) -> int:
     phases = ("concurrent",) if args.concurrent else ("single",) if args.single else ("single", "concurrent")
     network = None
     if args.servers:
-        from testbed.cluster import network_on, load_servers
+        from testbed.cluster import load_servers, network_on
 
         if args.load == "udp":
             raise ConfigError("--load udp reads the receivers' interface counters on this machine: not with --servers")
@@ -405,7 +413,7 @@ def cmd_linkcheck(args) -> int:
           f"{result['tcp_cc']} (informative)")
     kept = ("the emulator kept up" if result["emulation_kept_up"]["ok"] else
             "THE EMULATOR DID NOT KEEP UP (its load is the relayed frames: a lower --scale cuts them only "
-            "where flows fall under ~23 Mbit/s, two segments a millisecond; README, \"Emulator headroom\")")
+            "where flows fall under ~23 Mbit/s, two segments a millisecond; docs/guides/link-fidelity.md)")
     print(f"total configured capacity {result['total_capacity_mbps']:.0f} Mbit/s at scale {topo.scale:g}; "
           f"{'all directions within tolerance' if result['directions_ok'] else 'SOME DIRECTIONS OUT OF TOLERANCE'}; {kept}")
     print(f"linkcheck: {Path(out) / 'linkcheck.json'}")
@@ -461,10 +469,21 @@ def cmd_bench(args) -> int:
     for key in ("sizes", "schemes", "topologies"):
         val = getattr(args, key, None)
         if val:
-            if args.name not in ("efficiency", "peers"):
+            if args.name not in ("efficiency", "peers") and not (key == "sizes" and args.name == "dataplane"):
                 print(f"error: bench {args.name}: --{key} applies to bench efficiency and peers only", file=sys.stderr)
                 return 2
             options[key] = tuple(x for x in val.split(",") if x)
+    if args.rates:
+        if args.name != "dataplane":
+            print(f"error: bench {args.name}: --rates applies to bench dataplane only", file=sys.stderr)
+            return 2
+        try:
+            options["rates"] = tuple(float(x) for x in args.rates.split(",") if x)
+            if not options["rates"] or min(options["rates"]) <= 0:
+                raise ValueError
+        except ValueError:
+            print(f"error: bench dataplane: --rates {args.rates!r}: not a list of rates in Mbit/s > 0", file=sys.stderr)
+            return 2
     try:
         _check_bench_options(options)
     except ConfigError as e:
@@ -500,7 +519,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python3 -m testbed",
                                 description="Emulated inter-datacenter WANs for geo-distributed ML synchronisation.")
     sub = p.add_subparsers(dest="verb", required=True, metavar="VERB")
+    for add in (_verb_run, _verb_report, _verb_exec, _verb_shell, _verb_deploy, _verb_validate, _verb_plan,
+                _verb_doctor, _verb_clean, _verb_linkcheck, _verb_bench):  # one subparser each, in --help order
+        add(sub)
+    return p
 
+
+def _verb_run(sub) -> None:
     r = sub.add_parser("run", help="run an experiment and write results.json",
                        description="Build the experiment's WAN, run its scheme with real agents, check results, write DIR/results.json.")
     _experiment_args(r)
@@ -510,6 +535,8 @@ def build_parser() -> argparse.ArgumentParser:
     _servers_arg(r)
     r.set_defaults(func=cmd_run)
 
+
+def _verb_report(sub) -> None:
     rp = sub.add_parser("report", help="figures, CSV tables and one self-contained HTML page from results folders",
                         description="Read DIR/results.json (or a sweep's DIR/sweep.json) of every DIR; write PNG "
                                     "figures, variants.csv, links.csv and report.html into --out.")
@@ -517,6 +544,8 @@ def build_parser() -> argparse.ArgumentParser:
     rp.add_argument("--out", help="output folder (default: the first DIR)")
     rp.set_defaults(func=cmd_report)
 
+
+def _verb_exec(sub) -> None:
     ex = sub.add_parser("exec", help="run your own program in every datacenter of an experiment's emulated WAN",
                         description="Build the experiment's WAN (with its dynamics and faults), run CMD in every "
                                     "datacenter with RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, LOCAL_RANK, "
@@ -532,14 +561,18 @@ def build_parser() -> argparse.ArgumentParser:
     ex.add_argument("command", nargs="*", metavar="-- CMD ARGS", help="the program and its arguments, after --")
     ex.set_defaults(func=cmd_exec)
 
+
+def _verb_shell(sub) -> None:
     sh = sub.add_parser("shell", help="Mininet's interactive CLI on an experiment's emulated WAN")
     _experiment_args(sh)
     sh.set_defaults(func=cmd_shell)
 
+
+def _verb_deploy(sub) -> None:
     dp = sub.add_parser("deploy", help="run an experiment's schemes with the same agents on real hosts over SSH",
                         description="Plan as `run` does, start one agent per datacenter on its real host over "
                                     "ssh, run, check, write DIR/results.json. Nothing is shaped: the topology "
-                                    "describes the real WAN. Hosts file format: README, 'Real hosts'.")
+                                    "describes the real WAN. Hosts file format: docs/guides/deploy.md.")
     _experiment_args(dp)
     dp.add_argument("--hosts", required=True, metavar="HOSTS.yaml",
                     help="coordinator address and, per datacenter, ssh destination and data address")
@@ -547,6 +580,8 @@ def build_parser() -> argparse.ArgumentParser:
     dp.add_argument("--quiet", action="store_true", help="no progress lines")
     dp.set_defaults(func=cmd_deploy)
 
+
+def _verb_validate(sub) -> None:
     v = sub.add_parser("validate", help="check an experiment (and its topology) without running anything")
     _experiment_args(v)
     v.add_argument("--hosts", metavar="HOSTS.yaml", help="also check a `deploy` hosts file against the topology")
@@ -554,6 +589,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also check a servers file and print the placement on it (nothing is contacted)")
     v.set_defaults(func=cmd_validate)
 
+
+def _verb_plan(sub) -> None:
     pl = sub.add_parser("plan", help="print the plan (trees, roots, rates, shares, chunks) and the bound; no network")
     _experiment_args(pl)
     pl.add_argument("--json", action="store_true", help="print JSON (plan meta, prediction, bound)")
@@ -564,12 +601,16 @@ def build_parser() -> argparse.ArgumentParser:
                          "e.g. an oracle's plan after a redraw")
     pl.set_defaults(func=cmd_plan)
 
+
+def _verb_doctor(sub) -> None:
     d = sub.add_parser("doctor", help="report what this machine can do and which link shaping run will use")
-    d.add_argument("--json", action="store_true")
+    d.add_argument("--json", action="store_true", help="print the capabilities as JSON")
     d.add_argument("--servers", metavar="SERVERS.yaml",
                    help="report every server of this servers file instead, and the underlay between them")
     d.set_defaults(func=cmd_doctor)
 
+
+def _verb_clean(sub) -> None:
     c = sub.add_parser("clean", help="remove namespaces, interfaces, bridges and processes a crashed run left")
     c.add_argument("--all", action="store_true", help="also those of runs still going (default: only runs whose "
                                                       "owner process is gone)")
@@ -577,6 +618,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="clean every server of this servers file instead (local servers: remove them too)")
     c.set_defaults(func=cmd_clean)
 
+
+def _verb_linkcheck(sub) -> None:
     lc = sub.add_parser("linkcheck", help="measure every link direction's rate, delay, jitter, loss and queue "
                                            "against the topology (UDP probes, iperf3, ping)")
     lc.add_argument("topology", help="topology name (topologies/) or file")
@@ -600,6 +643,8 @@ def build_parser() -> argparse.ArgumentParser:
     _servers_arg(lc)
     lc.set_defaults(func=cmd_linkcheck)
 
+
+def _verb_bench(sub) -> None:
     b = sub.add_parser("bench", help="benchmarks that report ratios measured in one run")
     b.add_argument("name", choices=("dataplane", "ring", "planner", "adaptive", "efficiency", "peers", "chaos",
                                     "fuzz", "emulator"), help="which benchmark")
@@ -607,12 +652,13 @@ def build_parser() -> argparse.ArgumentParser:
                                       "(default netstorm-internet2-9)")
     b.add_argument("--tcp-cc", help=f"emulator: the hosts' TCP congestion control (default {DEFAULT_TCP_CC})")
     b.add_argument("--seconds", type=float, help="emulator: linkcheck measuring time per scale (default 6)")
-    b.add_argument("--sizes", help="efficiency, peers: comma-separated model sizes before the scale (e.g. 16MB,64MB)")
+    b.add_argument("--sizes", help="efficiency, peers: comma-separated model sizes before the scale (e.g. 16MB,64MB); "
+                                   "dataplane: chunk sizes (default 4KB,64KB,1MB,16MB,64MB)")
+    b.add_argument("--rates", help="dataplane: comma-separated rates in Mbit/s of the emulated link (default 100)")
     b.add_argument("--schemes", help="efficiency, peers: comma-separated schemes (default: the tree schemes)")
     b.add_argument("--topologies", help="efficiency, peers: comma-separated topologies among the benchmarked ones")
     b.add_argument("--out", help="output folder")
     b.set_defaults(func=cmd_bench)
-    return p
 
 
 def main(argv: list[str] | None = None) -> int:

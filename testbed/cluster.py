@@ -148,11 +148,44 @@ def load_servers(path: str | Path) -> ServersFile:
     return ServersFile(source, coordinator, servers, options, port, local)
 
 
-def check_placement(exp: Experiment, sf: ServersFile) -> Placement:
+# Why a plan that names paths does not run here: WanNetwork.install_paths is policy routing by
+# source address in the datacenters' namespaces of one network; no server installs a path's rules.
+PATHS_REFUSED = ("per-flow paths (policy routing by source address) are installed on one machine's network "
+                 "only: on several servers these connections would take the static routes instead")
+
+
+def far_paths(paths, topo) -> list[tuple[str, ...]]:
+    """The paths among ``paths`` that need policy routing on ``topo``: those of more than one
+    hop whose data or acknowledgements the static routes would carry elsewhere (a one-hop
+    path is a link; a path that is the static route both ways is carried as it is)."""
+    from testbed.routing import data_paths
+
+    static = data_paths(topo.graph())
+    return sorted({tuple(p) for p in paths if len(p) >= 3 and (static.get((p[0], p[-1])) != list(p)
+                                                              or static.get((p[-1], p[0])) != list(p)[::-1])})
+
+
+def refuse_paths(exp: Experiment, planned) -> None:
+    """ConfigError naming the first variant whose plan (``Planned``) carries a connection on a
+    path the static routes do not carry (:func:`far_paths`): not on several servers
+    (:data:`PATHS_REFUSED`)."""
+    from testbed.experiment import scheme_key
+
+    for i, p in enumerate(planned):
+        far = far_paths(p.plan.paths().values(), exp.topology)
+        if far:
+            raise ConfigError(f"{p.variant.label}'s plan names {len(far)} paths off the static routes (e.g. "
+                              f"{'>'.join(far[0])}), not with --servers: {PATHS_REFUSED} (run it on one machine, or "
+                              "a variant whose plan names no path)", source=exp.source, key=scheme_key(i))
+
+
+def check_placement(exp: Experiment, sf: ServersFile, planned=()) -> Placement:
     """The placement of ``exp`` on ``sf``'s servers (pins from ``placement:``); ConfigError if
-    it cannot be placed or the servers' NICs (``nic_mbps``) cannot carry its cut links."""
+    it cannot be placed, the servers' NICs (``nic_mbps``) cannot carry its cut links, or a plan
+    of ``planned`` names paths (:func:`refuse_paths`)."""
     if exp.sweep:
         raise ConfigError("sweeps run on one machine (no --servers)", source=exp.source, key="sweep")
+    refuse_paths(exp, planned)
     p = place(exp.topology, sf.sizes(), exp.placement, source=exp.source)
     problems = underlay_problems(p, {}, {s.name: s.nic_mbps for s in sf.servers.values()})
     if problems:
@@ -207,7 +240,7 @@ class ClusterNetwork(WanNetwork):
     # -- life cycle ----------------------------------------------------------------
     def start(self) -> None:
         self.open()
-        self.underlay = self._measure_underlay(throughput=True)
+        self.underlay = self.measure_underlay(throughput=True)
         problems = underlay_problems(self.placement, {k: v["mbps"] for k, v in self.underlay["pairs"].items()
                                                       if v.get("mbps")},
                                      {s.name: s.nic_mbps for s in self.sf.servers.values()})
@@ -247,7 +280,7 @@ class ClusterNetwork(WanNetwork):
                                       "datacenters": self.placement.on(name)}
         ssh.for_each(self.conns, prepare)
 
-    def _measure_underlay(self, throughput: bool = False) -> dict:
+    def measure_underlay(self, throughput: bool = False) -> dict:
         """Round trip and MTU from every server to every other over the underlay; with
         ``throughput``, iperf3's TCP rate one way (pairs one at a time) where the placement
         tunnels links (every pair: ``all_pairs``)."""
@@ -485,6 +518,16 @@ class ClusterNetwork(WanNetwork):
             self._direction(*sd).up = up
         self._event("link_up" if up else "link_down", a=a, b=b)
 
+    def install_paths(self, paths) -> dict[tuple[str, ...], str]:
+        """Paths the static routes carry need nothing; the others (:func:`far_paths`) are
+        refused (:data:`PATHS_REFUSED`): RunError naming one (a plan made at run time; ``run``
+        refuses planned ones before the network is built)."""
+        far = far_paths(paths, self.topo)
+        if far:
+            raise RunError(f"the plan names {len(far)} paths off the static routes (e.g. {'>'.join(far[0])}): "
+                           + PATHS_REFUSED)
+        return {}
+
     def forward(self, host: str, port: int) -> None:
         """Agents' control connections on every server to ``host:port`` (the coordinator)."""
         for name in self._daemons:
@@ -627,7 +670,7 @@ def doctor_servers(sf: ServersFile, log: Callable[[str], None] = print) -> dict:
     net.all_pairs = True
     try:
         net.open()
-        underlay = net._measure_underlay(throughput=len(names) > 1)
+        underlay = net.measure_underlay(throughput=len(names) > 1)
 
         def one(name: str, conn: ssh.Connection) -> dict:
             s = net.sf.servers[name]

@@ -146,9 +146,11 @@ class Variant:
     label: str
     scheme: dict
 
-    @property
-    def params(self) -> dict:
-        return {k: v for k, v in self.scheme.items() if k != "name"}
+
+def planner_params(scheme: dict) -> dict:
+    """A scheme's parameters for its planner: every key but ``name`` and the run-time
+    features' blocks (``RUN_TIME_KEYS``)."""
+    return {k: v for k, v in scheme.items() if k not in ("name", *RUN_TIME_KEYS)}
 
 
 @dataclass(frozen=True)
@@ -203,6 +205,12 @@ class Experiment:
                           "points": [{"values": p["values"], "experiment": p["experiment"].to_dict()}
                                      for p in self.sweep["points"]]}
         return d
+
+
+def shipped_experiments() -> list[Path]:
+    """The experiment files of ``experiments/`` (not the servers files beside them, which
+    have a top-level ``servers``: ``--servers``, testbed/cluster.py)."""
+    return [f for f in sorted(EXPERIMENT_DIR.glob("*.yaml")) if "servers" not in load_yaml(f)]
 
 
 def load_yaml(path: str | Path, what: str = "experiment") -> dict:
@@ -265,10 +273,38 @@ def validate(data: dict, source: str = "<experiment>") -> Experiment:
     """Check an experiment mapping; the :class:`Experiment` (its ``to_dict()``: the mapping
     fully resolved, defaults filled in, ``topology`` resolved to its mapping,
     ``workload.bytes`` computed)."""
-    from testbed import workloads
-    from testbed.topology import load_topology
+    from testbed.emulator.dynamics import scaled, validate_dynamics, validate_faults
 
     c = Checker(source)
+    exp = _top_level(c, data)
+    topo = _topology(exp["topology"], source)
+    nodes = list(topo.nodes)
+    exp["topology"] = topo.to_dict()
+    _schemes(c, exp, nodes)
+    _workload(c, exp["workload"], exp["scale"], nodes)
+    _settings(c, exp, nodes)
+    exp["dynamics"] = validate_dynamics(exp["dynamics"], topo, c, source)
+    exp["faults"] = validate_faults(exp["faults"], topo, c)
+    for i, v in enumerate([exp["scheme"], *(v["scheme"] for v in exp["variants"])]):
+        if exp["faults"] and (v.get("groups") or {}).get("blocking") is False:
+            c.fail("scheme.groups.blocking" if i == 0 else f"variants[{i - 1}].scheme.groups.blocking",
+                   "non-blocking scatter has no failover (its early scatter would wait on a lost worker): "
+                   "not with faults")
+    sweep = expand_sweep(c, data, source) if data.get("sweep") is not None else None
+    return Experiment(
+        name=exp["name"], source=source, topology=topo.scaled(exp["scale"]), scale=exp["scale"], seed=exp["seed"],
+        repetitions=exp["repetitions"], workload=Workload(**exp["workload"]),
+        variants=(Variant(exp["scheme"]["name"], exp["scheme"]),
+                  *(Variant(v["label"], v["scheme"]) for v in exp["variants"])),
+        dynamics=tuple(scaled(exp["dynamics"], exp["scale"])),
+        dynamics_per_run=exp["dynamics_per_run"], faults=tuple(exp["faults"]),
+        emulator=EmulatorSettings(**exp["emulator"]), agents=AgentSettings(**exp["agents"]),
+        output_dir=exp["output"]["dir"], sweep=sweep, placement=dict(exp["placement"]),
+        resolved=copy.deepcopy({**exp, "sweep": None}))
+
+
+def _top_level(c: Checker, data: dict) -> dict:
+    """The top-level keys checked, merged over the defaults."""
     c.mapping(data, "", TOP_KEYS)
     for key in ("name", "topology", "scheme"):
         if key not in data:
@@ -279,19 +315,24 @@ def validate(data: dict, source: str = "<experiment>") -> Experiment:
         if key in data:
             c.mapping(data[key], key, set(DEFAULTS[key]))
     exp = _merge(DEFAULTS, data)
-
     c.number(exp["scale"], "scale", positive=True)
     c.number(exp["seed"], "seed", integer=True, minimum=0)
     c.number(exp["repetitions"], "repetitions", integer=True, minimum=1)
+    return exp
 
-    topo_ref = exp["topology"]
-    if isinstance(topo_ref, str) and not Path(topo_ref).is_absolute() and "/" in topo_ref:
-        candidate = Path(source).parent / topo_ref
-        topo_ref = str(candidate) if candidate.exists() else topo_ref
-    topo = load_topology(topo_ref, source=source, key="topology")
-    nodes = list(topo.nodes)
-    exp["topology"] = topo.to_dict()
 
+def _topology(ref, source: str):
+    """The topology ``ref`` names (a relative path with a folder: next to ``source`` if there)."""
+    from testbed.topology import load_topology
+
+    if isinstance(ref, str) and not Path(ref).is_absolute() and "/" in ref:
+        candidate = Path(source).parent / ref
+        ref = str(candidate) if candidate.exists() else ref
+    return load_topology(ref, source=source, key="topology")
+
+
+def _schemes(c: Checker, exp: dict, nodes: list[str]) -> None:
+    """The main scheme and every variant's, resolved in place; labels unique."""
     exp["scheme"] = _scheme(c, exp["scheme"], "scheme", nodes)
     if not isinstance(exp["variants"], list):
         c.fail("variants", "expected a list of {label, scheme} mappings")
@@ -307,7 +348,12 @@ def validate(data: dict, source: str = "<experiment>") -> Experiment:
             c.fail(f"{key}.label", f"expected a unique non-empty label, got {label!r}")
         labels.add(label)
         exp["variants"][i] = {"label": label, "scheme": _scheme(c, v["scheme"], f"{key}.scheme", nodes)}
-    w = exp["workload"]
+
+
+def _workload(c: Checker, w: dict, scale: float, nodes: list[str]) -> None:
+    """``workload`` checked, its ``bytes`` and ``length`` (after ``scale``) added in place."""
+    from testbed import workloads
+
     c.choice(w["dtype"], "workload.dtype", ("float32", "float64"))
     c.number(w["iterations"], "workload.iterations", integer=True, minimum=1)
     c.number(w["warmup"], "workload.warmup", integer=True, minimum=0)
@@ -322,7 +368,7 @@ def validate(data: dict, source: str = "<experiment>") -> Experiment:
         if nbytes <= 0:
             c.fail("workload.size", "must be > 0")
     itemsize = workloads.dtype_bytes(w["dtype"])
-    w["bytes"] = max(itemsize, int(nbytes * exp["scale"]) // itemsize * itemsize)
+    w["bytes"] = max(itemsize, int(nbytes * scale) // itemsize * itemsize)
     w["length"] = w["bytes"] // itemsize
     limit = workloads.max_vector_bytes(len(nodes))
     if w["bytes"] > limit:
@@ -332,6 +378,9 @@ def validate(data: dict, source: str = "<experiment>") -> Experiment:
                f"vectors): at most {limit / 1e6:.0f} MB (after scale)")
     _check_compute(c, w["compute_s"], nodes)
 
+
+def _settings(c: Checker, exp: dict, nodes: list[str]) -> None:
+    """``emulator``, ``agents``, ``dynamics_per_run``, ``output`` and ``placement`` checked."""
     e = exp["emulator"]
     c.choice(e["method"], "emulator.method", SHAPING_CHOICES)
     c.number(e["relay_procs"], "emulator.relay_procs", integer=True, minimum=0)
@@ -355,26 +404,6 @@ def validate(data: dict, source: str = "<experiment>") -> Experiment:
         c.node(dc, "placement", nodes)
         if not isinstance(server, str) or not server:
             c.fail(f"placement.{dc}", f"expected a server name of the servers file, got {server!r}")
-
-    from testbed.emulator.dynamics import scaled, validate_dynamics, validate_faults
-
-    exp["dynamics"] = validate_dynamics(exp["dynamics"], topo, c, source)
-    exp["faults"] = validate_faults(exp["faults"], topo, c)
-    for i, v in enumerate([exp["scheme"], *(v["scheme"] for v in exp["variants"])]):
-        if exp["faults"] and (v.get("groups") or {}).get("blocking") is False:
-            c.fail("scheme.groups.blocking" if i == 0 else f"variants[{i - 1}].scheme.groups.blocking",
-                   "non-blocking scatter has no failover (its early scatter would wait on a lost worker): "
-                   "not with faults")
-    sweep = expand_sweep(c, data, source) if data.get("sweep") is not None else None
-    return Experiment(
-        name=exp["name"], source=source, topology=topo.scaled(exp["scale"]), scale=exp["scale"], seed=exp["seed"],
-        repetitions=exp["repetitions"], workload=Workload(**w),
-        variants=(Variant(exp["scheme"]["name"], exp["scheme"]),
-                  *(Variant(v["label"], v["scheme"]) for v in exp["variants"])),
-        dynamics=tuple(scaled(exp["dynamics"], exp["scale"])),
-        dynamics_per_run=exp["dynamics_per_run"], faults=tuple(exp["faults"]), emulator=EmulatorSettings(**e),
-        agents=AgentSettings(**a), output_dir=exp["output"]["dir"], sweep=sweep,
-        placement=dict(exp["placement"]), resolved=copy.deepcopy({**exp, "sweep": None}))
 
 
 SWEEP_FIXED = {"name", "sweep", "output"}  # keys a sweep point may not change

@@ -67,7 +67,8 @@ class _Ops:
 
 
 class _Routes:
-    """Per ordered pair: link ids on the latency-shortest path, one-way delay (s)."""
+    """Per ordered pair: link ids on the latency-shortest path (or on a path a send names),
+    one-way delay (s)."""
 
     def __init__(self, graph: nx.DiGraph, share: float = 1.0):
         self.graph = graph
@@ -76,28 +77,31 @@ class _Routes:
         self.link_id: dict[tuple[str, str], int] = {}
         self.cap: list[float] = []
         self.names: list[str] = []
-        self._cache: dict[tuple[str, str], tuple[tuple[int, ...], float, float]] = {}
+        self._cache: dict[tuple, tuple[tuple[int, ...], float, float]] = {}
 
-    def get(self, u: str, v: str) -> tuple[tuple[int, ...], float, float]:
-        """(link ids, one-way delay s, bottleneck bytes/s) of the route u→v."""
-        hit = self._cache.get((u, v))
+    def get(self, u: str, v: str, path: tuple[str, ...] = ()) -> tuple[tuple[int, ...], float, float]:
+        """(link ids, one-way delay s, bottleneck bytes/s) of the route u→v, or of ``path``
+        (``Op.path``) where given."""
+        key = (u, v, path)
+        hit = self._cache.get(key)
         if hit is not None:
             return hit
-        path = self.paths.get((u, v))
+        if path and any(not self.graph.has_edge(a, b) for a, b in zip(path, path[1:])):
+            raise PlanError(f"path {'>'.join(path)} crosses a link the topology does not have")
+        path = path or self.paths.get((u, v))
         if path is None:
             raise PlanError(f"no route from {u} to {v} in the topology")
         ids = []
         delay = 0.0
         for a, b in zip(path, path[1:]):
-            key = (a, b)
-            if key not in self.link_id:
-                self.link_id[key] = len(self.cap)
+            if (a, b) not in self.link_id:
+                self.link_id[(a, b)] = len(self.cap)
                 self.cap.append(_bytes_per_s(self.graph, a, b) * self.share)
                 self.names.append(f"{a}->{b}")
-            ids.append(self.link_id[key])
+            ids.append(self.link_id[(a, b)])
             delay += self.graph[a][b].get("delay_ms", 0.0) / 1000.0
         hit = (tuple(ids), delay, min(self.cap[i] for i in ids))
-        self._cache[(u, v)] = hit
+        self._cache[key] = hit
         return hit
 
 
@@ -145,6 +149,7 @@ def max_min_rates(classes: dict[tuple[int, ...], int], cap: list[float]) -> dict
 
 
 PACE_PREFIX = "pace "  # names of the virtual links that model paced connections
+STREAM_PREFIX = "stream "  # names of the virtual links that hold a cut-through send to its upstream's pace
 # TCP payload per shaped byte at MTU 1500 with timestamps: MSS 1448 in a 1514-byte Ethernet frame
 # (HTB shapes frames: a link of rate R carries R x 1448/1514 of payload), and per IP byte (the
 # kernel paces a connection's IP packets, 1500 bytes per 1448 of payload).
@@ -154,20 +159,24 @@ TCP_PACED_SHARE = 1448 / 1500
 # the agent's threads share one interpreter, so a node handles its transfers one after another).
 # Calibrated from bench efficiency runs on the project's 2-core machine shared by several
 # workers: the measured CCT grew by ~2 ms per extra transfer per node when the same plans were
-# cut into more chunks (MTREE 17 -> 160 chunks per tree, forest 4 -> 32 rounds; issue 17).
+# cut into more chunks (MTREE 17 -> 160 chunks per tree, forest 4 -> 32 rounds).
 EXECUTOR_TRANSFER_S = 0.002
+# The executor's cut-through sub-block (agents.executor.SUBBLOCK_BYTES): a send streams from the
+# receives it depends on once their first sub-block is in.
+EXECUTOR_SUBBLOCK_BYTES = 64 << 10
 
 
-def predict(plan: Plan, graph: nx.DiGraph, *, elem_bytes: int = 4, stop_and_wait: bool = False,
-            tcp: bool = False, transfer_s: float = 0.0, trace: bool = False) -> dict:
+def predict(plan: Plan, graph: nx.DiGraph, *, elem_bytes: int = 4, stop_and_wait: bool = False,  # noqa: C901, PLR0915 -- a flow-level simulation: its event loop and the simulated state it updates
+            tcp: bool = False, transfer_s: float = 0.0, trace: bool = False, cut_through_bytes: float = 0.0) -> dict:
     """Flow-level, max-min fair discrete-event simulation of ``plan`` on ``graph``.
 
     * An op is ready when its ``deps`` have completed.  A ready send joins the FIFO of
       its connection (src, dst, channel); a connection transmits one transfer at a time,
       in the order they became ready (one ordered byte stream, as the executor's TCP
       connection).
-    * A transmitting transfer is a flow on the latency-shortest route
-      (:func:`testbed.routing.data_paths`: the direct link between neighbours, else latency-shortest); flows sharing a directed link share its
+    * A transmitting transfer is a flow on the path its send names (``Op.path``), else on the
+      latency-shortest route (:func:`testbed.routing.data_paths`: the direct link between
+      neighbours, else latency-shortest); flows sharing a directed link share its
       rate max-min fairly (progressive filling, recomputed whenever the set of flows
       changes).  A paced send (``Op.rate_mbps``) also crosses a virtual link of that
       rate private to its connection.
@@ -184,6 +193,12 @@ def predict(plan: Plan, graph: nx.DiGraph, *, elem_bytes: int = 4, stop_and_wait
       left.  A single transfer therefore takes α + size/rate exactly.
     * A recv completes once its data has arrived and its deps are met.  Reduction
       compute time is ignored.
+    * ``cut_through_bytes`` > 0 (the executor's cut-through, :data:`EXECUTOR_SUBBLOCK_BYTES`):
+      a send longer than that which depends on a receive joins its connection's FIFO once
+      each of its unmet deps is a receive whose deps are met and whose first
+      ``cut_through_bytes`` have arrived; while it streams, a virtual link holds it to the
+      rate its upstream flows had when it started (lifted as they end), and its last byte
+      leaves no earlier than its deps complete.  0: store and forward (the papers' model).
 
     Returns a dict with ``cct_s`` (completion of the last op of any program),
     ``result_s`` (the last receive), ``model``, ``per_link_bytes`` and ``link_busy_s``
@@ -205,7 +220,7 @@ def predict(plan: Plan, graph: nx.DiGraph, *, elem_bytes: int = 4, stop_and_wait
         if not ops.is_send[i]:
             continue
         src = ops.node[i]
-        links[i], alpha[i], _ = routes.get(src, op.peer)
+        links[i], alpha[i], _ = routes.get(src, op.peer, op.path)
         if op.rate_mbps > 0:  # a paced connection: a private virtual link at its rate
             key = (src, op.peer, op.channel)
             if key not in paced:
@@ -214,10 +229,21 @@ def predict(plan: Plan, graph: nx.DiGraph, *, elem_bytes: int = 4, stop_and_wait
                 routes.names.append(PACE_PREFIX + f"{src}->{op.peer}#{op.channel}")
             links[i] = links[i] + (paced[key],)
         if stop_and_wait:
-            rtt[i] = alpha[i] + routes.get(op.peer, src)[1]
+            rtt[i] = alpha[i] + routes.get(op.peer, src, op.path[::-1])[1]  # the acks come back the same way
         size[i] = float(op.length * elem_bytes)
         conn[i] = conn_id.setdefault((src, op.peer, op.channel), len(conn_id))
     cap = routes.cap
+    deps_of: list[list[int]] = [[] for _ in range(n_ops)]
+    for d in range(n_ops):
+        for u in ops.users[d]:
+            deps_of[u].append(d)
+    streams = [cut_through_bytes > 0 and ops.is_send[i] and size[i] > cut_through_bytes
+               and any(not ops.is_send[d] for d in deps_of[i]) for i in range(n_ops)]
+    begun = [False] * n_ops  # recv: its first cut_through_bytes have arrived
+    queued = [False] * n_ops  # send: in its connection's FIFO (or sent)
+    held = [False] * n_ops  # streaming send: all its bytes out, its deps not yet complete
+    cur_links: list[tuple[int, ...]] = list(links)  # the links of a transmitting flow
+    streamers: dict[int, list[int]] = {}  # send op -> streaming sends capped at its rate
     queues = [deque() for _ in conn_id]
     busy = [False] * len(conn_id)
     done = [-1.0] * n_ops
@@ -228,7 +254,7 @@ def predict(plan: Plan, graph: nx.DiGraph, *, elem_bytes: int = 4, stop_and_wait
     unmet = list(ops.unmet)
     per_link = [0.0] * len(cap)
     events: list[tuple[float, int, int, int]] = []  # (time, seq, kind, op): arrivals and ACKs
-    ARRIVE, ACK, CPU = 0, 1, 2
+    ARRIVE, ACK, CPU, BEGUN = 0, 1, 2, 3
     cpu_free = dict.fromkeys(plan.nodes, 0.0)  # transfer_s: when each node's CPU is next free
     seq = count()
     # Transmitting flows.  A flow's bytes left are ``left`` as of ``t_upd`` at rate ``rate``;
@@ -252,7 +278,30 @@ def predict(plan: Plan, graph: nx.DiGraph, *, elem_bytes: int = 4, stop_and_wait
         for u in ops.users[i]:
             unmet[u] -= 1
             if unmet[u] == 0:
-                work.append(u)
+                if held[u]:
+                    finish(u)
+                elif not queued[u]:
+                    work.append(u)
+            else:
+                early(u)
+
+    def early(u: int) -> None:  # cut-through: queue send u before its deps are met
+        if streams[u] and not queued[u] and all(done[d] >= 0 or not ops.is_send[d] and ready[d] and begun[d]
+                                               for d in deps_of[u]):
+            queued[u] = True
+            queues[conn[u]].append(u)
+            pump(conn[u])
+
+    def finish(i: int) -> None:  # send i's last byte left at t
+        held[i] = False
+        left_at[i] = t
+        heapq.heappush(events, (t + alpha[i], next(seq), ARRIVE, ops.partner[i]))
+        if stop_and_wait:
+            heapq.heappush(events, (t + rtt[i], next(seq), ACK, i))
+        else:
+            complete(i)
+            busy[conn[i]] = False
+            pump(conn[i])
 
     def received(i: int) -> None:  # a recv whose data is there and whose deps are met
         if transfer_s <= 0:
@@ -268,6 +317,18 @@ def predict(plan: Plan, graph: nx.DiGraph, *, elem_bytes: int = 4, stop_and_wait
         i = queues[c].popleft()
         busy[c] = True
         key = links[i]
+        if unmet[i] > 0:  # streaming: no faster than the flows bringing its data
+            up = [ops.partner[d] for d in deps_of[i] if done[d] < 0 and not ops.is_send[d]]
+            up = [s for s in up if left[s] > 0 and rate[s] > 0]
+            if up:
+                routes.cap.append(min(rate[s] for s in up))
+                routes.names.append(STREAM_PREFIX + str(i))
+                per_link.append(0.0)
+                on_link.append(set())
+                key = key + (len(routes.cap) - 1,)
+                for s in up:
+                    streamers.setdefault(s, []).append(i)
+        cur_links[i] = key
         members.setdefault(key, set()).add(i)
         touched.add(key)
         for l in key:
@@ -288,12 +349,16 @@ def predict(plan: Plan, graph: nx.DiGraph, *, elem_bytes: int = 4, stop_and_wait
         while work:
             i = work.popleft()
             if ops.is_send[i]:
-                queues[conn[i]].append(i)
-                pump(conn[i])
+                if not queued[i]:
+                    queued[i] = True
+                    queues[conn[i]].append(i)
+                    pump(conn[i])
             else:
                 ready[i] = True
                 if arrived[i]:
                     received(i)
+                for u in ops.users[i]:
+                    early(u)
         if touched:
             moved = [k for k in touched if len(members.get(k, ())) != basis.get(k, 0)]
             touched.clear()
@@ -327,7 +392,10 @@ def predict(plan: Plan, graph: nx.DiGraph, *, elem_bytes: int = 4, stop_and_wait
                         for i in members[key]:
                             set_rate(i, r)
         for i in fresh:  # a flow that replaced an identical one keeps the class rate
-            set_rate(i, class_rate[links[i]])
+            set_rate(i, class_rate[cur_links[i]])
+            if cut_through_bytes > 0 and any(streams[u] for u in ops.users[ops.partner[i]]):
+                heapq.heappush(events, (t + alpha[i] + min(size[i], cut_through_bytes) / rate[i], next(seq),
+                                        BEGUN, ops.partner[i]))
         fresh.clear()
         while ends and ends[0][1] != ver[ends[0][2]]:
             heapq.heappop(ends)
@@ -343,21 +411,25 @@ def predict(plan: Plan, graph: nx.DiGraph, *, elem_bytes: int = 4, stop_and_wait
                 continue
             ver[i] += 1
             left[i] = 0.0
-            left_at[i] = t
-            key = links[i]
+            key = cur_links[i]
             members[key].discard(i)
             touched.add(key)
-            r = ops.partner[i]
-            heapq.heappush(events, (t + alpha[i], next(seq), ARRIVE, r))
-            if stop_and_wait:
-                heapq.heappush(events, (t + rtt[i], next(seq), ACK, i))
+            for u in streamers.pop(i, ()):  # its data is all under way: the sends streaming it are free
+                if left[u] > 0:
+                    cap[cur_links[u][-1]] = float("inf")
+                    basis[cur_links[u]] = -1
+                    touched.add(cur_links[u])
+            if unmet[i] > 0:
+                held[i] = True
             else:
-                complete(i)
-                busy[conn[i]] = False
-                pump(conn[i])
+                finish(i)
         while events and events[0][0] <= horizon:
             _, _, kind, i = heapq.heappop(events)
-            if kind == ARRIVE:
+            if kind == BEGUN:
+                begun[i] = True
+                for u in ops.users[i]:
+                    early(u)
+            elif kind == ARRIVE:
                 arrived[i] = True
                 if ready[i]:
                     received(i)
@@ -389,7 +461,7 @@ def _report(plan: Plan, ops: _Ops, routes: _Routes, done: list[float], per_link:
         if not ops.is_send[i]:
             result = max(result, done[i])
             phase_end[op.phase] = max(phase_end.get(op.phase, 0.0), done[i])
-    real = [l for l, name in enumerate(routes.names) if not name.startswith(PACE_PREFIX)]
+    real = [l for l, name in enumerate(routes.names) if not name.startswith((PACE_PREFIX, STREAM_PREFIX))]
     busy = {l: per_link[l] / routes.cap[l] for l in real}  # at the payload rate the model gives the link
     bott = max(real, key=lambda l: (busy[l], routes.names[l]), default=None)
     return {
@@ -409,7 +481,7 @@ def _report(plan: Plan, ops: _Ops, routes: _Routes, done: list[float], per_link:
     }
 
 
-def alpha_beta(plan: Plan, graph: nx.DiGraph, elem_bytes: int = 4) -> dict:
+def alpha_beta(plan: Plan, graph: nx.DiGraph, elem_bytes: int = 4) -> dict:  # noqa: PLR0915 -- the alpha-beta model's one pass over a plan's programs
     """Classic Hockney α-β estimate (MTREE §III: a μ-byte message over a route costs
     α + μ/b, α = route one-way delay, b = route bottleneck rate) along the plan's critical
     chain, with **no contention** between connections.
@@ -428,7 +500,7 @@ def alpha_beta(plan: Plan, graph: nx.DiGraph, elem_bytes: int = 4) -> dict:
     conn_id: dict[tuple[str, str, int], int] = {}
     for i, op in enumerate(ops.ops):
         if ops.is_send[i]:
-            _, a, b = routes.get(ops.node[i], op.peer)
+            _, a, b = routes.get(ops.node[i], op.peer, op.path)
             cost[i] = op.length * elem_bytes / b
             cost[ops.partner[i]] = a
             conn[i] = conn_id.setdefault((ops.node[i], op.peer, op.channel), len(conn_id))

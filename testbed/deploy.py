@@ -143,7 +143,7 @@ def load_hosts(path: str | Path, nodes: list[str]) -> HostsFile:
     c.mapping(data, "", HOSTS_KEYS)
     for key in ("coordinator", "hosts"):
         if key not in data:
-            c.fail(key, "missing (format: testbed/deploy.py or the README's 'Real hosts')")
+            c.fail(key, "missing (format: docs/guides/deploy.md)")
     host, _, port = str(data["coordinator"]).rpartition(":")
     if not host or not port.isdigit() or int(port) > 65535:
         c.fail("coordinator", f"expected ADDRESS:PORT (port 0: any free), got {data['coordinator']!r}")
@@ -274,6 +274,10 @@ class SshHosts(Hosts):
         log.parent.mkdir(parents=True, exist_ok=True)
         self._procs[dc] = conn.start(f"cd {shlex.quote(h.workdir)} && echo $$ > agent.pid && "
                                      f"exec {h.python} -m agents.agent --config node.json", log)
+
+    def carry_paths(self, paths: dict) -> dict[str, dict[str, str]]:
+        """Real hosts' networks route as they do: named paths are not carried ({})."""
+        return {}
 
     def health(self) -> str | None:
         """Why a run cannot go on (an agent exited, a connection dropped), or None."""

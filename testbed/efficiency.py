@@ -1,4 +1,4 @@
-"""Where a tree scheme's completion time goes, from the per-chunk timings of a run (issue 17).
+"""Where a tree scheme's completion time goes, from the per-chunk timings of a run.
 
 For one measured iteration of a run (``runs[].transfers``) on the topology's graph:
 
@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import networkx as nx
 
+from agents.protocol import transfer_rows
 from testbed.routing import data_paths
 
 
@@ -49,27 +50,26 @@ def analyse_run(run: dict, graph: nx.DiGraph) -> dict:
     """Per-tree finish times and per-link utilisation of the last measured iteration of
     ``run`` (a ``runs[]`` record of results.json) on ``graph``; see the module doc."""
     it = measured_iteration(run)
-    tr = run.get("transfers") or {}
-    if it is None or not tr.get("rows"):
+    table = transfer_rows(run.get("transfers"))
+    if it is None or not table:
         return {}
-    col = {c: i for i, c in enumerate(tr["columns"])}
-    rows = [r for r in tr["rows"] if r[col["iteration"]] == it["iteration"]]
+    rows = [r for r in table if r.iteration == it["iteration"]]
     starts = [w["comm_start_ns"] for w in it["workers"].values() if w.get("comm_start_ns")]
-    t0 = min(starts) if starts else min(r[col["send_start_ns"]] for r in rows)
+    t0 = min(starts) if starts else min(r.send_start_ns for r in rows)
     cct = it["cct_s"]
     paths = data_paths(graph)
     flow_end: dict[int, float] = {}
     busy: dict[tuple[str, str], list[tuple[float, float]]] = {}
     nbytes: dict[tuple[str, str], int] = {}
     for r in rows:
-        src, dst, f = r[col["src"]], r[col["dst"]], r[col["flow"]]
-        rs, re_ = (r[col["recv_start_ns"]] - t0) / 1e9, (r[col["recv_end_ns"]] - t0) / 1e9
+        src, dst, f = r.src, r.dst, r.flow
+        rs, re_ = (r.recv_start_ns - t0) / 1e9, (r.recv_end_ns - t0) / 1e9
         flow_end[f] = max(flow_end.get(f, 0.0), re_)
         path = paths.get((src, dst), [src, dst])
         owd = sum(graph[a][b].get("delay_ms", 0.0) for a, b in zip(path, path[1:])) / 1e3
         for a, b in zip(path, path[1:]):
             busy.setdefault((a, b), []).append((max(0.0, rs - owd), max(0.0, re_ - owd)))
-            nbytes[(a, b)] = nbytes.get((a, b), 0) + r[col["bytes"]]
+            nbytes[(a, b)] = nbytes.get((a, b), 0) + r.bytes
     links = []
     for (a, b), iv in sorted(busy.items()):
         u = _union(iv)

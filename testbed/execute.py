@@ -75,8 +75,8 @@ def exec_command(exp: Experiment, argv: list[str], out_dir: Path, *, on: list[st
     open, e.g. on several servers); return the results record (``processes``: per
     datacenter rank, argv, exit code, wall time, output)."""
     from testbed.emulator.dynamics import Scheduler
-    from testbed.results import environment
     from testbed.experiment import open_network
+    from testbed.results import environment
 
     if not argv:
         raise ConfigError("no command given (usage: exec EXP.yaml -- CMD ARGS...)")
@@ -152,7 +152,7 @@ def shell(exp: Experiment, progress: Callable[[str], None]) -> None:
     from testbed.emulator.dynamics import Scheduler
     from testbed.experiment import open_network
 
-    with (open_network(exp, progress) if net is None else contextlib.nullcontext(net)) as net:
+    with open_network(exp, progress) as net:
         for dc in net.topo.nodes:
             _add_node_interface(net, dc)
             # Mininet's pingall/iperf address a host by its first interface's IP: name the node

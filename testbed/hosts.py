@@ -29,7 +29,14 @@ class Hosts(Protocol):
         now ({}: the agents run on this machine's clock)."""
 
     def start_agent(self, dc: str, cfg: dict, out_dir: Path, secret_file: Path) -> None:
-        """Start datacenter ``dc``'s agent with node config ``cfg`` (name, coordinator)."""
+        """Start datacenter ``dc``'s agent with node config ``cfg`` (name, coordinator;
+        ``sources`` where its data connections are bound to a path's source address)."""
+
+    def carry_paths(self, paths: dict) -> dict[str, dict[str, str]]:
+        """Make the network carry the named paths of a plan's connections ({(node, peer,
+        channel): path}, ``Plan.paths``) and return, per node, {"peer/channel": source
+        address} to bind each such connection to; {} where these hosts cannot (routing
+        unchanged)."""
 
     def health(self) -> str | None:
         """Why a run cannot go on (an agent exited), or None."""
@@ -46,13 +53,13 @@ def run_agents(hosts: Hosts, plan, out_dir: Path, *, iterations: int = 1, seed: 
                compute_s: dict | None = None, stop_and_wait: bool = False, timeout_s: float = 120.0,
                progress: Callable[[str], None] = lambda m: None, predicted_s: float | None = None,
                probe: dict | None = None, clock_offset_ms: dict | None = None, policy=None,
-               tasks: dict | None = None) -> dict:
+               driver=None) -> dict:
     """Start a coordinator here and one agent per datacenter on ``hosts``, run ``plan``
     ``iterations`` times, and return the coordinator's results.  Agents are stopped
     (killed if need be) before returning, also on error.  ``probe``: passive probing
     ({chunk_bytes, chunk_num, estimator}); ``clock_offset_ms``: {dc: ms} shifts agents'
-    clocks (tests); ``policy``: re-planning, ``tasks``: CREW's run-time groups
-    (:class:`agents.coordinator.Coordinator`)."""
+    clocks (tests); ``policy``: re-planning; ``driver``: a run-time driver instead of the
+    iterations (CREW's groups) (:class:`agents.coordinator.Coordinator`)."""
     from agents.coordinator import Coordinator
 
     offsets = hosts.clock_offsets()  # node -> testbed.clock.Offset of its host's clock from ours
@@ -66,11 +73,19 @@ def run_agents(hosts: Hosts, plan, out_dir: Path, *, iterations: int = 1, seed: 
                         stop_and_wait=stop_and_wait, timeout_s=timeout_s, bind=hosts.coordinator_bind,
                         progress=progress, health=hosts.health, predicted_s=predicted_s,
                         clock_offsets_ns={n: o.offset_ns for n, o in offsets.items()}, probe=probe,
-                        truth=hosts.truth(), policy=policy, tasks=tasks, sync_clocks=bool(probe or clock_offset_ms))
+                        truth=hosts.truth(), policy=policy, driver=driver, sync_clocks=bool(probe or clock_offset_ms))
     coord.start()
     try:
+        sources = hosts.carry_paths(plan.paths()) if plan.paths() else {}
+        if plan.paths():
+            carried = sum(len(s) for s in sources.values())
+            progress(f"{carried} of the {len(plan.paths())} connections that name a path carried on it"
+                     + ("" if carried else " (these hosts cannot: routed as usual)")
+                     + ("; the rest are one hop" if 0 < carried < len(plan.paths()) else ""))
         for dc in plan.nodes:
             cfg = {"name": dc, "coordinator": f"{hosts.coordinator_host}:{coord.address[1]}"}
+            if sources.get(dc):
+                cfg["sources"] = sources[dc]
             if (clock_offset_ms or {}).get(dc):
                 cfg["clock_offset_ms"] = clock_offset_ms[dc]
             hosts.start_agent(dc, cfg, out_dir, secret_file)

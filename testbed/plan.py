@@ -29,6 +29,12 @@ Semantics (the agent executor and :func:`interpret` implement exactly this):
   executor sets the socket's pacing rate to the largest rate of its sends).  Planners
   that allocate rates to trees (MTREE, BLINK, forest packing) use it so trees sharing a
   link get their planned rates instead of TCP's equal shares.
+* ``path`` (sends; empty = the network's own routing): the nodes the transfer crosses,
+  sender first, receiver last, for plans that reserve links (MultiTree's switch-network
+  variant).  Every send on one connection (node, peer, channel) names the same path: a
+  connection is one byte stream, carried on one path.  Where the network can carry a
+  connection on a named path (the emulator: :meth:`testbed.emulator.network.WanNetwork.install_paths`)
+  it does; the semantics above do not depend on it.
 * ``aux`` (NetStorm §VI, multipath auxiliary transmission): ``{"paths": [[src, relay, ...,
   dst], ...], "primary_busy_bound": b, "aux_queue_length": q}``; every path joins the two
   ends of some transfer through at least one relay, fastest first per pair.  The executor may
@@ -73,16 +79,22 @@ class Op:
     chunk: int = 0
     phase: str = ""
     rate_mbps: float = 0.0
+    path: tuple[str, ...] = ()  # send only: the nodes it crosses, sender to peer (empty: routed)
 
     def to_dict(self) -> dict:
         d = asdict(self)
         d["deps"] = list(self.deps)
+        if self.path:
+            d["path"] = list(self.path)
+        else:
+            del d["path"]
         return d
 
     @classmethod
     def from_dict(cls, d: Mapping) -> "Op":
         d = dict(d)
         d["deps"] = tuple(d.get("deps", ()))
+        d["path"] = tuple(d.get("path", ()))
         return cls(**d)
 
 
@@ -111,6 +123,10 @@ class Plan:
             for op in prog:
                 if op.kind == SEND:
                     yield node, op
+
+    def paths(self) -> dict[tuple[str, str, int], tuple[str, ...]]:
+        """(node, peer, channel) -> the path its connection is carried on, where a send names one."""
+        return {(node, op.peer, op.channel): op.path for node, op in self.transfers() if op.path}
 
     def bytes_sent(self, elem_bytes: int) -> int:
         return sum(op.length for _, op in self.transfers()) * elem_bytes
@@ -151,7 +167,7 @@ class Plan:
         return cls.from_dict(json.loads(s))
 
     # -- checks ------------------------------------------------------------
-    def validate(self) -> None:
+    def validate(self) -> None:  # noqa: C901 -- one check per kind of plan defect, in the order they are reported
         """Raise PlanError unless the plan is well formed and race free."""
         known = set(self.nodes)
         for group, names in (("participants", self.participants), ("receivers", self.receivers)):
@@ -160,6 +176,7 @@ class Plan:
                     raise PlanError(f"{group} names unknown node {n!r}")
         sends: dict[int, tuple[str, Op]] = {}
         recvs: dict[int, tuple[str, Op]] = {}
+        conn_path: dict[tuple[str, str, int], tuple[str, ...]] = {}
         for node, prog in self.programs.items():
             if node not in known:
                 raise PlanError(f"program for unknown node {node!r}")
@@ -182,6 +199,14 @@ class Plan:
                 missing = set(op.deps) - idset
                 if missing:
                     raise PlanError(f"{node} op {op.id}: unknown deps {sorted(missing)}")
+                if op.path and (op.kind != SEND or len(op.path) < 2 or op.path[0] != node
+                                or op.path[-1] != op.peer or len(set(op.path)) < len(op.path)
+                                or not set(op.path) <= known):
+                    raise PlanError(f"{node} op {op.id}: path {list(op.path)} is not distinct known nodes from "
+                                    f"{node} to {op.peer} on a send")
+                if op.kind == SEND and conn_path.setdefault((node, op.peer, op.channel), op.path) != op.path:
+                    raise PlanError(f"{node} op {op.id}: path {list(op.path)} differs from that of an earlier send "
+                                    f"to {op.peer} on channel {op.channel} (one connection, one path)")
                 table = sends if op.kind == SEND else recvs
                 if op.xfer in table:
                     raise PlanError(f"transfer {op.xfer} has two {op.kind} ops")
@@ -372,13 +397,15 @@ class ProgramBuilder:
     def transfer(self, src: str, dst: str, offset: int, length: int, *, reduce: bool,
                  send_deps: Iterable[int] = (), recv_deps: Iterable[int] = (),
                  src_buf: str = "x", dst_buf: str = "x", channel: int = 0, flow: int = 0,
-                 chunk: int = 0, phase: str = "", rate_mbps: float = 0.0) -> tuple[int, int]:
-        """Add a matched send (at src) and recv (at dst); return (send_id, recv_id)."""
+                 chunk: int = 0, phase: str = "", rate_mbps: float = 0.0,
+                 path: Iterable[str] = ()) -> tuple[int, int]:
+        """Add a matched send (at src, on ``path`` if given) and recv (at dst); return
+        (send_id, recv_id)."""
         xfer = self._next_xfer
         self._next_xfer += 1
         label = dict(channel=channel, flow=flow, chunk=chunk, phase=phase)
         s = Op(len(self.programs[src]), SEND, dst, xfer, offset, length, src_buf,
-               deps=tuple(sorted(set(send_deps))), rate_mbps=rate_mbps, **label)
+               deps=tuple(sorted(set(send_deps))), rate_mbps=rate_mbps, path=tuple(path), **label)
         self.programs[src].append(s)
         r = Op(len(self.programs[dst]), RECV, src, xfer, offset, length, dst_buf, reduce=reduce,
                deps=tuple(sorted(set(recv_deps))), **label)

@@ -4,7 +4,7 @@ results folders (``run``'s results.json, or a sweep folder with sweep.json).
 Figures (matplotlib, no pyplot state, so it works in threads and without a display):
 
 * ``cct.png`` — CCT per variant: mean bar, min..max spread, every repetition, the cost
-  model's prediction and the spanning-tree-packing bound beside it, efficiency = bound/CCT;
+  model's prediction and the strict bound (the optimal tree packing's transfer time) beside it, efficiency = bound/CCT;
 * ``gantt-N.png`` — one measured iteration of the main scheme: every transfer as a bar on
   its (sender -> receiver) row while it is being received (a thin line while sent but not
   yet arriving), coloured by flow (tree);
@@ -57,7 +57,7 @@ def load(folder: Path) -> dict:
 
 # -- tables ----------------------------------------------------------------------------
 VARIANT_COLUMNS = ["experiment", "variant", "scheme", "repetitions", "cct_mean_s", "cct_min_s", "cct_max_s",
-                   "cct_stdev_s", "predicted_cct_s", "bound_cct_s", "efficiency", "rounds_total_mean", "correct",
+                   "cct_stdev_s", "predicted_cct_s", "bound_s", "estimate_cct_s", "efficiency", "rounds_total_mean", "correct",
                    "error"]
 
 
@@ -69,7 +69,8 @@ def variant_rows(results: dict) -> list[dict]:
         rows.append({"experiment": results["experiment"]["name"], "variant": v["label"], "scheme": v["scheme"]["name"],
                      "repetitions": c.get("n"), "cct_mean_s": c.get("mean"), "cct_min_s": c.get("min"),
                      "cct_max_s": c.get("max"), "cct_stdev_s": c.get("stdev"),
-                     "predicted_cct_s": s.get("predicted_cct_s"), "bound_cct_s": s.get("bound_cct_s"),
+                     "predicted_cct_s": s.get("predicted_cct_s"), "bound_s": s.get("bound_s"),
+                     "estimate_cct_s": s.get("estimate_cct_s"),
                      "efficiency": s.get("efficiency"), "rounds_total_mean": (s.get("rounds_total") or {}).get("mean"),
                      "correct": s.get("correct"), "error": v.get("error")})
     return rows
@@ -117,11 +118,11 @@ def cct_figure(entries: list[tuple[str, dict]], path: Path) -> Path:
         reps = [r["cct_s"] for r in e.get("_runs", []) if r.get("cct_s") is not None]
         ax.plot([x] * len(reps), reps, "o", color="#1f4e79", ms=3, zorder=3)
     pred = [(x, e["summary"].get("predicted_cct_s")) for x, (_, e) in zip(xs, entries)]
-    bound = [(x, e["summary"].get("bound_cct_s")) for x, (_, e) in zip(xs, entries)]
+    bound = [(x, e["summary"].get("bound_s")) for x, (_, e) in zip(xs, entries)]
     ax.plot([x for x, p in pred if p is not None], [p for _, p in pred if p is not None], "D", color="#d95f02",
             label="predicted")
     ax.plot([x for x, b in bound if b is not None], [b for _, b in bound if b is not None], "_", color="#1b9e77",
-            ms=22, mew=3, label="bound (optimum)")
+            ms=22, mew=3, label="bound (strict: optimal packing's transfer time)")
     for x, m, (_, e) in zip(xs, means, entries):
         eff = e["summary"].get("efficiency")
         if eff is not None:

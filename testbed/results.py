@@ -139,11 +139,34 @@ def stats(values: list[float]) -> dict:
 STEAL_MAX = 0.03
 
 
+CPU_BUSY = 0.95  # whole-machine utilisation above which the emulator may not keep up
+
+
+def emulation_health(method: str, relays: int, relay: list[dict], cpu_util: float, steal: float,
+                      max_late_ms: float) -> dict:
+    """Did the emulator keep up during a run?  ``relays`` delay-relay processes ran (none where
+    no link needed one); ``relay`` their statistics; ``cpu_util`` and ``steal`` from
+    :class:`CpuMeter`."""
+    from testbed.emulator import relay as relay_mod
+
+    warnings = ["no statistics from the delay relay: fidelity unknown"] if relays and not relay else []
+    for i, st in enumerate(relay):
+        ok, why = relay_mod.kept_up(st, max_p99_late_ms=max_late_ms)
+        if not ok:
+            warnings.append(f"relay {i}: {why}")
+    if cpu_util > CPU_BUSY:
+        warnings.append(f"machine CPU {cpu_util:.0%} busy: link emulation and agents may be CPU-bound")
+    if steal > STEAL_MAX:
+        warnings.append(f"the hypervisor took {steal:.1%} of the CPU time (steal): every timing may be stretched")
+    return {"method": method, "kept_up": not warnings, "warnings": warnings, "cpu_util": cpu_util, "steal": steal,
+            "max_late_ms": max_late_ms, "relay": relay}
+
+
 def tcp_memory(sockstat: str = "/proc/net/sockstat", tcp_mem: str = "/proc/sys/net/ipv4/tcp_mem") -> dict:
     """The machine's TCP memory in use and orphaned sockets (both counted over every network
     namespace), and tcp_mem's low/pressure/high marks, in MB.  Orphans of earlier runs holding
     their queued data count against the same marks, and TCP under memory pressure cuts the
-    windows of long-RTT flows (docs/emulator-log.md)."""
+    windows of long-RTT flows (docs/measurements/emulator-log.md)."""
     page_mb = os.sysconf("SC_PAGE_SIZE") / 1e6
     with open(sockstat) as f:
         tcp = next(l.split()[1:] for l in f if l.startswith("TCP:"))

@@ -31,9 +31,9 @@ def network_key(exp: Experiment) -> str | None:
 
 def run_sweep(exp: Experiment, out: Path, progress: Callable[[str], None]) -> dict:
     """Run every point of ``exp.sweep`` into ``out``; return the sweep record."""
+    from testbed.experiment import open_network, run_experiment
     from testbed.report import VARIANT_COLUMNS, sweep_columns, sweep_rows, variant_rows, write_csv
     from testbed.results import write_json_atomic
-    from testbed.experiment import open_network, run_experiment
 
     points = exp.sweep["points"]
     base = {k: v for k, v in exp.to_dict().items() if k != "sweep"}

@@ -32,8 +32,8 @@ from typing import Any, Callable, Mapping, Sequence
 import networkx as nx
 import numpy as np
 
-from .errors import ConfigError
 from .checks import check_number, key_path, typename, unknown_key_msg
+from .errors import ConfigError
 from .wan import NAME_RE, Link, LinkDir, Topology, check_link_field
 
 MTREE_SOURCE = ("MTREE: S. Luo, R. Wang, H. Xing, 'Efficient Inter-Datacenter AllReduce With "
@@ -400,6 +400,27 @@ def leaf_spine(leaves: Any = 8, spines: Any = 8, hosts_per_leaf: Any = 8, *, rat
                     node_attrs={n: {"switch": True} for n in leaf_names + spine_names})
 
 
+def bigraph(upper: Any = 2, lower: Any = 2, hosts_per_switch: Any = 4, *, rate_mbps: Any = 100,
+            delay_ms: Any = 0) -> Topology:
+    """EFLOPS' BiGraph (Dong et al., HPCA'20; MultiTree Sec. V, "4x8" and "4x16"): two layers of
+    switches, every upper switch ``up{i}`` linked to every lower switch ``lo{j}``, and
+    ``hosts_per_switch`` hosts on every switch (hosts ``h{k}``, numbered switch by switch, upper
+    layer first).  Switches carry ``switch: true``, hosts ``layer: upper | lower``."""
+    upper = _int(upper, "upper", minimum=1, maximum=256)
+    lower = _int(lower, "lower", minimum=1, maximum=256)
+    per = _int(hosts_per_switch, "hosts_per_switch", minimum=1, maximum=256)
+    d = _uniform_dir(rate_mbps, delay_ms)
+    switches = [f"up{i}" for i in range(upper)] + [f"lo{j}" for j in range(lower)]
+    hosts = [f"h{k}" for k in range(len(switches) * per)]
+    links = [Link(h, switches[k // per], d, d) for k, h in enumerate(hosts)]
+    links += [Link(f"up{i}", f"lo{j}", d, d) for i in range(upper) for j in range(lower)]
+    attrs = {s: {"switch": True} for s in switches}
+    attrs.update({h: {"layer": "upper" if k // per < upper else "lower"} for k, h in enumerate(hosts)})
+    return Topology(name=f"bigraph-{upper + lower}x{per}", nodes=hosts + switches, links=links,
+                    source=f"BiGraph: {upper} upper and {lower} lower switches, {per} hosts each (EFLOPS)",
+                    node_attrs=attrs)
+
+
 # --------------------------------------------------------------------------- Topology Zoo
 
 EARTH_RADIUS_KM = 6371.0
@@ -444,7 +465,7 @@ def _sanitize(label: str) -> str:
     return s
 
 
-def zoo(path: Any, *, rate_mbps: Any = 100, delay_ms: Any = 0, km_per_ms: Any = 200,
+def zoo(path: Any, *, rate_mbps: Any = 100, delay_ms: Any = 0, km_per_ms: Any = 200,  # noqa: PLR0915 -- one Topology Zoo reader: its attribute fallbacks share the parsed graph
         use_link_speed: Any = True, node_names: Any = "auto") -> Topology:
     """Import an Internet Topology Zoo (topology-zoo.org) GraphML or GML file.
 
@@ -553,11 +574,12 @@ GENERATORS: dict[str, Callable[..., Topology]] = {
     "star": star,
     "full-mesh": full_mesh,
     "leaf-spine": leaf_spine,
+    "bigraph": bigraph,
     "zoo": zoo,
 }
 
 #: Link fields any generator block (or ``defaults``) may set for every generated direction.
-COMMON_PARAMS = ("jitter_ms", "loss", "queue_pkts")
+COMMON_PARAMS = ("jitter_ms", "distribution", "loss", "queue_pkts")
 _MTREE_KW = ("sk", "seed", "rate_min_mbps", "rate_max_mbps", "rate_step_mbps", "delay_min_ms",
              "delay_max_ms", "delay_scaling", "asymmetric")
 

@@ -18,8 +18,9 @@ Topology file format (YAML; JSON is accepted too)
                                         # to the rates below (written by to_dict())
     defaults:                           # per-direction link values used where a link
       rate_mbps: 100                    # omits them (scalars only).  Built-in defaults:
-      delay_ms: 30                      # delay 0, jitter 0, loss 0, queue 1000 packets;
-      jitter_ms: 0                      # rate_mbps has no built-in default.
+      delay_ms: 30                      # delay 0, jitter 0 (normal), loss 0, queue 1000
+      jitter_ms: 0                      # packets; rate_mbps has no built-in default.
+      distribution: normal              # the jitter's shape: normal|uniform|pareto|paretonormal
       loss: 0.0002
       queue_pkts: 1000
     datacenters:                        # names: a letter, then letters/digits/_ (<= 32)
@@ -34,10 +35,12 @@ Topology file format (YAML; JSON is accepted too)
     # ... or, instead of datacenters + links, a seeded generator (see testbed/topogen.py):
     generator: {kind: mtree-random, n: 20, m: 141, sk: 0.7, seed: 1}
     # With a generator, ``defaults`` and the generator block may also set jitter_ms,
-    # loss and queue_pkts for every generated link direction.
+    # distribution, loss and queue_pkts for every generated link direction.
 
 Units: rates in Mbit/s (10^6 bit/s), delays and jitter in milliseconds, one-way per
-direction (RTT over one link = delay a->b + delay b->a), loss a probability in [0, 1),
+direction (RTT over one link = delay a->b + delay b->a); ``delay_ms`` is the mean of a
+direction's one-way delay and ``jitter_ms`` its standard deviation, drawn from
+``distribution`` per packet, FIFO order kept (:mod:`testbed.emulator.jitter`); loss a probability in [0, 1),
 queues in packets.  Link list indices in error keys are 0-based (``links[3]`` is the
 fourth link).
 
@@ -60,8 +63,19 @@ import yaml
 from testbed import topogen
 from testbed.checks import check_number, describe_names, key_path, typename, unknown_key_msg
 from testbed.errors import ConfigError
-from testbed.wan import (LINK_FIELDS, MIN_SCALED_QUEUE, NAME_RE, Link, LinkDir, Topology, check_attrs,
-                         check_endpoints, check_link_field, check_name, validate_connected)
+from testbed.wan import (
+    LINK_FIELDS,
+    MIN_SCALED_QUEUE,
+    NAME_RE,
+    Link,
+    LinkDir,
+    Topology,
+    check_attrs,
+    check_endpoints,
+    check_link_field,
+    check_name,
+    validate_connected,
+)
 
 __all__ = ["LINK_FIELDS", "MIN_SCALED_QUEUE", "NAME_RE", "Link", "LinkDir", "Topology", "describe_names",
            "list_topologies", "load_topology", "read_yaml", "validate_connected", "TOPOLOGY_DIR"]
@@ -209,7 +223,7 @@ def _per_dir(f: str, x: Any, *, source: str, key: str) -> tuple[Any, Any]:
     """A link field: scalar (both directions) or [a->b, b->a]."""
     if isinstance(x, (list, tuple)):
         if len(x) != 2:
-            raise ConfigError(f"expected a number or a list [a->b, b->a] of two numbers, "
+            raise ConfigError(f"expected a {'name' if f == 'distribution' else 'number'} or a list [a->b, b->a] of two, "
                               f"got a list of {len(x)}", source=source, key=key)
         return (check_link_field(f, x[0], source=source, key=key_path(key, "[0]")),
                 check_link_field(f, x[1], source=source, key=key_path(key, "[1]")))
@@ -217,7 +231,7 @@ def _per_dir(f: str, x: Any, *, source: str, key: str) -> tuple[Any, Any]:
     return v, v
 
 
-def _from_mapping(data: Any, *, source: str, prefix: str, base_dir: Path, default_name: str) -> Topology:
+def _from_mapping(data: Any, *, source: str, prefix: str, base_dir: Path, default_name: str) -> Topology:  # noqa: C901 -- one check per key of a topology file, in the order they are reported
     if data is None:
         raise ConfigError("empty topology: expected a mapping with 'datacenters' and 'links' "
                           "or 'generator'", source=source, key=prefix)

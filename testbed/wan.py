@@ -18,7 +18,10 @@ from testbed.errors import ConfigError
 #: Fewest packets a queue keeps when ``Topology.scaled`` shrinks it (a few TSO bursts).
 MIN_SCALED_QUEUE = 16
 #: Per-direction link fields, in canonical order.
-LINK_FIELDS = ("rate_mbps", "delay_ms", "jitter_ms", "loss", "queue_pkts")
+LINK_FIELDS = ("rate_mbps", "delay_ms", "jitter_ms", "distribution", "loss", "queue_pkts")
+#: Shapes of the jitter (netem's; testbed.emulator.jitter defines what each packet gets).
+DISTRIBUTIONS = ("normal", "uniform", "pareto", "paretonormal")
+DEFAULT_DISTRIBUTION = "normal"
 
 NAME_RE = re.compile(r"^[A-Za-z][A-Za-z0-9_]{0,31}$")
 
@@ -28,10 +31,11 @@ class LinkDir:
     """One direction of a WAN link (what the sender side shapes)."""
 
     rate_mbps: float  # > 0, Mbit/s
-    delay_ms: float = 0.0  # one-way propagation delay, >= 0
-    jitter_ms: float = 0.0  # >= 0
+    delay_ms: float = 0.0  # mean one-way delay, >= 0
+    jitter_ms: float = 0.0  # standard deviation of the one-way delay, >= 0 (testbed.emulator.jitter)
     loss: float = 0.0  # drop probability in [0, 1)
     queue_pkts: int = 1000  # sender-side queue length in packets, > 0
+    distribution: str = DEFAULT_DISTRIBUTION  # the jitter's shape, one of DISTRIBUTIONS
 
     def to_dict(self) -> dict:
         return {f: getattr(self, f) for f in LINK_FIELDS}
@@ -105,7 +109,7 @@ class Topology:
 
     def graph(self) -> nx.DiGraph:
         """Directed view: nodes carry ``node_attrs``; each link gives edges u->v and
-        v->u with attributes rate_mbps, delay_ms, jitter_ms, loss, queue_pkts."""
+        v->u with attributes rate_mbps, delay_ms, jitter_ms, distribution, loss, queue_pkts."""
         g = nx.DiGraph(name=self.name, scale=self.scale)
         for n in self.nodes:
             g.add_node(n, **self.node_attrs.get(n, {}))
@@ -215,7 +219,12 @@ _FIELD_RULES: dict[str, dict] = {
 }
 
 
-def check_link_field(f: str, x: Any, *, source: str, key: str) -> float | int:
+def check_link_field(f: str, x: Any, *, source: str, key: str) -> float | int | str:
+    if f == "distribution":
+        if not isinstance(x, str) or x not in DISTRIBUTIONS:
+            raise ConfigError(f"expected a jitter distribution, one of {', '.join(DISTRIBUTIONS)}; got "
+                              + (repr(x) if isinstance(x, str) else typename(x)), source=source, key=key)
+        return x
     v = check_number(x, source=source, key=key, **_FIELD_RULES[f])
     return int(v) if f == "queue_pkts" else float(v)
 

@@ -264,3 +264,38 @@ def workload_bytes(spec, dtype="float32") -> int:
         return parse_size(spec)
     except ValueError as e:
         raise ValueError(f"{e}; or name a model: {sorted(MODELS)}") from None
+
+
+# -- compute time per iteration (workload.compute_s) -------------------------------------------
+# CREW §V-A's per-iteration compute times: T1 (LSTM on UCF101) and T2 (Transformer on
+# WMT16), from Eager-SGD (Li et al., PPoPP 2020), "rescaled to [0.05, 0.2] s".  The paper
+# gives no shape; both are long-tailed (input lengths vary), so: 0.05 + 0.15 * Beta(a, b),
+# right-skewed, T2 with the heavier tail (a choice; Beta parameters below).
+CREW_TIMES = {"T1": (2.0, 5.0), "T2": (1.2, 2.5)}
+
+
+def compute_times(spec, nodes: list[str], iterations: int, seed: int) -> dict[str, list[float]]:
+    """Per-worker compute seconds per iteration from the ``workload.compute_s`` spec; each
+    worker draws from its own seeded generator, so the order of ``nodes`` does not matter."""
+    import random
+
+    out: dict[str, list[float]] = {}
+    for n in nodes:
+        rng = random.Random(f"{seed}:{n}")
+        if isinstance(spec, (int, float)):
+            out[n] = [float(spec)] * iterations
+        elif "per_worker" in spec:  # a number per worker, or a per-iteration trace (cycled)
+            v = spec["per_worker"].get(n, 0.0)
+            out[n] = [float(v[i % len(v)]) for i in range(iterations)] if isinstance(v, list) \
+                else [float(v)] * iterations
+        elif "uniform" in spec:
+            lo, hi = spec["uniform"]
+            out[n] = [rng.uniform(lo, hi) for _ in range(iterations)]
+        elif set(spec) & set(CREW_TIMES):  # CREW §V-A's T1 / T2, times a factor (Fig. 9: x2..6)
+            (kind, factor), = spec.items()
+            a, b = CREW_TIMES[kind]
+            out[n] = [factor * (0.05 + 0.15 * rng.betavariate(a, b)) for _ in range(iterations)]
+        else:
+            mean, std = spec["normal"]
+            out[n] = [max(0.0, rng.gauss(mean, std)) for _ in range(iterations)]
+    return out

@@ -12,9 +12,8 @@ def fidelity(measure, problems, attempts: int = 3):
     tolerance.  A failure with steal > STEAL_MAX says nothing about the code: measured again,
     and if every attempt was stolen from the test is skipped, saying so.  A failure without
     steal is measured once more: a defect of the emulator repeats, a one-off disturbance of
-    the machine does not (a freshly booted CI machine runs its own timers beside the suite;
-    the CI run of 2026-11-26 read one lossy link's rate and queue short once, then 18 of 18
-    checks here passed).  Two such failures fail the test; a pass after one warns, naming it.
+    the machine does not (a freshly booted machine runs its own timers beside the suite).
+    Two such failures fail the test; a pass after one warns, naming it.
     Returns the passing result."""
     from testbed.results import STEAL_MAX
 

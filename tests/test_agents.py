@@ -40,7 +40,8 @@ def ring_plan(n=4, length=1001) -> Plan:
     nodes = [f"r{i}" for i in range(n)]
     sizes = split_lengths(length, [1] * n)
     offs = np.concatenate([[0], np.cumsum(sizes)]).tolist()
-    blk = lambda c: (offs[c % n], sizes[c % n])  # noqa: E731
+    def blk(c):
+        return (offs[c % n], sizes[c % n])
     b = ProgramBuilder(nodes)
     last_recv = {i: [] for i in range(n)}
     rs_send = {i: {} for i in range(n)}  # node -> chunk -> send op id
@@ -532,7 +533,7 @@ def test_hung_agent_times_out_naming_it():
 def test_agent_makes_inputs_and_true_sums_before_ready_within_its_budget():
     """Inputs and true sums are made before READY (not after GO and during others' runs),
     as many iterations as fit in the budget; a receiver's sum is exact, a non-participant has
-    no input, a non-receiver no sum (issue 17: start skew on a shared machine)."""
+    no input, a non-receiver no sum (made later, they skew the agents' starts on a shared machine)."""
     from agents.agent import Agent
     job = Job(name="h1", nodes=["h0", "h1", "h2"], length=1000, participants=["h0", "h1"], receivers=["h1"],
               program=[], peers={}, seed=5, iterations=3)

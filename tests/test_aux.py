@@ -1,12 +1,12 @@
-"""Issue 13: multipath auxiliary transmission (NetStorm §VI) in the agents: chunks sent over
+"""Multipath auxiliary transmission (NetStorm §VI) in the agents: chunks sent over
 auxiliary paths (source-routed, forward-only relays) arrive exactly, for every tree scheme."""
 
 from __future__ import annotations
 
 import pytest
 
-from agents.coordinator import TRANSFER_COLUMNS
 from agents.local import run_local
+from agents.protocol import TRANSFER_COLUMNS
 from testbed.planners import make_plan
 from testbed.topology import load_topology
 
@@ -41,7 +41,8 @@ def test_relays_with_stale_path_tables_still_deliver(monkeypatch):
     from agents.coordinator import Coordinator
 
     plan = make_plan("mst", load_topology("quick-5").graph(), 1 << 16, {"chunks": 8}, aux=EAGER)
-    own = lambda self, node: {**self.plan.aux, "paths": [p for p in self.plan.aux["paths"] if p[0] == node]}
+    def own(self, node):
+        return {**self.plan.aux, "paths": [p for p in self.plan.aux["paths"] if p[0] == node]}
     monkeypatch.setattr(Coordinator, "_aux_part", own)
     res = run_local(plan, iterations=3, timeout_s=20)
     assert all(it["correct"] for it in res["iterations"]), res["errors"]

@@ -14,8 +14,7 @@ import pytest
 from testbed.errors import ConfigError
 from testbed.plan import check_allreduce
 from testbed.planners import make_plan, schemes
-from testbed.planners.baselines import (bottleneck_ring_exact, max_spanning_tree, path_rate,
-                                        ring_score)
+from testbed.planners.baselines import bottleneck_ring_exact, max_spanning_tree, path_rate, ring_score
 from testbed.routing import shortest_paths
 
 # The NetStorm 9-DC overlay (shared/data/netstorm-internet2-9.edges, from the authors'

@@ -1,18 +1,23 @@
 """BLINK-style packing and the TOPOADOPT / PLINK / PSLD baselines."""
 
-import networkx as nx
 import numpy as np
 import pytest
+from wan_graphs import random_wan, wan
 
 from testbed.plan import Tree, check_allreduce
 from testbed.planners import REGISTRY, make_plan
 from testbed.planners.blink import blink
-from testbed.planners.bound import mwu_packing
-from testbed.planners.bound import optimum, pack_spanning_trees
+from testbed.planners.bound import mwu_packing, optimum, pack_spanning_trees
 from testbed.planners.common import tree_link_loads, wan_view
-from testbed.planners.hierarchical import (fs_linear_model, latency_groups, pairwise_performance,
-                                           plink, psld, topoadopt, waterfill)
-from wan_graphs import random_wan, wan
+from testbed.planners.hierarchical import (
+    fs_linear_model,
+    latency_groups,
+    pairwise_performance,
+    plink,
+    psld,
+    topoadopt,
+    waterfill,
+)
 
 
 def inputs(plan, seed=0):

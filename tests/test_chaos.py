@@ -1,4 +1,4 @@
-"""Issue 16: no hangs, the right culprit, bounded resources — real processes on loopback and
+"""No hangs, the right culprit, bounded resources — real processes on loopback and
 a small emulated WAN, every trial bounded in time (``testbed.chaos`` holds the trials and
 the wire fuzzer; ``bench chaos`` / ``bench fuzz`` run more of them)."""
 
@@ -513,7 +513,8 @@ def test_deploy_workdir_is_private_and_refused_when_someone_else_owns_it(tmp_pat
     from testbed.deploy import DEFAULT_WORKDIR, private_dir
 
     assert not DEFAULT_WORKDIR.startswith("/")  # per user: under the login directory
-    run = lambda p: subprocess.run(["sh", "-c", private_dir(str(p))], capture_output=True, text=True)  # noqa: E731
+    def run(p):
+        return subprocess.run(["sh", "-c", private_dir(str(p))], capture_output=True, text=True)
     assert run(tmp_path / "a b" / "h1").returncode == 0
     assert (tmp_path / "a b" / "h1").stat().st_mode & 0o777 == 0o700
     if os.geteuid() == 0:  # another user's directory, or a parent of it

@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from fidelity import fidelity
 
 from testbed.cluster import load_servers, network_on

@@ -198,7 +198,7 @@ def test_netstorm_schemes_run_and_report():
 
 
 # --- cross-check against a deliberately naive simulator ----------------------------
-def naive_predict(plan, graph, elem_bytes=4):
+def naive_predict(plan, graph, elem_bytes=4):  # noqa: C901, PLR0915 -- an independent reference simulation, kept in one piece
     """Same semantics as predict, written the obvious way: recompute every flow's max-min
     rate from scratch at every event and advance every flow (reference for tests only)."""
     import heapq
@@ -314,3 +314,44 @@ def test_trace_gives_each_transfer_its_wire_and_done_times():
     assert (st1, en1, dn1) == pytest.approx((t1 + 0.010, 2 * t1 + 0.010, 2 * t1 + 0.020))
     assert out["cct_s"] == pytest.approx(dn1)
     assert "trace" not in predict(plan, g)
+
+
+def _forwarding_chain(chunks: int, elems: int, second_child: bool = False) -> Plan:
+    """a -> b -> c, b adding each chunk (and d's, with ``second_child``) before forwarding it."""
+    nodes = ["a", "b", "c", "d"]
+    b = ProgramBuilder(nodes)
+    for k in range(chunks):
+        _, r = b.transfer("a", "b", k * elems, elems, reduce=True, chunk=k)
+        deps = [r]
+        if second_child:
+            deps.append(b.transfer("d", "b", k * elems, elems, reduce=True, chunk=k)[1])
+        b.transfer("b", "c", k * elems, elems, reduce=True, send_deps=deps, chunk=k)
+    return Plan("chain", nodes, chunks * elems, b.programs)
+
+
+@pytest.mark.parametrize("r1, r2", [(100, 50), (50, 100)])
+@pytest.mark.parametrize("second_child", [False, True])
+def test_cut_through_forwards_at_the_slower_hops_pace(r1, r2, second_child):
+    """Cut-through (the executor's): a chunk forwarded as it arrives takes α1 + α2 + S / min(r1, r2)
+    plus at most one sub-block at the faster hop's rate (the first sub-block before forwarding
+    starts, or the last one after the slower upstream ends), whatever the chunk count;
+    store-and-forward pays the first hop per chunk."""
+    g = build([("a", "b"), ("b", "c"), ("d", "b")], rate=r1, delay=10)
+    g["b"]["c"]["rate_mbps"] = g["c"]["b"]["rate_mbps"] = r2
+    g["b"]["c"]["delay_ms"] = 20
+    sub, total = 1 << 16, 4_000_000
+    for chunks in (1, 4):
+        plan = _forwarding_chain(chunks, total // chunks, second_child)
+        ct = predict(plan, g, cut_through_bytes=sub)["cct_s"]
+        least = 0.030 + total * 4 / Bps(min(r1, r2))
+        assert least <= ct <= least + sub / Bps(max(r1, r2)) + 1e-9
+        sf = predict(plan, g)["cct_s"]
+        assert sf == pytest.approx(0.030 + total * 4 / chunks / Bps(max(r1, r2)) + total * 4 / Bps(min(r1, r2)),
+                                   rel=1e-6)
+
+
+def test_cut_through_model_uses_the_executors_sub_block():
+    from agents.executor import SUBBLOCK_BYTES
+    from testbed.costmodel import EXECUTOR_SUBBLOCK_BYTES
+
+    assert EXECUTOR_SUBBLOCK_BYTES == SUBBLOCK_BYTES

@@ -165,8 +165,8 @@ def test_bad_parameters_are_named(params, needle):
 def test_partial_reduce_on_a_real_network(netenv, tmp_path):
     """Agents over the emulated quick-5 WAN: only the members of P contribute and end with
     their exact sum; the non-members aggregate (CREW) or stay idle (OPR)."""
-    from testbed.emulator.network import WanNetwork
     from testbed.emulator.hosts import EmulatedHosts
+    from testbed.emulator.network import WanNetwork
     from testbed.hosts import run_agents
     from testbed.topology import load_topology
 

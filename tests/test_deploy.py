@@ -16,8 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from testbed import config
-from testbed import ssh
+from testbed import config, ssh
 from testbed.deploy import SshHosts, check_deployable, code_files, load_hosts
 from testbed.errors import ConfigError, RunError
 
@@ -351,7 +350,7 @@ def test_host_keys_refused_unless_known_or_accepted_on_first_contact(ssh_wan, tm
     with pytest.raises(RunError) as e:
         SshHosts(_load(tmp_path, hosts)).__enter__()
     # h1 is not named (each refused host is "name (dest): ..."; a bare "h1" can occur in the
-    # random key fingerprints the message quotes: it did, once in CI)
+    # random key fingerprints the message quotes)
     assert str(e.value).startswith("h2 (h2-dc): host key CHANGED") and "h1 (" not in str(e.value), e.value
 
 

@@ -139,7 +139,8 @@ def test_plan_at_a_time_plans_on_the_rates_then(tmp_path):
 
     before, after = plan(), plan("--at-s", "5")
     assert before["at_s"] is None and after["at_s"] == 5
-    edges = lambda p: {frozenset((c, q)) for c, q in p["plan"]["trees"][0]["parent"].items() if q}  # noqa: E731
+    def edges(p):
+        return {frozenset((c, q)) for c, q in p["plan"]["trees"][0]["parent"].items() if q}
     assert frozenset(("h1", "h2")) in edges(before) and frozenset(("h1", "h2")) not in edges(after)
     assert after["bound"]["cut_rate_mbps"] < before["bound"]["cut_rate_mbps"]
     assert plan("--at-s", "4.9")["plan"]["trees"] == before["plan"]["trees"]

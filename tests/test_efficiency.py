@@ -1,4 +1,4 @@
-"""Issue 17: where a scheme's time goes (testbed/efficiency.py), the TCP-aware cost model,
+"""Where a scheme's time goes (testbed/efficiency.py), the TCP-aware cost model,
 pacing only where trees contend, forest pacing, and the bench verbs' input checks."""
 
 from __future__ import annotations

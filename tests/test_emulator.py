@@ -6,12 +6,11 @@ import subprocess
 import time
 
 import pytest
+from fidelity import fidelity
 
 from testbed.emulator.linkcheck import run_linkcheck
 from testbed.emulator.network import WanNetwork
 from testbed.topology import load_topology
-
-from fidelity import fidelity
 
 pytestmark = pytest.mark.net
 
@@ -61,7 +60,7 @@ def test_links_without_delay_or_loss_bypass_the_relay_and_keep_their_rate(netenv
 
 
 def test_lossy_jittery_link_is_measured_within_tolerance(netenv):
-    """Issue 15: the verdict checks every emulated property with a method independent of TCP:
+    """The verdict checks every emulated property with a method independent of TCP:
     rate by UDP, one-way delay, jitter and loss by probes (loss by a binomial test), the
     standing queue's delay; under cubic the same link gives far less TCP goodput (informative)."""
     topo = load_topology({"name": "lossy", "datacenters": ["a", "b"],
@@ -80,7 +79,7 @@ def test_lossy_jittery_link_is_measured_within_tolerance(netenv):
 
 def test_a_udp_load_that_never_filled_the_queue_is_started_again(netenv, monkeypatch):
     """iperf3's UDP stream starts with one datagram each way and no retry, so on a lossy link
-    nothing may be sent (a CI run read rate and queue 0 twice at 2 % loss): the queue check
+    nothing may be sent (rate and queue then read 0): the queue check
     kills the load and its probes and starts them again.  Here the first wait for a full queue
     is told it never filled; that direction's load is started a second time and measures."""
     from testbed.emulator import linkcheck

@@ -436,7 +436,7 @@ def test_params_and_errors():
 
 
 # Two random 5-node Steiner instances (asymmetric rates, some workers inactive) on which HiGHS'
-# interior point without crossover stopped at status 15 and the planner raised (issue 15).
+# interior point without crossover stops at status 15 (the planner falls back).
 IPM_STATUS_15 = {
     "seed25": ({("a", "b"): 90, ("b", "a"): 10, ("a", "c"): 60, ("c", "a"): 40, ("a", "d"): 60,
                 ("d", "a"): 20, ("b", "d"): 30, ("d", "b"): 30, ("c", "e"): 20, ("e", "c"): 80,

@@ -2,18 +2,27 @@
 
 import time
 
-import networkx as nx
 import numpy as np
 import pytest
+from wan_graphs import random_wan, wan
 
 from testbed.plan import Tree, check_allreduce, interpret
 from testbed.planners import REGISTRY, make_plan
 from testbed.planners.bound import optimum
 from testbed.planners.common import tree_link_loads, wan_view
-from testbed.planners.mtree import (chunk_time, gbst, grth, grth_bfs, ith, lambda_star,
-                                    mtree, optimal_chunks, quantized_lengths, select_trees,
-                                    tree_paths)
-from wan_graphs import random_wan, wan
+from testbed.planners.mtree import (
+    chunk_time,
+    gbst,
+    grth,
+    grth_bfs,
+    ith,
+    lambda_star,
+    mtree,
+    optimal_chunks,
+    quantized_lengths,
+    select_trees,
+    tree_paths,
+)
 
 
 def fig2():

@@ -291,7 +291,8 @@ def test_lockstep_orders_every_step_after_the_previous():
             earlier = {o.id for o in lock.programs[v] if steps[o.id] < steps[op.id]}
             assert earlier <= anc[op.id]
         # free-running: only data dependencies, strictly fewer deps overall
-    ndeps = lambda p: sum(len(op.deps) for prog in p.programs.values() for op in prog)
+    def ndeps(p):
+        return sum(len(op.deps) for prog in p.programs.values() for op in prog)
     assert ndeps(lock) > ndeps(free)
     # same transfers either way
     assert sorted((n, o.peer, o.offset, o.length) for n, o in free.transfers()) == \
@@ -365,7 +366,7 @@ def test_bfs_over_free_links_takes_n_minus_1_steps_on_a_fat_tree():
     """Sec. III-C 3: per-step BFS over the links still free, through switches only.  On a
     non-blocking 64-host leaf-spine fabric (one NIC link per host) a phase takes N - 1 = 63
     steps, as RING; reserving the one static route per pair crosses one spine per leaf pair
-    and needs far more (issue 15: 231).  Local first: step 1 stays inside the leaves."""
+    and needs far more (231).  Local first: step 1 stays inside the leaves."""
     g = topogen.leaf_spine(8, 8, 8).graph()
     s = build_trees(g, variant="bfs")
     assert s.tot_t == 63 and len(s.trees) == 64

@@ -11,14 +11,13 @@ import subprocess
 import time
 
 import pytest
+from fidelity import fidelity
 
 from testbed.emulator.capabilities import probe
 from testbed.emulator.network import WanNetwork
 from testbed.emulator.shaping import METHODS
 from testbed.results import CpuMeter
 from testbed.topology import load_topology
-
-from fidelity import fidelity
 
 pytestmark = pytest.mark.net
 
@@ -77,6 +76,33 @@ def test_delay_jitter_and_loss_as_configured(netenv, method):
     _, _, qdiscs, links = fidelity(measure, problems)
     assert {d["method"] for d in links} == {METHODS[method].label}
     assert ("qdisc netem" in qdiscs) == (method == "netem"), qdiscs
+
+
+@pytest.mark.parametrize("method", ["relay", "netem"])
+def test_jitter_is_the_configured_distribution_both_ways(netenv, method):
+    """A link of 20 Mbit/s one way and 60 the other with 4 ms of pareto jitter (a long right
+    tail): in each direction linkcheck's idle probes find the configured one-way delay
+    distribution (testbed.emulator.jitter) -- median and spreads, within tolerances that follow
+    the number of probes -- on either shaping path."""
+    from testbed.emulator.linkcheck import _idle_probe
+
+    _skip_without(method)
+    topo = load_topology({"name": "pareto-pair", "datacenters": ["a", "b"],
+                          "links": [{"between": ["a", "b"], "rate_mbps": [20, 60], "delay_ms": 20,
+                                     "jitter_ms": 4, "distribution": "pareto"}]})
+
+    def measure():
+        cpu = CpuMeter().start()
+        with WanNetwork(topo, method=method, log=lambda m: None) as net:
+            rows = [_idle_probe(net, s, d, 2.0) for s, d in (("a", "b"), ("b", "a"))]
+        return rows, cpu.stop()[1]
+
+    def problems(rows):
+        return [f"{k}: {r['owd_stats_ms']} for {r['expected_owd_stats_ms']} +- {r['allowed_owd_stats_ms']}"
+                for r in rows for k in ("delay", "jitter") if not r["checks"][k]]
+
+    rows = fidelity(measure, problems)
+    assert all(r["probe_received"] >= 250 for r in rows), [r["probe_received"] for r in rows]
 
 
 def test_auto_chooses_netem_where_the_kernel_has_it(netenv):

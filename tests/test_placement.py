@@ -9,9 +9,9 @@ import yaml
 
 from testbed import config
 from testbed.cluster import check_placement, load_servers
-from testbed.errors import ConfigError
-from testbed.placement import (FRAMES_PER_CORE, ServerSize, contiguous, node_loads, place,
-                               underlay_problems)
+from testbed.errors import ConfigError, RunError
+from testbed.placement import FRAMES_PER_CORE, ServerSize, contiguous, node_loads, place, underlay_problems
+from testbed.routing import shortest_paths
 from testbed.topology import list_topologies, load_topology
 
 REPO = Path(__file__).resolve().parent.parent
@@ -156,3 +156,37 @@ def test_placement_pins_are_checked():
     with pytest.raises(ConfigError, match="placement: unknown datacenter 'h7'"):
         config.validate({"name": "p", "topology": "small-3", "scheme": {"name": "ring"},
                          "placement": {"h7": "s1"}}, "<test>")
+
+
+LEAF_SPINE = {"generator": {"kind": "leaf-spine", "leaves": 2, "spines": 2, "hosts_per_leaf": 2, "rate_mbps": 100}}
+
+
+def test_a_plan_naming_paths_is_refused_on_servers(tmp_path):
+    """MultiTree's bfs names every message's path (policy routing, one machine's network only):
+    validate --servers refuses it in one line naming the scheme, before anything is built;
+    the routed variant (static routes) is placed; the cluster network refuses a path off the
+    static routes at run time too, and a link or the static route itself needs nothing."""
+    from testbed.cluster import ClusterNetwork
+
+    exp = tmp_path / "exp.yaml"
+    servers = str(_file(tmp_path, _two()))
+    cli = [sys.executable, "-m", "testbed", "validate", str(exp), "--servers", servers]
+    exp.write_text(yaml.safe_dump({"name": "p", "topology": LEAF_SPINE, "scheme": {"name": "multitree", "variant": "routed"},
+                                   "variants": [{"label": "bfs", "scheme": {"name": "multitree", "variant": "bfs"}}]}))
+    res = subprocess.run(cli, cwd=REPO, capture_output=True, text=True)
+    assert res.returncode == 2 and "Traceback" not in res.stderr and res.stderr.count("\n") == 1, res.stderr
+    assert not res.stdout and "variants[0].scheme: bfs's plan names" in res.stderr and "off the static routes" in res.stderr and "not with --servers" in res.stderr
+    assert "policy routing" in res.stderr
+    exp.write_text(yaml.safe_dump({"name": "p", "topology": LEAF_SPINE, "scheme": {"name": "multitree", "variant": "routed"}}))
+    res = subprocess.run(cli, cwd=REPO, capture_output=True, text=True)
+    assert res.returncode == 0 and "rate crossing servers" in res.stdout, res.stderr
+    e = config.load_experiment(exp)
+    sf = load_servers(servers)
+    net = ClusterNetwork(e.topology, sf, check_placement(e, sf))  # not started: nothing is contacted
+    a, b = e.topology.links[0].a, e.topology.links[0].b
+    static = ("h0", "leaf0", "h1")  # the only way: the static route both ways
+    assert net.install_paths([(a, b), static]) == {}
+    off = next(p for p in (("leaf0", "spine0", "leaf1"), ("leaf0", "spine1", "leaf1"))
+               if shortest_paths(e.topology.graph())[("leaf0", "leaf1")] != list(p))
+    with pytest.raises(RunError, match=rf"names 1 paths off the static routes \(e.g. {'>'.join(off)}\): per-flow paths"):
+        net.install_paths([(a, b), static, off])

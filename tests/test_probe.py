@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from agents.probe import (Prober, Sample, busy_rate, eq17_rate, estimate, link_rate, owd_s,
-                          per_flow_rates, sum_rate)
+from agents.probe import Prober, Sample, busy_rate, eq17_rate, estimate, link_rate, owd_s, per_flow_rates, sum_rate
 
 MB = 1_000_000
 
@@ -99,7 +98,8 @@ def test_busy_rate_with_overlapping_flows_that_ramp():
     # two flows start together after idle and share a link of R bytes/s: B (2.2 MB) ends at
     # 4.4/R, A (3.6 MB) at 5.8/R; counted from B's half-way point 2.2/R: 3.6 MB in 3.6/R
     R = 10 * MB
-    ns = lambda x: int(x / R * 1e9)  # noqa: E731  (x MB-units of time at rate R)
+    def ns(x):
+        return int(x / R * 1e9)  # x MB-units of time at rate R
     a = Sample(int(3.6 * MB), 0, 0, ns(5.8 * MB), 0, ns(3.6 * MB), int(1.8 * MB))
     b = Sample(int(2.2 * MB), 0, 0, ns(4.4 * MB), 1, ns(2.2 * MB), int(1.1 * MB))
     assert busy_rate([a, b]) == pytest.approx(R, rel=1e-3)

@@ -20,14 +20,13 @@ import subprocess
 import time
 
 import pytest
+from fidelity import fidelity
 
-from testbed.emulator import DEFAULT_TCP_CC
+from testbed.emulator import DEFAULT_TCP_CC, jitter
 from testbed.emulator import relay as relay_mod
 from testbed.emulator.relay import Relay, RelayDirection, RelayLink, build, kept_up, partition_links
 from testbed.errors import ConfigError, RunError
 from testbed.results import CpuMeter
-
-from fidelity import fidelity
 
 IS_ROOT = os.geteuid() == 0
 TOOLS = [t for t in ("ip", "tc", "ping", "iperf3", "ethtool", "gcc") if shutil.which(t) is None]
@@ -72,7 +71,10 @@ def test_config_text_and_partition():
              for i, r in enumerate([155, 20, 100, 50])]
     text = Relay(links, seed=7, cpu=1).config_text()
     assert "seed 7" in text and "cpu 1" in text
-    assert "link p0 q0 30000.000 1000.000 0.010000000 20000.000 0.000 0.000000000 155.000" in text
+    # netem's MU and SIGMA for a mean of 30 ms and a standard deviation of 1 ms (testbed.emulator.jitter), table 1
+    mu, sigma = jitter.netem_params(30, 1, "normal")
+    assert f"link p0 q0 {mu * 1e3:.3f} {sigma * 1e3:.3f} 0.010000000 1 20000.000 0.000 0.000000000 0 155.000" in text
+    assert f"table 1 {jitter.table_path('normal')}" in text
     groups = partition_links(links, 2)
     assert sorted(i for g in groups for i in g) == [0, 1, 2, 3]
     assert groups == [[0], [1, 2, 3]]  # largest first: 155 | 100+50+20
@@ -268,7 +270,7 @@ def test_ping_rtt_is_twice_the_delay(clean_lab, delay_ms):
     assert ab["frames_out"] >= 100 and ba["frames_out"] >= 100
     assert ab["lost_segs"] == ba["lost_segs"] == 0 and ab["drop_ring"] == 0
     assert ab["delay_us"] == delay_ms * 1000
-    ok, why = kept_up(st, max_p99_late_ms=5)  # generous: the CI machine may be busy
+    ok, why = kept_up(st, max_p99_late_ms=5)  # generous: the machine may be busy
     assert ok, why
 
 
@@ -330,8 +332,10 @@ def test_jitter_keeps_fifo_order(clean_lab):
     assert recv == sent
     rmin, _, rmax, mdev = rtt
     assert mdev > 1.0, rtt  # jitter is there
-    assert rmin >= 40 - 3 * 4 - 0.05 and rmax <= 40 + 3 * 4 + 3, rtt  # truncated at 3 sigma (+ FIFO)
-    assert st["dirs"][0]["jitter_us"] == 4000
+    lo, hi = jitter.range_ms(20, 4)
+    assert rmin >= 20 + lo - 0.05 and rmax <= 20 + hi + 3, rtt  # netem's normal table spans -4.0..+3.5 sigma
+    assert st["dirs"][0]["jitter_us"] == pytest.approx(1e3 * jitter.netem_params(20, 4, "normal")[1], abs=0.001)
+    assert st["dirs"][0]["table"] == 1
 
 
 @net
@@ -355,8 +359,8 @@ def test_frames_due_while_the_link_is_down_are_lost_not_delivered_late(clean_lab
     assert_counters_add_up(st)
     ab = st["dirs"][0]
     # retried every 20 us through the 0.5 s outage would be ~25000; a few hundred can come as the
-    # link comes back, most likely before the kernel has put its queue back (a CI run under the
-    # whole suite: 611) -- frames due on a live link, late by that much, which the next line bounds
+    # link comes back, most likely before the kernel has put its queue back (some hundreds under
+    # a loaded machine) -- frames due on a live link, late by that much, which the next line bounds
     assert ab["drop_down"] > 10 and ab["tx_retry"] < 2500, ab
     assert ab["late_max_us"] < 50_000, ab
 

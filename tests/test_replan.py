@@ -1,4 +1,4 @@
-"""Re-planning policy (testbed.experiment.replanner): the same pure planner on estimated or true
+"""Re-planning policy (testbed.runtime.closed_loop.replanner): the same pure planner on estimated or true
 rates, every update_s, switching only when the plan changes.  No network."""
 
 from __future__ import annotations
@@ -7,7 +7,8 @@ import pytest
 
 from testbed import config
 from testbed.errors import ConfigError
-from testbed.experiment import build_plan, replanner
+from testbed.experiment import build_plan
+from testbed.runtime.closed_loop import replanner
 
 EXP = {"name": "replan", "topology": "small-3", "workload": {"size": "8MB"},
        "scheme": {"name": "netstorm", "adaptive": {"update_s": 5, "min_gain": 0}}}
@@ -75,7 +76,8 @@ def test_oracle_mode_and_static_schemes():
     exp = config.validate({**EXP, "scheme": {"name": "netstorm", "adaptive": {"update_s": 1, "mode": "oracle"}}})
     plan0 = build_plan(exp)[2]
     now = [0.0]
-    truth = lambda s, d: {"rate_mbps": SKEWED[(s, d)], "delay_ms": 1.0}  # noqa: E731
+    def truth(s, d):
+        return {"rate_mbps": SKEWED[(s, d)], "delay_ms": 1.0}
     policy = replanner(exp, exp.scheme, plan0, truth, clock=lambda: now[0])
     now[0] = 2
     assert policy(1, FakeNet({})).programs != plan0.programs
@@ -106,7 +108,7 @@ def test_probe_chunk_bytes_larger_than_every_transfer_is_refused():
 
 
 def test_packet_trains_on_every_directed_link_at_the_duty_asked_and_off_at_zero():
-    from testbed.experiment import probe_options
+    from testbed.runtime.closed_loop import probe_options
 
     exp = config.validate(EXP)
     probe = probe_options(exp.scheme, exp.topology.graph())

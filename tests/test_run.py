@@ -9,13 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from testbed import config
 from testbed.emulator import memory
 from testbed.emulator.cleanup import leftovers
-from testbed.emulator.network import WanNetwork
-from testbed.planners import make_plan
 from testbed.emulator.hosts import EmulatedHosts
+from testbed.emulator.network import WanNetwork
 from testbed.hosts import run_agents
+from testbed.planners import make_plan
 from testbed.topology import load_topology
 
 pytestmark = pytest.mark.net
@@ -111,6 +110,7 @@ def test_a_failed_run_keeps_the_repetitions_that_finished(netenv, tmp_path):
     assert res.returncode == 1, res.stderr[-2000:]
     out = json.loads((tmp_path / "o" / "results.json").read_text())
     assert "h2" in out["error"]
+    assert out["failure"]["variant"] == "ring" and out["failure"]["repetition"] == len(out["runs"]), out["failure"]
     assert 1 <= len(out["runs"]) < 60 and all(r["correct"] for r in out["runs"]), len(out["runs"])
     assert [r["repetition"] for r in out["runs"]] == list(range(len(out["runs"])))
 

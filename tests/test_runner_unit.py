@@ -4,7 +4,8 @@ import pytest
 
 from testbed import config
 from testbed.errors import ConfigError
-from testbed.experiment import build_plan, compute_times
+from testbed.experiment import build_plan
+from testbed.workloads import compute_times
 
 BASE = {"name": "t", "topology": "small-3", "scheme": {"name": "ring"}, "workload": {"size": "64KB"}}
 
@@ -47,7 +48,7 @@ def test_scale_multiplies_size_and_rates():
     topo, graph, plan, prediction, bound = build_plan(exp)
     assert topo.scale == 0.5
     assert max(d["rate_mbps"] for _, _, d in graph.edges(data=True)) == 40.0  # 80 * 0.5
-    assert prediction["cct_s"] > 0 and bound["cct_s"] > 0 and plan.length == 125_000
+    assert prediction["cct_s"] > 0 and bound["transfer_s"] > 0 and plan.length == 125_000
 
 
 def test_partial_reduce_has_no_allreduce_bound():
@@ -58,7 +59,7 @@ def test_partial_reduce_has_no_allreduce_bound():
     *_, prediction, bound = build_plan(exp)
     assert bound is None
     s = _summary([{"cct_s": 1.0, "correct": True}], prediction, bound)
-    assert s["bound_cct_s"] is None and s["efficiency"] is None and s["prediction_ratio"] > 0
+    assert s["bound_s"] is None and s["efficiency"] is None and s["prediction_ratio"] > 0
 
 
 def test_warmup_iterations_are_checked_but_not_timed():
@@ -76,13 +77,13 @@ def test_warmup_iterations_are_checked_but_not_timed():
 
 
 def test_emulation_health_expects_relay_statistics_only_where_relays_ran():
-    from testbed.experiment import _emulation_health
+    from testbed.results import emulation_health
 
-    assert _emulation_health("relay", 0, [], 0.5, 0.0, 2.0)["kept_up"] is True  # no link needed a relay
-    h = _emulation_health("relay", 2, [], 0.5, 0.0, 2.0)
+    assert emulation_health("relay", 0, [], 0.5, 0.0, 2.0)["kept_up"] is True  # no link needed a relay
+    h = emulation_health("relay", 2, [], 0.5, 0.0, 2.0)
     assert h["kept_up"] is False and "fidelity unknown" in h["warnings"][0]
-    assert "CPU" in _emulation_health("netem", 0, [], 0.99, 0.0, 2.0)["warnings"][0]
-    assert "steal" in _emulation_health("netem", 0, [], 0.5, 0.2, 2.0)["warnings"][0]  # a busy VM host
+    assert "CPU" in emulation_health("netem", 0, [], 0.99, 0.0, 2.0)["warnings"][0]
+    assert "steal" in emulation_health("netem", 0, [], 0.5, 0.2, 2.0)["warnings"][0]  # a busy VM host
 
 
 @pytest.mark.parametrize("control, cmdline, config, expected", [
@@ -110,3 +111,21 @@ def test_preemption_model_is_read_from_what_the_kernel_shows(tmp_path, control, 
         with gzip.open(paths["config.gz"], "wt") as f:
             f.write("\n".join(config) + "\n")
     assert preemption(str(paths["control"]), str(paths["cmdline"]), str(paths["config.gz"])) == expected
+
+
+def test_a_failed_run_is_recorded_from_the_typed_failure():
+    """results.json's ``failure``: the coordinator's FailureReport (culprit, link), what had
+    completed, and the run-time features' part (CREW's groups: the tasks so far)."""
+    from agents.coordinator import Failure
+    from agents.protocol import FailureReport
+    from testbed.config import Variant
+    from testbed.errors import RunError
+    from testbed.experiment import _failed_run
+
+    v = Variant("crew", {"name": "crew"})
+    done = {"iterations": [{"iteration": 0}], "tasks_mode": {"tasks": [], "rounds": {}}}
+    rec = _failed_run(v, 1, Failure(FailureReport("h2: exited", "h2", ("h2", "h3")), done)).to_dict()
+    assert rec == {"variant": "crew", "repetition": 1, "message": "h2: exited", "culprit": "h2",
+                   "link": ("h2", "h3"), "iterations_completed": 1, "groups": done["tasks_mode"]}
+    other = _failed_run(v, 0, RunError("emulator broke")).to_dict()  # not the coordinator's: no culprit
+    assert other["culprit"] is None and other["iterations_completed"] == 0 and "groups" not in other

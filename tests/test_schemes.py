@@ -12,13 +12,13 @@ adding it anywhere.
 
 import numpy as np
 import pytest
+from wan_graphs import random_wan
 
 from testbed import config
 from testbed.errors import ConfigError
-from testbed.planners import NODE, NODE_MAP, NODES, make_plan, schemes
 from testbed.plan import check_allreduce
+from testbed.planners import NODE, NODE_MAP, NODES, make_plan, schemes
 from testbed.topology import load_topology
-from wan_graphs import random_wan
 
 SCHEMES = sorted(schemes())
 LENGTH = 1009  # prime: blocks, shards and chunks come out uneven
@@ -150,8 +150,8 @@ def test_errors_found_while_planning_carry_the_key_path():
 @pytest.mark.net
 def test_every_scheme_gives_exact_results_on_a_real_network(netenv, tmp_path):
     """Real Mininet WAN, real agent processes, real TCP: every registered scheme once."""
-    from testbed.emulator.network import WanNetwork
     from testbed.emulator.hosts import EmulatedHosts
+    from testbed.emulator.network import WanNetwork
     from testbed.hosts import run_agents
 
     topo = load_topology("quick-5")

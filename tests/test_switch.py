@@ -3,13 +3,13 @@ a new plan every iteration, every iteration exactly checked."""
 
 from __future__ import annotations
 
-from agents.local import LocalCluster
-from testbed.plan import Tree, trees_plan
-
 from test_agents import check_results, two_tree_plan
 
+from agents.local import LocalCluster
+from testbed.plan import Plan, Tree, trees_plan
 
-def other_plan(length: int) -> "Plan":  # noqa: F821
+
+def other_plan(length: int) -> Plan:
     """Same five nodes, different trees, channels and chunking than two_tree_plan."""
     nodes = [f"h{i}" for i in range(5)]
     t1 = Tree("h2", {"h2": None, "h0": "h2", "h1": "h0", "h3": "h2", "h4": "h3"}, share=0.3, chunks=2)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import math
 import random
 from pathlib import Path
 
@@ -123,7 +122,7 @@ def test_graph_attributes_directional():
     assert g.number_of_nodes() == 9 and g.number_of_edges() == 26
     assert g["h1"]["h2"]["rate_mbps"] == 54 and g["h2"]["h1"]["rate_mbps"] == 36
     for u, v, d in g.edges(data=True):
-        assert set(d) == {"rate_mbps", "delay_ms", "jitter_ms", "loss", "queue_pkts"}
+        assert set(d) == {"rate_mbps", "delay_ms", "jitter_ms", "distribution", "loss", "queue_pkts"}
         assert d["rate_mbps"] == t.linkdir(u, v).rate_mbps
     inline = load_topology({"datacenters": [{"name": "x", "region": "eu", "lat": 1.5, "lon": 2}, "y"],
                             "links": [{"between": ["x", "y"], "rate_mbps": 5}]})

@@ -151,7 +151,8 @@ def test_link_estimate_is_the_median_train_or_the_largest_lower_bound_of_recent_
     from agents import netstate
 
     net = NetState(["a", "b"])
-    train = lambda r: net.add_train({"src": "a", "dst": "b", "rate_mbps": r, "send_ns": 1, "recv_ns": 2})  # noqa: E731
+    def train(r):
+        return net.add_train({"src": "a", "dst": "b", "rate_mbps": r, "send_ns": 1, "recv_ns": 2})
     assert [train(r)["link_mbps"] for r in (100.0, 60.0, 130.0, 98.0)] == [None, 100.0, 100.0, 98.0]
     monkeypatch.setattr(netstate, "RECENT_S", 0.05)
     time.sleep(0.1)

@@ -1,6 +1,7 @@
 """The VM tooling's host-side logic (testbed/vm), without booting anything.  The guest
 itself is exercised by `python3 -m testbed.vm stage` (.ci/run's VM stage)."""
 
+import json
 import subprocess
 import sys
 import tarfile
@@ -30,7 +31,7 @@ def test_checkout_tar_carries_tracked_and_new_files_but_not_ignored_ones(tmp_pat
     (repo / "testbed/setup.sh").unlink()  # deleted in the work tree: not carried
     with tarfile.open(vm.checkout_tar(tmp_path / "c.tar", repo)) as tar:
         names = set(tar.getnames())
-    assert names == {".gitignore", "new.py", "testbed/vm/build.sh", "testbed/vm/guest-init.sh"}
+    assert names == {".gitignore", "new.py", "testbed/vm/build.sh", "testbed/vm/debootstrap.sh", "testbed/vm/guest-init.sh"}
 
 
 def test_image_key_follows_exactly_the_image_inputs(tmp_path):
@@ -73,3 +74,35 @@ def test_compare_puts_the_two_paths_side_by_side_and_summarises_each():
     assert "+0.2   +1.5 | ok / rate" in text  # the standing queue's error
     assert "single relay: rate ratio 0.950-0.950, |delay error| <= 0.20 ms, |queue error| <= 0.2 ms, 1/1" in text
     assert "single netem: rate ratio 0.900-0.900, |delay error| <= 1.50 ms, |queue error| <= 1.5 ms, 0/1" in text
+
+
+def test_check_passes_only_netem_links_and_correct_runs(tmp_path):
+    good = {"runs": [{"variant": "ring", "repetition": 0, "correct": True}],
+            "links": [{"method": "htb+netem"}, {"method": "htb+netem"}]}
+    assert vm.netem_problems(good) == []
+    assert vm.netem_problems({"directions": [{"method": "htb+netem"}]}) == []  # a linkcheck.json
+    relay = {**good, "links": [{"method": "htb+netem"}, {"method": "relay"}]}
+    assert vm.netem_problems(relay) == ["link methods ['htb+netem', 'relay'], expected only htb+netem"]
+    wrong = {**good, "runs": [{"variant": "ring", "repetition": 1, "correct": False}]}
+    assert vm.netem_problems(wrong) == ["run ring rep 1: result not correct"]
+    assert vm.netem_problems({**good, "runs": []}) == ["no runs"]
+    assert vm.netem_problems({}) == ["link methods [], expected only htb+netem"]
+    (tmp_path / "good.json").write_text(json.dumps(good))
+    (tmp_path / "wrong.json").write_text(json.dumps(wrong))
+    (tmp_path / "empty.json").write_text("")  # what a guest that wrote nothing leaves
+    cmd = [sys.executable, "-m", "testbed.vm", "check"]
+    ok = subprocess.run(cmd + [str(tmp_path / "good.json")], capture_output=True, text=True, timeout=60)
+    assert ok.returncode == 0 and "2 link directions, all htb+netem" in ok.stdout
+    bad = subprocess.run(cmd + [str(tmp_path / f) for f in ("good.json", "wrong.json", "empty.json")],
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 1
+    assert "result not correct" in bad.stdout and "empty.json: cannot read it" in bad.stdout
+
+
+def test_stage_runs_the_link_checks_named_and_only_those():
+    from testbed.vm.__main__ import LINKCHECKS, stage_command
+    assert "LINKCHECKS='' bash testbed/vm/stage.sh 0.1" == stage_command(0.1, False, None)
+    every = stage_command(0.1, True, [])
+    assert every.startswith("STRICT=1 ") and all(t in every for t in LINKCHECKS.values())
+    two = stage_command(0.2, False, ["jitter-3", "lossy-jitter-4"])
+    assert two == "LINKCHECKS='testbed/vm/lossy-jitter-4.yaml testbed/vm/jitter-3.yaml' bash testbed/vm/stage.sh 0.2"

@@ -4,8 +4,19 @@ from __future__ import annotations
 
 import pytest
 
-from testbed.workloads import (MODELS, WELL_KNOWN_PARAMS, bert, conv2d, dtype_bytes, linear,
-                               model_bytes, model_name, model_params, parse_size, workload_bytes)
+from testbed.workloads import (
+    MODELS,
+    WELL_KNOWN_PARAMS,
+    bert,
+    conv2d,
+    dtype_bytes,
+    linear,
+    model_bytes,
+    model_name,
+    model_params,
+    parse_size,
+    workload_bytes,
+)
 
 
 @pytest.mark.parametrize("text,want", [

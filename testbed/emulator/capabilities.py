@@ -94,7 +94,7 @@ def _probe_kernel() -> tuple[bool, bool, bool, bool, list[str]]:
 def probe() -> Capabilities:
     root = os.geteuid() == 0
     try:
-        import mininet.net  # noqa: F401
+        import mininet.net  # noqa: F401 -- imported only to see whether it can be
         mininet_python = True
     except ImportError:
         mininet_python = False

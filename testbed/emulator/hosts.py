@@ -23,6 +23,17 @@ class EmulatedHosts(Hosts):
     def addresses(self) -> dict:
         return self.net.address_map()
 
+    def carry_paths(self, paths: dict) -> dict[str, dict[str, str]]:
+        """Install the paths in the network (policy routing by source address,
+        :meth:`~testbed.emulator.network.WanNetwork.install_paths`): {node: {"peer/channel":
+        source address}} for every connection of more than one hop."""
+        addr = self.net.install_paths(paths.values())
+        out: dict[str, dict[str, str]] = {}
+        for (node, peer, ch), path in paths.items():
+            if tuple(path) in addr:
+                out.setdefault(node, {})[f"{peer}/{ch}"] = addr[tuple(path)]
+        return out
+
     def clock_offsets(self) -> dict:
         """None to correct: every agent runs on this machine's clock."""
         return {}

@@ -88,7 +88,7 @@ def segs_out(sock: socket.socket) -> int:
     return struct.unpack_from("I", info, _TCPI_SEGS_OUT)[0]
 
 
-def run(port: int, name: str, flows: list[tuple[str, float, str, int]], omit: float, seconds: float,
+def run(port: int, name: str, flows: list[tuple[str, float, str, int]], omit: float, seconds: float,  # noqa: C901, PLR0915 -- one load run: processes started, watched and torn down together
         bind: str = "0.0.0.0", stdin=sys.stdin, emit=print) -> dict:
     lsock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     lsock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

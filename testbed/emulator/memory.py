@@ -3,7 +3,7 @@
 A VM whose balloon device reports free pages (virtio-balloon free page reporting, Linux
 ``mm/page_reporting.c``) hands every free block of at least 2^``page_reporting_order`` pages
 back to the hypervisor within seconds, and touching that memory again costs a page fault on
-the host.  Measured on this project's 2-core VMs (2026-11-27; docs/emulator-log.md, "Memory on a VM"):
+the host.  Measured on this project's 2-core VMs (docs/measurements/emulator-log.md, "Memory on a VM"):
 a 4 KiB page the host does not back cost 5-9 us to touch, one it backs 0.4 us; a NetStorm link
 check at scale 1 frees and re-allocates ~1.4 GB of socket buffers, which the host took back
 during the check, and the relays stalled in kernel paths on every link at once (max lateness

@@ -14,8 +14,20 @@ Overlay model (Mininet's Topo/Net/Node/Link split, built imperatively):
   10.255.0.0/16) carries only control traffic: coordinator <-> agents, never data.
 
 Addresses: node i -> 10.0.(i // 250).(i % 250 + 1); link j -> 10.(1 + j // 250).(j % 250).{1,2}/24
-(end a gets .1); control: host i -> 10.255.(i // 250).(i % 250 + 1), root 10.255.255.254.
+(end a gets .1); control: host i -> 10.255.(i // 250).(i % 250 + 1), root 10.255.255.254;
+the m-th named path (below) -> 10.(128 + m // 65536).(m // 256 % 256).(m % 256).
 Routes are static: a link taken down is not routed around (faults mean unreachability).
+
+Per-flow paths (:meth:`WanNetwork.install_paths`, for plans that name a transfer's path,
+``Op.path``): policy routing by source address.  Each path gets an address of its own on its
+first node; every node along it has a rule "from that address: to the next node" and, for the
+acknowledgements, "to that address: to the node before".  A connection bound to the address
+(``agents``: a data connection's ``sources`` entry) is carried on its path, every other packet
+on the static routes as before.  Why the source address: it is in every packet's header, so
+every hop can route on it (a socket mark does not leave the sending host, a port would need the
+agents to pick ports and rules that match ports), the agents' only part is binding a data
+socket to an address before connecting, and the acknowledgements, addressed to it, can be
+routed back along the same path.
 
 On several servers (``share``, :class:`Share`; ``--servers``): each server builds this for its
 share of the datacenters with the full topology's addresses and routes, so a flow takes the
@@ -38,7 +50,7 @@ import shutil
 import signal
 import subprocess
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
@@ -65,6 +77,17 @@ def control_ip(i: int) -> str:
     return f"10.255.{i // 250}.{i % 250 + 1}"
 
 
+def path_ip(m: int) -> str:
+    """The source address of the m-th named path."""
+    if not 0 <= m < 128 * 65536:
+        raise RunError(f"too many named paths ({m + 1})")
+    return f"10.{128 + m // 65536}.{m // 256 % 256}.{m % 256}"
+
+
+PATH_RULE_PRIORITY = 100  # before the main table's rule (32766), after local delivery (0)
+PATH_TABLE_BASE = 1000  # table PATH_TABLE_BASE + j: a host's way over link j
+
+
 @dataclass
 class Direction:
     """One shaped direction of a WAN link, as it is right now."""
@@ -83,6 +106,7 @@ class Direction:
     def report(self) -> dict:
         return {"src": self.src, "dst": self.dst, "rate_mbps": self.spec.rate_mbps,
                 "delay_ms": self.spec.delay_ms, "jitter_ms": self.spec.jitter_ms,
+                **({"distribution": self.spec.distribution} if self.spec.jitter_ms else {}),
                 "loss": self.spec.loss, "queue_pkts": self.spec.queue_pkts,
                 "method": shaping.METHODS[self.method].label,
                 **({} if self.segment_loss is None else {"segment_loss": self.segment_loss})}
@@ -143,6 +167,8 @@ class WanNetwork:
         self.events: list[dict] = []
         self.host_sysctls: dict = {}  # what every datacenter host was set to (for results.json)
         self.memory_hold: dict | None = None  # memory.hold(): free page reporting held (results.json)
+        self.path_sources: dict[tuple[str, ...], str] = {}  # named path -> its source address (install_paths)
+        self._path_tables: set[tuple[str, int]] = set()  # (dc, link) tables the named paths use
         self.t0 = time.time()
 
     # -- life cycle ------------------------------------------------------------
@@ -181,18 +207,38 @@ class WanNetwork:
         self._owns_bridge = True  # from here on, stop() removes what this run made
         self.memory_hold = memory.hold(log=self.log)
         if self.memory_hold and not self.memory_hold["full"]:
-            self.log(f"warning: {self.memory_hold['note']}: the emulator may stall (README, Emulator headroom)")
+            self.log(f"warning: {self.memory_hold['note']}: the emulator may stall (docs/guides/link-fidelity.md)")
         self.log(f"building {len(self.topo.nodes)} datacenters, {len(self.topo.links)} links "
                  f"(shaping: {method})")
         net = self.net = Mininet(build=False, controller=None, topo=None, autoSetMacs=False,
                                  waitConnected=False)
-        share = self.share
-        local = set(share.nodes) if share else set(self.topo.nodes)
+        local = set(self.share.nodes) if self.share else set(self.topo.nodes)
         for dc, i in self.index.items():
             if dc in local:
                 self.hosts[dc] = net.addHost(f"{HOST_PREFIX}{i}", ip=None)
+        bridge = net.addSwitch(CONTROL_BRIDGE, cls=LinuxBridge)
+        wan, relay_pairs = self._add_links(net, method, local)
+        for dc, h in self.hosts.items():
+            net.addLink(h, bridge, intfName1=f"{h.name}-ctl", intfName2=f"{CONTROL_BRIDGE}-{h.name}")
+        net.build()
+        net.start()
+        self._make_tunnels()
+        _check(subprocess.run(["ip", "addr", "replace", f"{CONTROL_IP}/16", "dev", CONTROL_BRIDGE],
+                              capture_output=True, text=True), "control bridge address")
+        _check(subprocess.run(["ip", "link", "set", "dev", CONTROL_BRIDGE, "alias",
+                               cleanup.ALIAS_PREFIX + self.run_id], capture_output=True, text=True), "bridge alias")
+        self._configure_hosts()
+        if wan is not None:
+            self._start_relays(wan, relay_pairs)
+        self.log("network up")
+
+    def _add_links(self, net, method: str, local: set[str]) -> tuple:
+        """Every WAN link with an end in ``local``: a veth (through the relay namespace
+        ``wan`` where its method relays), or, on several servers, a cut link's local end whose
+        tunnel :meth:`_make_tunnels` makes; ``directions`` filled.  Returns (the relay
+        namespace or None, the relay's (link, interface a, interface b))."""
         link_methods = [shaping.link_method(method, (link.ab, link.ba)) for link in self.topo.links]
-        tunnels = share.tunnels if share else {}
+        tunnels = self.share.tunnels if self.share else {}
 
         def relay_here(j: int) -> bool:  # a cut link's relay runs on the server its tunnel says
             if not shaping.METHODS[link_methods[j]].relay:
@@ -202,7 +248,6 @@ class WanNetwork:
         relayed = {j for j in range(len(self.topo.links)) if relay_here(j)}
         wan = net.addHost("wan", ip=None) if relayed else None
         self._tunnel_ends: list[tuple[int, object, str]] = []  # (link, host it goes in, name there)
-        bridge = net.addSwitch(CONTROL_BRIDGE, cls=LinuxBridge)
         self._link_intf: dict[tuple[str, int], str] = {}  # (dc, link index) -> interface
         port = {dc: 0 for dc in self.topo.nodes}
         relay_pairs = []
@@ -235,19 +280,7 @@ class WanNetwork:
                 if dc in local:
                     self._link_intf[(dc, j)] = intf
                     self.directions[(dc, other)] = Direction(dc, other, j, intf, spec, m)
-        for dc, h in self.hosts.items():
-            net.addLink(h, bridge, intfName1=f"{h.name}-ctl", intfName2=f"{CONTROL_BRIDGE}-{h.name}")
-        net.build()
-        net.start()
-        self._make_tunnels()
-        _check(subprocess.run(["ip", "addr", "replace", f"{CONTROL_IP}/16", "dev", CONTROL_BRIDGE],
-                              capture_output=True, text=True), "control bridge address")
-        _check(subprocess.run(["ip", "link", "set", "dev", CONTROL_BRIDGE, "alias",
-                               cleanup.ALIAS_PREFIX + self.run_id], capture_output=True, text=True), "bridge alias")
-        self._configure_hosts()
-        if wan is not None:
-            self._start_relays(wan, relay_pairs)
-        self.log("network up")
+        return wan, relay_pairs
 
     def _make_tunnels(self) -> None:
         """Each cut link's VXLAN device: made here, on the underlay, then moved (and renamed)
@@ -376,8 +409,10 @@ class WanNetwork:
             under = t.underlay_delay_ms if t else 0.0  # a tunnel's own delay is part of the link's
             links.append(relay_mod.RelayLink(
                 iface_ab_in=ra, iface_ba_in=rb,
-                ab=relay_mod.RelayDirection(max(0.0, link.ab.delay_ms - under), link.ab.jitter_ms, link.ab.loss),
-                ba=relay_mod.RelayDirection(max(0.0, link.ba.delay_ms - under), link.ba.jitter_ms, link.ba.loss),
+                ab=relay_mod.RelayDirection(max(0.0, link.ab.delay_ms - under), link.ab.jitter_ms, link.ab.loss,
+                                            link.ab.distribution),
+                ba=relay_mod.RelayDirection(max(0.0, link.ba.delay_ms - under), link.ba.jitter_ms, link.ba.loss,
+                                            link.ba.distribution),
                 rate_mbps_max=max(link.ab.rate_mbps, link.ba.rate_mbps)))
         lay = relay_mod.layout(links, os.cpu_count() or 1, self.relay_procs)
         self.relay_layout = {k: v for k, v in lay.items() if k != "groups"}
@@ -460,7 +495,7 @@ class WanNetwork:
         d = self._direction(src, dst)
         _batch(self.hosts[src], "tc", [" ".join(c[1:]) for c in
                                        shaping.rate_change_commands(d.intf, rate_mbps, self.icmp_priority)])
-        d.spec = LinkDir(rate_mbps, d.spec.delay_ms, d.spec.jitter_ms, d.spec.loss, d.spec.queue_pkts)
+        d.spec = replace(d.spec, rate_mbps=rate_mbps)
         self._event("rate", src=src, dst=dst, rate_mbps=rate_mbps)
 
     def set_link(self, a: str, b: str, up: bool) -> None:
@@ -503,8 +538,50 @@ class WanNetwork:
         """Re-install routes after a link came back (the kernel drops them on link down);
         routes over links that are still down fail and are skipped (-force)."""
         paths = shortest_paths(self.topo.graph())
+        tables = self._path_tables
         for dc, h in self.hosts.items():
-            _batch(h, "ip", self._route_lines(dc, paths), force=True)
+            _batch(h, "ip", self._route_lines(dc, paths) + [self._path_table_line(d, j) for d, j in sorted(tables)
+                                                             if d == dc], force=True)
+
+    def install_paths(self, paths) -> dict[tuple[str, ...], str]:
+        """Carry every connection bound to a path's source address on that path (module
+        doc): ``paths`` are node sequences (``Op.path``) of consecutive WAN neighbours.  Paths
+        of one hop need nothing (a neighbour is reached over its link); for each longer one
+        this adds its source address on its first node, and on each node of it the rules
+        and the tables (one per link: ``default via`` the neighbour) that forward it.
+        Returns {path: source address} of every path installed so far; a path that is no
+        chain of links raises RunError naming it."""
+        lines: dict[str, list[str]] = {}
+        tables: set[tuple[str, int]] = set()
+        for path in dict.fromkeys(tuple(p) for p in paths):
+            if len(path) < 3 or path in self.path_sources:
+                continue
+            hops = list(zip(path, path[1:]))
+            bad = [f"{a}->{b}" for a, b in hops if (a, b) not in self.directions]
+            if bad or len(set(path)) < len(path):
+                raise RunError(f"path {'>'.join(path)} is not a chain of distinct WAN links ({', '.join(bad) or 'a loop'})")
+            addr = self.path_sources[path] = path_ip(len(self.path_sources))
+            lines.setdefault(path[0], []).append(f"addr add {addr}/32 dev lo")
+            for k, (a, b) in enumerate(hops):
+                j = self.directions[(a, b)].link
+                lines.setdefault(a, []).append(f"rule add from {addr} lookup {PATH_TABLE_BASE + j} "
+                                               f"priority {PATH_RULE_PRIORITY}")
+                lines.setdefault(b, []).append(f"rule add to {addr} lookup {PATH_TABLE_BASE + j} "
+                                               f"priority {PATH_RULE_PRIORITY}")
+                tables.update({(a, j), (b, j)})
+        for dc, j in sorted(tables):
+            lines.setdefault(dc, []).insert(0, self._path_table_line(dc, j))
+        for dc, ls in lines.items():
+            _batch(self.hosts[dc], "ip", ls)
+        self._path_tables |= tables
+        return dict(self.path_sources)
+
+    def _path_table_line(self, dc: str, j: int) -> str:
+        """``ip`` batch line: table PATH_TABLE_BASE + j of ``dc`` sends everything over link j."""
+        link = self.topo.links[j]
+        other = link.b if link.a == dc else link.a
+        return (f"route replace default via {link_ip(j, 0 if link.a == other else 1)} "
+                f"dev {self._link_intf[(dc, j)]} table {PATH_TABLE_BASE + j}")
 
     def _direction(self, src: str, dst: str) -> Direction:
         try:

@@ -59,10 +59,12 @@ def send(addr: str, port: int, pps: float, seconds: float, size: int, ready: boo
     return {"sent": n}
 
 
-def recv(port: int, seconds: float, idle_s: float = 1.0, ready: bool = False, skip: int = SKIP) -> dict:
+def recv(port: int, seconds: float, idle_s: float = 1.0, ready: bool = False, skip: int = SKIP,
+         samples: bool = False) -> dict:
     """Receive until ``idle_s`` without a datagram (after the first) or ``seconds`` in all;
     return one-way delay statistics (ms) of the datagrams from sequence number ``skip`` on,
-    and the sequence numbers seen."""
+    and the sequence numbers seen; with ``samples`` also those delays (``owd_ms``, to 1 us,
+    in arrival order)."""
     s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     s.setsockopt(socket.SOL_SOCKET, SO_TIMESTAMPNS, 1)
     s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 8 << 20)
@@ -87,8 +89,9 @@ def recv(port: int, seconds: float, idle_s: float = 1.0, ready: bool = False, sk
         rx_ns = time.time_ns() if rx_ns is None else rx_ns
         seqs.append(seq)
         owd.append((rx_ns - sent_ns) / 1e6)
+    counted = [o for q, o in zip(seqs, owd) if q >= skip]
     return {"received": len(seqs), "unique": len(set(seqs)), "max_seq": max(seqs, default=-1),
-            **owd_stats([o for q, o in zip(seqs, owd) if q >= skip])}
+            **owd_stats(counted), **({"owd_ms": [round(o, 3) for o in counted]} if samples else {})}
 
 
 def owd_stats(owd: list[float]) -> dict:
@@ -117,10 +120,11 @@ def main(argv=None) -> int:
     t.add_argument("--pps", type=float, required=True)
     t.add_argument("--seconds", type=float, required=True)
     t.add_argument("--size", type=int, default=64, help="UDP payload bytes (>= 16)")
+    r.add_argument("--samples", action="store_true", help="also print every one-way delay counted (owd_ms)")
     for p in (r, t):
         p.add_argument("--ready", action="store_true", help="print 'ready' when set up (send: then wait for a line)")
     a = ap.parse_args(argv)
-    out = (recv(a.port, a.seconds, a.idle, ready=a.ready, skip=a.skip) if a.verb == "recv"
+    out = (recv(a.port, a.seconds, a.idle, ready=a.ready, skip=a.skip, samples=a.samples) if a.verb == "recv"
            else send(a.addr, a.port, a.pps, a.seconds, a.size, ready=a.ready))
     print(json.dumps(out))
     return 0

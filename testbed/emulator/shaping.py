@@ -6,7 +6,7 @@ qdisc that depends on the method:
 
 * ``netem``: a netem qdisc for delay, jitter and loss.  Its ``limit`` holds the sender
   queue plus every packet in flight on the emulated wire (bandwidth-delay product).  Made to
-  model the link the relay models (measured in the Debian guest, docs/emulator-log.md "The
+  model the link the relay models (measured in the Debian guest, docs/measurements/emulator-log.md "The
   netem path's lossy and jittery links"): jitter keeps FIFO order (:func:`_leaf`) and a lossy
   direction's sender sends one segment per packet (``network``: ``gso_max_segs 1``), so netem,
   which drops whole packets, loses segments one by one, not a TSO frame's several at once.
@@ -27,8 +27,9 @@ read :data:`METHODS`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
+from testbed.emulator import jitter
 from testbed.topology import LinkDir
 
 MTU = 1500
@@ -103,21 +104,27 @@ FIFO_RATE_FACTOR = 1000
 
 
 def _leaf(d: LinkDir, method: str) -> list[str]:
-    """The leaf qdisc's argv tail.  netem sorts its packets by due time, so jitter reorders
-    them (TCP counted 2593 reorderings in 8 s at 40 Mbit/s, 2 ms jitter); given a ``rate``,
-    netem dates each packet from the one before it instead, due = max(previous due, arrival +
-    delay + jitter) + its time at that rate (sch_netem.c, netem_enqueue): FIFO, as the relay
-    (tbrelay.c: real WAN paths very rarely reorder) -- 0 reorderings.  That rate is
-    FIFO_RATE_FACTOR x the link's, HTB above still shapes."""
+    """The leaf qdisc's argv tail.  Delay and jitter as :mod:`.jitter` defines them: netem's
+    ``delay MU SIGMA distribution T`` from the direction's mean, standard deviation and
+    distribution (:func:`.jitter.netem_params`; ``uniform`` is netem's own, no table).
+    netem sorts its packets by due time, so jitter reorders them (TCP counted 2593
+    reorderings in 8 s at 40 Mbit/s, 2 ms jitter); given a ``rate``, netem dates each packet
+    from the one before it instead, due = max(previous due, arrival + delay + jitter) + its
+    time at that rate (sch_netem.c, netem_enqueue): FIFO, as the relay (tbrelay.c: real WAN
+    paths very rarely reorder) -- 0 reorderings.  That rate is FIFO_RATE_FACTOR x the link's,
+    HTB above still shapes."""
     if method not in METHODS:
         raise ValueError(f"unknown shaping method {method!r}")
     if METHODS[method].leaf == "bfifo":
         return ["bfifo", "limit", str(d.queue_pkts * (MTU + 14))]
     leaf = ["netem", "limit", str(netem_limit(d))]
-    if d.delay_ms or d.jitter_ms:
+    if d.delay_ms and not d.jitter_ms:
         leaf += ["delay", f"{d.delay_ms}ms"]
-        if d.jitter_ms:
-            leaf += [f"{d.jitter_ms}ms", "distribution", "normal", "rate", _rate(FIFO_RATE_FACTOR * d.rate_mbps)]
+    elif d.jitter_ms:
+        mu, sigma = jitter.netem_params(d.delay_ms, d.jitter_ms, d.distribution)
+        leaf += ["delay", f"{mu * 1e3:.3f}us", f"{sigma * 1e3:.3f}us",
+                 *(["distribution", d.distribution] if jitter.table_path(d.distribution) else []),
+                 "rate", _rate(FIFO_RATE_FACTOR * d.rate_mbps)]
     if d.loss:
         leaf += ["loss", f"{d.loss * 100:.6f}%"]
     return leaf
@@ -140,7 +147,7 @@ def shape_commands(intf: str, d: LinkDir, method: str, icmp_priority: bool = Fal
         [*q, "parent", "1:10", "handle", "10:", *_leaf(d, method)],
     ]
     if icmp_priority:
-        probe = LinkDir(d.rate_mbps, d.delay_ms, d.jitter_ms, d.loss, queue_pkts=100)
+        probe = replace(d, queue_pkts=100)
         cmds += [
             [*c, "parent", "1:1", "classid", "1:20", "htb", *htb_class_args(d.rate_mbps), "prio", "0"],
             [*q, "parent", "1:20", "handle", "20:", *_leaf(probe, method)],
@@ -159,12 +166,19 @@ def rate_change_commands(intf: str, rate_mbps: float, icmp_priority: bool = Fals
 
 def standing_queue_ms(d: LinkDir, method: str, frame_bytes: int, probe_bytes: int) -> float:
     """Queueing delay (ms) a packet of ``probe_bytes`` sees on arrival at a full sender queue
-    of ``frame_bytes`` frames.  The queue drops at its tail, so an arrival gets in only while
-    it fits: ahead of it is the most that leaves room for it.  The relay/htb leaf is a byte
-    FIFO of ``queue_pkts`` full-size frames; netem's limit counts packets (:func:`netem_limit`)
-    -- ``limit - 1`` ahead, of which ``rate x delay`` are on the emulated wire.  (Measured in
-    the VM, netem: the probes read one frame less than ``netem_limit`` frames, on every link.)"""
+    of ``frame_bytes`` frames, beyond the direction's mean delay.  The queue drops at its tail,
+    so an arrival gets in only while it fits: ahead of it is the most that leaves room for it.
+    The relay/htb leaf is a byte FIFO of ``queue_pkts`` full-size frames; netem's limit counts
+    packets (:func:`netem_limit`) -- ``limit - 1`` ahead, of which ``rate x delay`` are on the
+    emulated wire.  (Measured in the VM, netem: the probes read one frame less than
+    ``netem_limit`` frames, on every link.)  Jitter: the frames leave the queue one frame's
+    time apart, and FIFO order holds each to the latest due time before it
+    (:func:`.jitter.fifo_cdf`), a median ``shift`` above the mean delay: the relay adds it
+    after the queue; netem dates a packet as it enters the queue, so the queue hides it where
+    it is the longer (the delay is the later of the two)."""
     frame_ms = frame_bytes * 8 / (d.rate_mbps * 1e3)
+    shift = float(jitter.quantiles([0.5], d.delay_ms, d.jitter_ms, d.distribution, frame_ms)[0]) - d.delay_ms \
+        if d.jitter_ms else 0.0
     if METHODS[method].leaf == "bfifo":
-        return (d.queue_pkts * (MTU + 14) - probe_bytes) // frame_bytes * frame_ms
-    return (netem_limit(d) - 1) * frame_ms - d.delay_ms
+        return (d.queue_pkts * (MTU + 14) - probe_bytes) // frame_bytes * frame_ms + shift
+    return max((netem_limit(d) - 1) * frame_ms - d.delay_ms, shift)

@@ -86,7 +86,7 @@ def aux_paths(graph: nx.DiGraph, pairs: Iterable[tuple[str, str]], *, disjoint: 
                 out[pair]["aux"].append(path)
             left = _without(left, [l for p in found.values() for l in zip(p, p[1:])])
     else:
-        weight = lambda a, b, e: 1.0 / e["rate_mbps"]  # noqa: E731
+        weight = lambda a, b, e: 1.0 / e["rate_mbps"]  # noqa: E731 -- networkx's weight callable, read as the formula it is
         for (s, d), entry in out.items():
             used = set(entry["primary"][1:-1])
             candidates = nx.shortest_simple_paths(idle, s, d, weight=weight) if nx.has_path(idle, s, d) else ()

@@ -26,8 +26,16 @@ import networkx as nx
 
 from testbed.plan import Plan, ProgramBuilder, Tree, split_lengths, trees_plan
 from testbed.planners import NODE, NODES, Param, ParamError, planner
-from testbed.planners.common import (ACTIVE, check_graph, members, parents_from_edges, partial, path_delay_ms,
-                                     path_rate, tree_centre)
+from testbed.planners.common import (
+    ACTIVE,
+    check_graph,
+    members,
+    parents_from_edges,
+    partial,
+    path_delay_ms,
+    path_rate,
+    tree_centre,
+)
 from testbed.routing import shortest_paths
 
 PS_REF = "Parameter server / MXNET star (Li et al., OSDI'14; NetStorm paper §IX-A baseline 'MXNET')"
@@ -153,6 +161,50 @@ def _ring_hops(order: list[str]) -> list[tuple[str, str]]:
     return [(order[i], order[(i + 1) % n]) for i in range(n)] if n > 1 else []
 
 
+class _RingScorer:
+    """:func:`ring_score` with each hop's routed links looked up once (link ids, rates and
+    delays in lists), for the local search's many evaluations; the same arithmetic in the
+    same order, so the same scores."""
+
+    def __init__(self, graph: nx.DiGraph, paths: dict):
+        self.graph, self.paths = graph, paths
+        self.ids: dict[tuple[str, str], int] = {}
+        self.rate: list[float] = []
+        self.delay: list[float] = []
+        self.hop: dict[tuple[str, str], list[int]] = {}
+
+    def links(self, u: str, v: str) -> list[int]:
+        out = self.hop.get((u, v))
+        if out is None:
+            p = self.paths[(u, v)]
+            out = []
+            for a, c in zip(p, p[1:]):
+                k = self.ids.get((a, c))
+                if k is None:
+                    k = self.ids[(a, c)] = len(self.rate)
+                    self.rate.append(self.graph[a][c]["rate_mbps"])
+                    self.delay.append(self.graph[a][c].get("delay_ms", 0.0))
+                out.append(k)
+            self.hop[(u, v)] = out
+        return out
+
+    def __call__(self, order: list[str]) -> tuple[float, float]:
+        n = len(order)
+        if n <= 1:
+            return (float("inf"), 0.0)
+        hops = [self.links(order[i], order[(i + 1) % n]) for i in range(n)]
+        load: dict[int, int] = {}
+        for h in hops:
+            for k in h:
+                load[k] = load.get(k, 0) + 1
+        worst, delay, rate, dl = float("inf"), 0.0, self.rate, self.delay
+        for h in hops:
+            for k in h:
+                worst = min(worst, rate[k] / load[k])
+                delay += dl[k]
+        return (worst, -delay)
+
+
 def ring_score(graph: nx.DiGraph, paths: dict, order: list[str]) -> tuple[float, float]:
     """(bottleneck effective hop rate, −total hop delay) of a ring; larger is better.
 
@@ -160,21 +212,7 @@ def ring_score(graph: nx.DiGraph, paths: dict, order: list[str]) -> tuple[float,
     link split it: a hop's effective rate is min over its links of rate / (#hops on the
     link).  This is the objective of the heuristic ring search (brief: TSP-bandwidth).
     """
-    hops = _ring_hops(order)
-    if not hops:
-        return (float("inf"), 0.0)
-    load: dict[tuple[str, str], int] = {}
-    for u, v in hops:
-        p = paths[(u, v)]
-        for e in zip(p, p[1:]):
-            load[e] = load.get(e, 0) + 1
-    worst, delay = float("inf"), 0.0
-    for u, v in hops:
-        p = paths[(u, v)]
-        for a, c in zip(p, p[1:]):
-            worst = min(worst, graph[a][c]["rate_mbps"] / load[(a, c)])
-            delay += graph[a][c].get("delay_ms", 0.0)
-    return (worst, -delay)
+    return _RingScorer(graph, paths)(order)
 
 
 def _hamiltonian_exists(n: int, succ_mask: list[int]) -> bool:
@@ -291,27 +329,39 @@ def greedy_ring(graph: nx.DiGraph, paths: dict, nodes: list[str]) -> list[str]:
     return order
 
 
-def improve_ring(graph: nx.DiGraph, paths: dict, order: list[str], max_rounds: int = 50) -> list[str]:
+def improve_ring(graph: nx.DiGraph, paths: dict, order: list[str], max_rounds: int = 50,
+                 max_evaluations: int = 20000) -> list[str]:
     """Local search on :func:`ring_score`: 2-opt (segment reversal) and node relocation,
-    first improvement, until no move helps or ``max_rounds`` passes."""
+    first improvement, until no move helps, ``max_rounds`` passes or ``max_evaluations``
+    rings scored (a pass costs ~2 n^2 evaluations of O(n) each: the budget binds only on
+    large WANs, ~200 nodes, and counts work, not seconds, so the ring is the same on any
+    machine)."""
     n = len(order)
     best = list(order)
-    score = ring_score(graph, paths, best)
+    score_of = _RingScorer(graph, paths)
+    score = score_of(best)
+    evals = 0
     for _ in range(max_rounds):
         improved = False
         for i in range(1, n - 1):
             for j in range(i + 1, n):
+                if evals >= max_evaluations:
+                    return best
+                evals += 1
                 cand = best[:i] + best[i:j + 1][::-1] + best[j + 1:]
-                s = ring_score(graph, paths, cand)
+                s = score_of(cand)
                 if s > score:
                     best, score, improved = cand, s, True
         for i in range(n):
             for j in range(n):
                 if i == j:
                     continue
+                if evals >= max_evaluations:
+                    return best
+                evals += 1
                 rest = best[:i] + best[i + 1:]
                 cand = rest[:j] + [best[i]] + rest[j:]
-                s = ring_score(graph, paths, cand)
+                s = score_of(cand)
                 if s > score:
                     best, score, improved = cand, s, True
         if not improved:

@@ -39,8 +39,19 @@ from scipy.optimize import linprog
 from testbed.plan import Plan, Tree, split_lengths, trees_plan
 from testbed.planners import Param, planner
 from testbed.planners.bound import mwu_packing, simple_bound
-from testbed.planners.common import (ACTIVE, WanView, check_graph, group_view, members, parents_from_edges,
-                                     tree_centre, tree_pacing, tree_roundtrip_s, wan_view, widen)
+from testbed.planners.common import (
+    ACTIVE,
+    WanView,
+    check_graph,
+    group_view,
+    members,
+    parents_from_edges,
+    tree_centre,
+    tree_pacing,
+    tree_roundtrip_s,
+    wan_view,
+    widen,
+)
 from testbed.planners.mtree import chunk_time, select_trees, tree_paths
 
 REFERENCE = ("BLINK-style packing after G. Wang et al., MLSys 2020, as described by the MTREE "

@@ -35,10 +35,10 @@ import numpy as np
 from scipy.optimize import linprog
 
 from testbed.plan import Plan, ProgramBuilder
-from testbed.routing import data_paths
-
 from testbed.planners import NODE_MAP, NODES, Param, ParamError, planner
-from testbed.planners.common import ACTIVE, check_graph, partial, path_rate, members as workers_of
+from testbed.planners.common import ACTIVE, check_graph, partial, path_rate
+from testbed.planners.common import members as workers_of
+from testbed.routing import data_paths
 
 CREW_REF = "CREW (Luo et al.) §III-IV: weighted scatter, controlled reduce, way-back multicast; LP (2), Alg. 1"
 

@@ -54,7 +54,7 @@ Pipeline of this module (Sec. IV-V, end-to-end procedure of the note Sec. 3.7):
 
 The weights size the pieces; with ``pace`` they are also every flow's sending rate
 (``Op.rate_mbps``).  Unpaced (the default), trees sharing a link get the transport's equal
-shares and finish far apart (bench efficiency, issue 17: on NetStorm's overlay, 16 MB, the
+shares and finish far apart (bench efficiency: on NetStorm's overlay, 16 MB, the
 first tree done at 0.12 of the CCT) -- yet paced is slower, predicted (4.73 s vs 3.22 s)
 and measured (5.11 s vs 3.44 s, one run each, shared machine): a paced tree cannot use the
 capacity its link-mates leave idle while they fill or drain their pipelines (deep Steiner
@@ -76,7 +76,7 @@ from scipy.optimize import Bounds, LinearConstraint, linprog, milp
 
 from testbed.plan import Plan, ProgramBuilder, Tree, split_lengths
 from testbed.planners import NODES, Param, ParamError, planner
-from testbed.planners.common import check_graph
+from testbed.planners.common import check_graph, min_arborescence
 
 REFERENCE = ("TopoAdapt: Zhang, Wu, Li, 'Near-Optimal Topology-adaptive Parameter Synchronization in "
              "Distributed DNN Training', IEEE INFOCOM 2021 (paper 001), Sec. III-V, LP (4)/(8), Alg. 1")
@@ -136,62 +136,6 @@ def _prune(parent: dict[str, str], root: str, terminals: set[str]) -> dict[str, 
             return parent
         for n in drop:
             del parent[n]
-
-
-def min_arborescence(n: int, edges: list[tuple[int, int, float]], root: int) -> list[int]:
-    """Chu-Liu/Edmonds minimum spanning out-arborescence, O(n * |edges|).
-
-    Nodes are 0..n-1; ``edges`` are (u, v, weight).  Returns the indices of the chosen
-    edges (one entering every node but the root); ties go to the lower edge index, so the
-    result is deterministic.  Raises ValueError if some node is unreachable from the root.
-    (networkx's implementation copies graphs at every step and is ~50x slower here.)
-    """
-    E = [(u, v, float(w), i) for i, (u, v, w) in enumerate(edges) if u != v and v != root]
-    return [E[j][3] for j in _cle(n, E, root)] if n > 1 else []
-
-
-def _cle(n: int, E: list[tuple[int, int, float, int]], root: int) -> list[int]:
-    in_w = [float("inf")] * n
-    in_e = [-1] * n
-    for i, (u, v, w, _) in enumerate(E):
-        if u != v and v != root and w < in_w[v]:
-            in_w[v], in_e[v] = w, i
-    for v in range(n):
-        if v != root and in_e[v] < 0:
-            raise ValueError("node unreachable from the root")
-    cyc = [-1] * n
-    mark = [-1] * n
-    k = 0
-    for v in range(n):
-        x = v
-        while x != root and mark[x] == -1 and cyc[x] == -1:
-            mark[x] = v
-            x = E[in_e[x]][0]
-        if x != root and mark[x] == v and cyc[x] == -1:
-            y = x
-            while True:
-                cyc[y] = k
-                y = E[in_e[y]][0]
-                if y == x:
-                    break
-            k += 1
-    if k == 0:
-        return [in_e[v] for v in range(n) if v != root]
-    ncyc = k
-    for v in range(n):
-        if cyc[v] == -1:
-            cyc[v] = k
-            k += 1
-    E2 = []
-    for i, (u, v, w, _) in enumerate(E):
-        if cyc[u] != cyc[v]:
-            E2.append((cyc[u], cyc[v], w - in_w[v], i))
-    chosen = [E2[j][3] for j in _cle(k, E2, cyc[root])]
-    entered = {E[i][1] for i in chosen if cyc[E[i][1]] < ncyc}
-    for v in range(n):
-        if cyc[v] < ncyc and v not in entered:
-            chosen.append(in_e[v])
-    return chosen
 
 
 def _edmonds(H: nx.DiGraph, w: dict, root: str) -> dict[str, str]:
@@ -378,7 +322,7 @@ class Weights:
     duals: dict = field(default_factory=dict)
 
 
-def solve_weights(caps: dict[tuple[str, str], float], roots: list[str], reduce_trees: list[SteinerTree],
+def solve_weights(caps: dict[tuple[str, str], float], roots: list[str], reduce_trees: list[SteinerTree],  # noqa: PLR0915 -- the LP's rows, built and solved in one pass
                   bcast_trees: list[SteinerTree], overlap: str, *, shallow: bool = False,
                   central: bool = False) -> Weights:
     """Solve LP (4) (``overlap="none"``) or LP (8) (``"partial"``) of TopoAdapt for the
@@ -444,7 +388,7 @@ def solve_weights(caps: dict[tuple[str, str], float], roots: list[str], reduce_t
     c = np.zeros(nv)
     c[:nr] = -1.0
     # Central duals come from interior point without crossover; HiGHS sometimes stops that
-    # at an unrecognised status (15) on valid instances (issue 15), so fall back to IPM with
+    # at an unrecognised status (15) on valid instances, so fall back to IPM with
     # crossover, then to HiGHS' default (simplex): vertex duals still price correctly.
     attempts = ([("highs-ipm", {"run_crossover": "off"}), ("highs-ipm", {})] if central else []) \
         + [("highs", {})]
@@ -673,7 +617,7 @@ def _tree_order(t: SteinerTree) -> list[tuple[str, int]]:
     return sorted(t.to_tree().depth().items(), key=lambda kv: (-kv[1], kv[0]))
 
 
-def compile_forest(forest: Forest, nodes: list[str], length: int, active: list[str], *, chunks: int,
+def compile_forest(forest: Forest, nodes: list[str], length: int, active: list[str], *, chunks: int,  # noqa: C901, PLR0915 -- one pass emitting every tree's ops: they share the builder's state
                    scheme: str = "forest", pace: bool = False) -> tuple[Plan, list[dict]]:
     """Compile a weighted forest into the plan IR (TopoAdapt Sec. III-C/V; the static
     piece assignment is ours, see the module doc).  Returns the plan and the flow table
@@ -790,8 +734,8 @@ def compile_forest(forest: Forest, nodes: list[str], length: int, active: list[s
     max_trees=Param(int, 64, "keep at most this many reduce and this many broadcast trees (pruned in rounds, "
                              "heaviest first, every root keeps its best tree, weights re-solved); 0 = no limit",
                    ge=0),
-    chunks=Param(int, 8, "pipelined sub-chunks (rounds) per root's data (Property 2 pipelining); 8: measured "
-                         "on NetStorm's overlay at 64 MB 10.9 s vs 12.9 s with 4 (bench efficiency, issue 17)", ge=1),
+    chunks=Param(int, 8, "pipelined sub-chunks (rounds) per root's data (Property 2 pipelining); 8 ran faster than 4 "
+                         "on NetStorm's overlay at 64 MB (docs/measurements/2026-11-26-efficiency.md)", ge=1),
     oracle=Param(str, "auto", "minimum Steiner tree oracle A: auto/heuristic = Edmonds when all nodes are "
                               "terminals (exact), else best of shortest-path heuristic and pruned arborescence; "
                               "exact = MILP (small graphs)", choices=ORACLES),

@@ -1,7 +1,6 @@
 """MTREE: height-bounded multiple trees for inter-datacenter AllReduce (paper 000).
 
-Luo, Wang, Xing, "Efficient Inter-Datacenter AllReduce With Multiple Trees"
-(seed 000_6eeddff3fc48f622.txt; reading note /work/shared/spec/000-mtree.md).
+Luo, Wang, Xing, "Efficient Inter-Datacenter AllReduce With Multiple Trees".
 
 Pipeline (Fig. 4):
 
@@ -32,12 +31,12 @@ Paper ambiguities and the choices made (each a parameter where it changes result
   On sparse WANs (GScale-like 12/19, Internet2-like 9/13) the literal rule's many
   small trees give the MILP more freedom and a higher rate (e.g. 0.84 vs 0.69), so
   sweep both when reproducing Fig. 6.
-* r_bar (never given; the note suggests 10 Mbit/s for rates in multiples of 10): by
+* r_bar (never given; 10 Mbit/s would suit rates in multiples of 10): by
   default 1/20 of the smallest link capacity, so it scales with scaled topologies.
 * Quantised latency ``L`` for weighted heights (never defined): ``quantum_ms=0`` means
   hop counts (``L = 1``; the paper's "2H round trip" and Figs. 11-12's H = 4..6 read
   like hops); ``quantum_ms > 0`` gives ``L = max(1, ceil(delay_ms / quantum_ms))``.
-* GRTH never updates ``D_j[u]`` (note Sec. 2.3).  ``grth_fix=False`` keeps the
+* GRTH never updates ``D_j[u]`` (Alg. 2 as printed).  ``grth_fix=False`` keeps the
   algorithm as printed (affects only the root choice at GBST Line 20).
 * Scan order of equal-capacity candidate edges (unspecified): link index order; as the
   test at Line 12 is ``<=``, the last of equally good edges wins.
@@ -54,10 +53,10 @@ Paper ambiguities and the choices made (each a parameter where it changes result
 * Height guarantee [derived]: with hop lengths (``quantum_ms=0``) the trees' heights
   are <= H: the diameter test bounds the diameter by 2H, and GRTH's quirk only misses
   1-hop distances, so ``argmin D_*`` is a tree centre.  With weighted lengths only the
-  diameter (<= 2H) is guaranteed (note Sec. 2.3).
+  diameter (<= 2H) is guaranteed (Alg. 2).
 * Eqs. (7)-(8) as printed are dimensionally inconsistent; we use the corrected
-  ``mu* = sqrt(v A / ((l-1) beta))``, ``lambda* = sqrt((l-1) beta v / A)`` (note
-  Sec. 2.8) and minimise Eq. (4) over integer ``lambda`` directly.  For AllReduce with
+  ``mu* = sqrt(v A / ((l-1) beta))``, ``lambda* = sqrt((l-1) beta v / A)``
+  (derived from Eqs. 2-6) and minimise Eq. (4) over integer ``lambda`` directly.  For AllReduce with
   overlapped broadcast the critical path is a leaf->root->leaf' round trip
   (``chunk_path="roundtrip"``); ``"reduce"`` uses leaf->root only (the paper's
   reduce-phase evaluation, Figs. 8-10).  Tree ``i`` runs at ``b = r_i`` with
@@ -150,7 +149,7 @@ class GostTree:
     diameter: float  # weighted (quantised) diameter when built
 
 
-def gbst(wv: WanView, H: float, r_min: float, L: np.ndarray, *, rate_rule: str = "bottleneck",
+def gbst(wv: WanView, H: float, r_min: float, L: np.ndarray, *, rate_rule: str = "bottleneck",  # noqa: PLR0915 -- Alg. 1 line by line, as its docstring cites the lines
          seed: int = 0, grth_fix: bool = False, max_trees: int = 200
          ) -> tuple[list[GostTree], list[float]]:
     """GBST, Alg. 1: generate basic spanning trees with weighted diameter <= d = 2H.

@@ -247,7 +247,7 @@ def _free_path(graph: nx.DiGraph, p: str, members: set[str], endpoints: set[str]
     return []
 
 
-def build_trees(graph: nx.DiGraph, *, neighbour_order: str = "auto", dim_order: str = "plus_first",
+def build_trees(graph: nx.DiGraph, *, neighbour_order: str = "auto", dim_order: str = "plus_first",  # noqa: C901, PLR0915 -- the paper's algorithm step by step, as its comments cite it
                 tree_order: str = "id", rr_restart: bool = True, variant: str = "direct") -> MultiTreeSchedule:
     """MultiTree tree construction, Algorithm 1 (Huang et al., ISCA'21, Sec. III-C).
 
@@ -269,9 +269,13 @@ def build_trees(graph: nx.DiGraph, *, neighbour_order: str = "auto", dim_order: 
     spread over the spines, so a phase takes N - 1 steps (Sec. III-C 3, as RING).
     ``variant="routed"`` (ours) reserves the one static latency-shortest route per pair
     (:func:`testbed.routing.shortest_paths`) instead: the route the emulator forwards on.
-    The emulator and the cost model route every message on those static routes, so on a
-    multi-path fabric a ``bfs`` schedule runs on routes that may differ from the ones it
-    reserved (said in the plan's meta); ``routed`` is contention-free as executed.
+    The emulator and the cost model route a message on those static routes unless it names
+    its path: with ``channels="tree"`` (one connection per tree edge and direction) every
+    ``bfs`` send names its reserved path (``Op.path``), and the emulator carries each
+    connection on it (policy routing by source address), so the schedule runs as reserved;
+    with ``channels="link"`` one connection carries several trees' paths, none is named, and
+    on a multi-path fabric the messages may take other routes than they reserved.  ``routed``
+    is contention-free on the static routes.
 
     Returns a :class:`MultiTreeSchedule`.
     """
@@ -451,7 +455,7 @@ def _blocks(length: int, n: int) -> list[tuple[int, int]]:
 
 def compile_plan(sched: MultiTreeSchedule, nodes: list[str], length: int, *, chunks: int = 1,
                  lockstep: bool = False, channels: str = "tree", scheme: str = "multitree",
-                 participants: list[str] | None = None) -> Plan:
+                 participants: list[str] | None = None, paths: bool = False) -> Plan:
     """Compile a MultiTree schedule into the plan IR (Alg. 1 lines 16-18 + Sec. IV-A).
 
     Block i (tree T_i) is cut into ``chunks`` chunks, each following the same schedule.
@@ -468,7 +472,9 @@ def compile_plan(sched: MultiTreeSchedule, nodes: list[str], length: int, *, chu
     chunks of step s precede step s+1, i.e. chunking only splits messages; pipelining
     across steps happens in the free-running mode.  ``channels="tree"`` gives every tree
     its own connection (flows never block each other); ``"link"`` one ordered stream
-    per node pair, as the paper's single NI link.  Ops are emitted in schedule order;
+    per node pair, as the paper's single NI link.  ``paths`` (with ``channels="tree"``: one
+    connection per tree edge and direction) names each send's reserved path (``Op.path``), so
+    that a network that can carry it there does.  Ops are emitted in schedule order;
     ``plan.meta["op_step"][node][op_id]`` is the MultiTree time step of every op.
     """
     b = ProgramBuilder(nodes)
@@ -514,6 +520,9 @@ def compile_plan(sched: MultiTreeSchedule, nodes: list[str], length: int, *, chu
                 continue
             key = (ti, k)
             label = dict(channel=ti if channels == "tree" else 0, flow=ti, chunk=k, phase=phase)
+            if paths and channels == "tree":  # a connection per tree edge and direction: one path each
+                t = sched.trees[ti]
+                label["path"] = t.rpath[c] if phase == "reduce-scatter" else t.path[c]
             if phase == "reduce-scatter":
                 sid, rid = b.transfer(src, dst, off, size, reduce=True,
                                       send_deps=rs_recv[key][src] + barrier(src, s),
@@ -586,8 +595,9 @@ def plan_multitree(graph: nx.DiGraph, length: int, *, elem_bytes: int = 4, locks
     t_build = time.perf_counter() - t0
     nodes = list(graph.nodes)
     participants = None if len(ends) == len(nodes) else ends
+    named = variant == "bfs" and channels == "tree"
     plan = compile_plan(sched, nodes, length, chunks=chunks, lockstep=lockstep, channels=channels,
-                        participants=participants)
+                        participants=participants, paths=named)
     blocks = _blocks(length, len(sched.trees))
     trees_meta = []
     for ti, t in enumerate(sched.trees):
@@ -619,8 +629,11 @@ def plan_multitree(graph: nx.DiGraph, length: int, *, elem_bytes: int = 4, locks
         "tree_order": tree_order,
         "rr_restart": rr_restart,
         "variant": variant,
-        **({"routing_note": "messages follow the emulator's static latency-shortest routes, which may "
-                            "differ from the per-step BFS paths reserved here (Sec. III-C 3)"}
+        **({"routing_note": "every send names its reserved path (Op.path); the emulator carries each "
+                            "connection on it" if named else
+                            "channels=link: one connection carries several trees' paths, so none is named; "
+                            "messages follow the network's static routes, which may differ from the per-step "
+                            "BFS paths reserved here (Sec. III-C 3)"}
            if variant == "bfs" else {}),
         "channels": channels,
         "build_s": t_build,

@@ -26,7 +26,6 @@ import math
 import networkx as nx
 
 from testbed.plan import Plan, Tree, trees_plan
-
 from testbed.planners import Param, ParamError, planner
 from testbed.planners.common import check_graph, tree_pacing
 
@@ -107,8 +106,7 @@ def plan_netstorm(graph: nx.DiGraph, length: int, *, elem_bytes: int = 4, roots:
         "direction": direction,
         "q": {v: q[v] for v in nodes},  # 1 / w(FAPT_v), w in s/Mbit
         "sync_delay_s_per_mbit": {v: trees[v][1] for v in nodes},
-        "trees": [{"root": t.root, "parent": t.parent, "share": t.share, "chunks": t.chunks,
-                   "rate_mbps": t.rate_mbps, "height": t.height()} for t in plan_trees],
+        "trees": [t.to_dict() for t in plan_trees],
     }
     # contended pacing scales the trees' rates on a shared direction up to fill it: give it the
     # shares in units of the slowest link's rate, never more than a direction carries

@@ -31,7 +31,8 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
 # the files whose content decides the image (change one and the image is rebuilt)
-IMAGE_INPUTS = ("testbed/vm/build.sh", "testbed/vm/guest-init.sh", "testbed/setup.sh")
+IMAGE_INPUTS = ("testbed/vm/build.sh", "testbed/vm/debootstrap.sh", "testbed/vm/guest-init.sh",
+                "testbed/setup.sh")
 CACHE = Path(os.environ.get("TESTBED_VM_CACHE", "/var/cache/testbed-vm"))
 BUILD_TIMEOUT_S = 1800
 
@@ -145,6 +146,21 @@ def boot(command: str, *, timeout_s: float, img: Path, out: Path | None = None, 
             raise VmError(f"the guest gave no exit code (qemu exit {proc.returncode}): "
                           "it did not boot, or its init failed; the console is above")
         return int(rc.read_text())
+
+
+def netem_problems(result: dict) -> list[str]:
+    """What keeps a ``results.json`` (of ``run``) or ``linkcheck.json`` from showing the
+    netem path at work: a link direction not shaped ``htb+netem``; for a run, no run at all
+    or a run whose result is not correct.  Empty when it shows it."""
+    links = result.get("links") or result.get("directions") or []
+    methods = {d.get("method") for d in links}
+    bad = [] if methods == {"htb+netem"} else [f"link methods {sorted(map(str, methods))}, expected only htb+netem"]
+    if "runs" in result and not result["runs"]:
+        bad.append("no runs")
+    for v in result.get("runs", []):
+        if v.get("correct") is not True:
+            bad.append(f"run {v.get('variant')} rep {v.get('repetition')}: result not correct")
+    return bad
 
 
 def compare_linkchecks(a: dict, b: dict, labels=("relay", "netem")) -> str:

@@ -5,6 +5,7 @@
                                     exit with COMMAND's exit code
   stage [options]                   the CI stage: testbed/vm/stage.sh in the guest
   compare A.json B.json             two linkcheck results (relay vs netem) side by side
+  check RESULT.json ...             every link htb+netem and (results.json) every run correct
 
 Exit codes: the guest command's own; 1 when the guest could not be built or booted or
 gave no exit code (a message says which); 2 for bad arguments.
@@ -17,7 +18,40 @@ import sys
 import time
 from pathlib import Path
 
-from testbed.vm import VmError, boot, compare_linkchecks, image
+from testbed.vm import VmError, boot, compare_linkchecks, image, netem_problems
+
+# the guest's link checks (`stage --linkchecks`): name -> topology, in the order they run
+LINKCHECKS = {"netstorm-internet2-9": "netstorm-internet2-9",  # NetStorm's overlay, 26 directions
+              "lossy-jitter-4": "testbed/vm/lossy-jitter-4.yaml",  # loss + jitter on every link
+              "jitter-3": "testbed/vm/jitter-3.yaml"}  # 2-8 ms of jitter, one distribution per link
+
+
+def _check(files) -> int:
+    """``check``: each results.json / linkcheck.json, a line each; 0 when all show the netem path."""
+    ok = True
+    for f in files:
+        try:
+            result = json.loads(Path(f).read_text())
+        except (OSError, ValueError) as e:
+            result, bad = {}, [f"cannot read it: {e}"]
+        else:
+            bad = netem_problems(result) if isinstance(result, dict) else ["not a JSON object"]
+        if not bad:
+            n = len(result.get("links") or result.get("directions"))
+            print(f"{f}: {n} link directions, all htb+netem")
+        else:
+            print(f"{f}: " + "; ".join(bad))
+        ok = ok and not bad
+    return 0 if ok else 1
+
+
+def stage_command(scale: float, strict: bool, linkchecks: list[str] | None) -> str:
+    """The guest's command for ``stage``: ``linkchecks`` None for none, [] for all of
+    ``LINKCHECKS``, else the names to check (in ``LINKCHECKS``' order)."""
+    names = LINKCHECKS if linkchecks == [] else [n for n in LINKCHECKS if n in (linkchecks or ())]
+    topologies = " ".join(LINKCHECKS[n] for n in names)
+    return (f"{'STRICT=1 ' if strict else ''}LINKCHECKS={shlex.quote(topologies)} "
+            f"bash testbed/vm/stage.sh {scale:g}")
 
 
 def main(argv=None) -> int:
@@ -39,14 +73,20 @@ def main(argv=None) -> int:
     sub.choices["run"].add_argument("command", nargs=argparse.REMAINDER, help="the command (after --)")
     sub.choices["stage"].add_argument("--scale", type=float, default=0.1,
                                       help="rate scale of the guest's link checks and quickstart (default 0.1: TCG)")
-    sub.choices["stage"].add_argument("--linkchecks", action="store_true",
-                                      help="also the link checks (~20 min under TCG; CI runs them)")
+    sub.choices["stage"].add_argument(
+        "--linkchecks", nargs="*", choices=sorted(LINKCHECKS), metavar="NAME",
+        help="also link checks through netem, of the named topologies (none named: all of "
+             f"{', '.join(LINKCHECKS)}; ~20 min under TCG, of which netstorm-internet2-9 ~14)")
     sub.choices["stage"].add_argument("--strict", action="store_true",
-                                      help="link-check verdicts gate the stage (default: reported; README)")
+                                      help="link-check verdicts gate the stage (default: reported; docs/install.md)")
     c = sub.add_parser("compare", help="two linkcheck.json files (relay on the host, netem in the guest) side by side")
     c.add_argument("files", nargs=2, metavar="LINKCHECK.json")
     c.add_argument("--labels", nargs=2, default=("relay", "netem"))
+    k = sub.add_parser("check", help="results.json / linkcheck.json: every link htb+netem, every run correct")
+    k.add_argument("files", nargs="+", metavar="RESULT.json")
     args = p.parse_args(argv)
+    if args.verb == "check":
+        return _check(args.files)
     if args.verb == "compare":
         try:
             a, b = (json.loads(Path(f).read_text()) for f in args.files)
@@ -64,7 +104,7 @@ def main(argv=None) -> int:
     elif args.verb == "stage":
         if not 0 < args.scale <= 1:
             p.error("--scale must be in (0, 1]")
-        command = f"{'STRICT=1 ' if args.strict else ''}{'LINKCHECKS=1 ' if args.linkchecks else ''}bash testbed/vm/stage.sh {args.scale:g}"
+        command = stage_command(args.scale, args.strict, args.linkchecks)
     try:
         t0 = time.monotonic()
         img = image(rebuild=args.rebuild)

@@ -12,8 +12,7 @@ export PATH=$PATH:/usr/sbin:/sbin
 OUT=${1:?usage: build.sh OUT_DIR CHECKOUT.tar}
 CHECKOUT=${2:?usage: build.sh OUT_DIR CHECKOUT.tar}
 REPO=$(cd "$(dirname "$0")/../.." && pwd)
-SUITE=${TESTBED_VM_SUITE:-bookworm}
-MIRROR=${TESTBED_VM_MIRROR:-http://deb.debian.org/debian}
+. "$REPO/testbed/vm/debootstrap.sh"   # debootstrap_root, SUITE, MIRROR
 # Debian's kernel (ships sch_netem as a module) + the Python stack from Debian.
 INCLUDE=linux-image-amd64,kmod,python3,python3-numpy,python3-networkx,python3-scipy,python3-yaml,python3-pytest,python3-matplotlib,mininet
 
@@ -38,13 +37,7 @@ trap cleanup EXIT
 ROOT=$WORK/rootfs
 t0=$(date +%s)
 echo "vm-build: debootstrap $SUITE (minbase + kernel + Python stack) into $ROOT"
-for try in 1 2 3; do  # a mirror's transient "Couldn't download packages" must not fail CI
-  debootstrap --variant=minbase --include="$INCLUDE" "$SUITE" "$ROOT" "$MIRROR" > "$WORK/debootstrap.log" 2>&1 && break
-  tail -5 "$WORK/debootstrap.log" >&2
-  [ "$try" = 3 ] && { echo "vm-build: debootstrap failed 3 times (log above)" >&2; exit 1; }
-  echo "vm-build: debootstrap failed (try $try of 3), again in 20 s" >&2
-  umount -R "$ROOT/proc" "$ROOT/sys" 2>/dev/null || true; rm -rf "$ROOT"; sleep 20
-done
+debootstrap_root "$ROOT" "$INCLUDE" "$WORK/debootstrap.log" || { echo "vm-build: debootstrap failed" >&2; exit 1; }
 t1=$(date +%s)
 
 # Provision with the project's own set-up script, as on a bare machine.  No daemon may start

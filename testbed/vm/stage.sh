@@ -6,12 +6,14 @@
 #    nothing; it builds the relay and runs doctor on the guest's kernel);
 # 2. doctor must report netem and choose it;
 # 3. the netem-path tests (skipped on a host without netem; method auto is netem here); the
-#    two linkcheck-based ones are reported, gating only with STRICT=1 (README: TCG timing);
-# 4. (LINKCHECKS=1, `stage --linkchecks`; ~15 min under TCG) linkcheck of netstorm-internet2-9
-#    and of lossy-jitter-4 (loss + jitter on every link), link by link (`--single`: with every
+#    two linkcheck-based ones are reported, gating only with STRICT=1 (docs/install.md: TCG timing);
+# 4. (LINKCHECKS="TOPOLOGY ...", `stage --linkchecks [NAME ...]`; ~20 min under TCG for all
+#    three) the two linkcheck-based netem-path tests, then linkcheck of each topology named:
+#    netstorm-internet2-9 (~14 min), lossy-jitter-4 (loss + jitter on every link), jitter-3
+#    (2-8 ms of jitter at 20-60 Mbit/s, one distribution per link), link by link (`--single`: with every
 #    link loaded at once the TCG guest measures its emulated CPU, not netem): it runs to its
 #    verdict and every link is shaped htb+netem; the verdict is printed and kept in OUT but
-#    gates only with STRICT=1 (README);
+#    gates only with STRICT=1 (docs/install.md);
 # 5. experiments/quickstart.yaml: correct, its links htb+netem.
 # SCALE multiplies link rates (and quickstart's data size): the guest runs under qemu's TCG.
 # Every step runs even if an earlier one failed; the last line names the failed steps.
@@ -28,22 +30,7 @@ step() {  # step NAME COMMAND...
   if "$@"; then echo "== vm stage: $name: ok ($(( $(date +%s) - t )) s)"
   else echo "== vm stage: $name: FAILED ($(( $(date +%s) - t )) s)"; failed+=("$name"); fi
 }
-netem_only() {  # every link of DIR/FILE shaped htb+netem (and, for results.json, every run correct)
-  python3 - "$1" <<'PY'
-import json, sys
-r = json.load(open(sys.argv[1]))
-links = r.get("links") or r.get("directions")
-methods = {d["method"] for d in links}
-bad = [] if methods == {"htb+netem"} else [f"link methods {sorted(methods)}, expected only htb+netem"]
-if "runs" in r and not r["runs"]:
-    bad.append("no runs")
-for v in r.get("runs", []):
-    if not v.get("correct", True):
-        bad.append(f"run {v.get('variant')} rep {v.get('repetition')}: result not correct")
-print(f"{sys.argv[1]}: " + ("; ".join(bad) if bad else f"{len(links)} link directions, all htb+netem"))
-sys.exit(1 if bad else 0)
-PY
-}
+netem_only() { python3 -m testbed.vm check "$@"; }  # every link htb+netem, every run correct
 doctor_netem() {
   python3 -m testbed doctor --json > "$OUT/doctor.json" || return 1
   python3 -c 'import json, sys; d = json.load(open(sys.argv[1])); c = d.get("capabilities", d)
@@ -54,13 +41,13 @@ step "setup.sh (second run)" bash testbed/setup.sh
 step "doctor reports netem" doctor_netem
 step "python is the interpreter with the packages" python -c 'import mininet.net, numpy, scipy, yaml, testbed'
 
-step "netem-path tests" python3 -m pytest -q -p no:cacheprovider tests/test_netem.py -k "not relay"  # the relay under TCG: README
-reported() {  # run; a failure is printed but gates only with STRICT=1 (timing under TCG: README)
+step "netem-path tests" python3 -m pytest -q -p no:cacheprovider tests/test_netem.py -k "not relay"  # the relay under TCG: docs/measurements/2026-11-28-vm-stage.md
+reported() {  # run; a failure is printed but gates only with STRICT=1 (timing under TCG: docs/install.md)
   "$@" && return 0
   [ "${STRICT:-0}" = 1 ] && return 1
   echo "(reported, not gating: under qemu's TCG the guest's own timing is not a real machine's; STRICT=1 gates)"
 }
-if [ "${LINKCHECKS:-0}" = 1 ]; then  # the long link checks (~20 min under TCG): --linkchecks
+if [ -n "${LINKCHECKS:-}" ]; then  # the long link checks: --linkchecks
 step "netem-path linkcheck tests" reported python3 -m pytest -q -p no:cacheprovider -k "not relay" \
   "tests/test_emulator.py::test_small3_rates_and_delays_within_tolerance" \
   "tests/test_emulator.py::test_lossy_jittery_link_is_measured_within_tolerance"
@@ -70,7 +57,7 @@ linkcheck() {  # the check must run to its verdict (exit 0 or 1); the verdict ga
   [ $rc -eq 1 ] && [ "${STRICT:-0}" != 1 ] && { reported false; return 0; }
   return $rc
 }
-for topo in netstorm-internet2-9 testbed/vm/lossy-jitter-4.yaml; do
+for topo in $LINKCHECKS; do
   name=$(basename "$topo" .yaml)
   step "linkcheck $name (scale $SCALE, link by link)" linkcheck "$topo" --single --scale "$SCALE" --tcp-cc bbr \
     --seconds 4 --out "$OUT/linkcheck-$name"

@@ -49,12 +49,14 @@ import subprocess
 import tempfile
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from testbed.emulator import jitter
 from testbed.emulator.cleanup import relay_dir_prefix
 from testbed.errors import ConfigError, RunError
+from testbed.wan import DEFAULT_DISTRIBUTION, DISTRIBUTIONS
 
 __all__ = [
     "RelayDirection",
@@ -118,13 +120,14 @@ def build(force: bool = False) -> Path:
 
 @dataclass
 class RelayDirection:
-    """One direction of a link: one-way delay, jitter (std-dev of a normal
-    distribution truncated at +-3 sigma; FIFO order is kept) and independent
-    per-packet loss probability."""
+    """One direction of a link: one-way delay (mean), jitter (standard deviation)
+    and its distribution as :mod:`testbed.emulator.jitter` defines them (FIFO
+    order is kept), and independent per-packet loss probability."""
 
     delay_ms: float
     jitter_ms: float = 0.0
     loss: float = 0.0
+    distribution: str = DEFAULT_DISTRIBUTION
 
     def __post_init__(self) -> None:
         for name in ("delay_ms", "jitter_ms", "loss"):
@@ -137,6 +140,17 @@ class RelayDirection:
             raise ConfigError(f"jitter_ms must be >= 0, got {self.jitter_ms}")
         if not 0.0 <= self.loss <= 1.0:
             raise ConfigError(f"loss must be a probability in [0, 1], got {self.loss}")
+        if self.distribution not in DISTRIBUTIONS:
+            raise ConfigError(f"distribution must be one of {', '.join(DISTRIBUTIONS)}, got {self.distribution!r}")
+
+    def netem(self, tables: dict[str, int]) -> str:
+        """tbrelay's "DELAY_US JITTER_US LOSS TABLE" of this direction: netem's MU and
+        SIGMA (:func:`.jitter.netem_params`) and the number of its table in ``tables``
+        (0: netem's uniform), which gains the table if it is new."""
+        mu, sigma = jitter.netem_params(self.delay_ms, self.jitter_ms, self.distribution)
+        path = jitter.table_path(self.distribution) if self.jitter_ms else None
+        k = tables.setdefault(str(path), len(tables) + 1) if path else 0
+        return f"{mu * 1000:.3f} {sigma * 1000:.3f} {self.loss:.9f} {k}"
 
 
 @dataclass
@@ -182,7 +196,7 @@ RTPRIO = 10  # SCHED_FIFO priority of every relay process
 def layout(links: Sequence[RelayLink], cpus: int, procs: int = 0) -> dict[str, Any]:
     """How many relay processes, on which cores, at which priority (recorded in results.json).
 
-    Decided from measurement (issue 11; docs/emulator-log.md): a relay's sends run the
+    Decided from measurement (docs/measurements/emulator-log.md): a relay's sends run the
     receiving hosts' network stack in its own context, so the relays must spread that work
     over every core.  With one process for NetStorm's 13 links (2059 Mbit/s) on 2 cores one
     ``sendmmsg`` took up to 35 ms and p99 lateness reached 22 ms; with one process per core,
@@ -287,6 +301,7 @@ class Relay:
         self._stderr_path: Path | None = None
         self._lock = threading.Lock()
         self.last_stats: dict[str, Any] | None = None
+        self._tables: dict[str, int] = {}  # jitter table file -> its number in the running relay
 
     # -- config file
     def config_text(self) -> str:
@@ -295,15 +310,11 @@ class Relay:
         if self.cpu is not None:
             out.append(f"cpu {int(self.cpu)}")
         out += [f"{k} {v}" for k, v in self.options.items()]
-        for l in self.links:
-            out.append(
-                "link {} {} {:.3f} {:.3f} {:.9f} {:.3f} {:.3f} {:.9f} {:.3f}".format(
-                    l.iface_ab_in, l.iface_ba_in,
-                    l.ab.delay_ms * 1000, l.ab.jitter_ms * 1000, l.ab.loss,
-                    l.ba.delay_ms * 1000, l.ba.jitter_ms * 1000, l.ba.loss,
-                    l.rate_mbps_max,
-                )
-            )
+        tables: dict[str, int] = {}
+        lines = [f"link {l.iface_ab_in} {l.iface_ba_in} {l.ab.netem(tables)} {l.ba.netem(tables)} "
+                 f"{l.rate_mbps_max:.3f}" for l in self.links]
+        out += [f"table {k} {path}" for path, k in tables.items()] + lines
+        self._tables = tables
         return "\n".join(out) + "\n"
 
     # -- lifecycle
@@ -411,7 +422,7 @@ class Relay:
     ) -> None:
         """Change one direction's parameters while running (applies to frames
         arriving from now on; FIFO order is kept, so a shorter delay takes
-        effect once older frames have left)."""
+        effect once older frames have left).  Its distribution stays."""
         if direction not in ("ab", "ba"):
             raise ConfigError(f"direction must be 'ab' or 'ba', got {direction!r}")
         link = self.links[link_index]
@@ -420,13 +431,16 @@ class Relay:
             cur.delay_ms if delay_ms is None else delay_ms,
             cur.jitter_ms if jitter_ms is None else jitter_ms,
             cur.loss if loss is None else loss,
+            cur.distribution,
         )
         setattr(link, direction, new)
         if self.running:
             assert self.proc is not None and self.proc.stdin is not None
-            line = "set {} {} {:.3f} {:.3f} {:.9f}\n".format(
-                link_index, direction, new.delay_ms * 1000, new.jitter_ms * 1000, new.loss
-            )
+            tables = dict(self._tables)
+            line = f"set {link_index} {direction} {new.netem(tables)}\n"
+            if tables != self._tables:  # jitter on a direction that had none: its table is not loaded
+                raise RunError(f"relay link {link_index} {direction}: jitter where the relay started without "
+                               f"one needs its {new.distribution} table: start the relay with jitter there")
             with self._lock:
                 self.proc.stdin.write(line.encode())
                 self.proc.stdin.flush()

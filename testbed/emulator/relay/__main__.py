@@ -122,7 +122,7 @@ def _worst(stats_list: list[dict[str, Any]], key: str) -> float:
     return max((d[key] for s in stats_list for d in s["dirs"]), default=0.0)
 
 
-def bench(args: argparse.Namespace) -> int:
+def bench(args: argparse.Namespace) -> int:  # noqa: C901, PLR0915 -- one benchmark: relays started, measured and torn down together
     if os.geteuid() != 0:
         print("bench needs root (network namespaces)", file=sys.stderr)
         return 2

@@ -60,9 +60,16 @@
  *     relay targets WAN delays (ms to 100s of ms).
  *
  * JITTER / ORDER
- *   due = arrival + delay + J, J ~ Normal(0, jitter) truncated at +-3 sigma
- *   (resampled), and never below arrival.  By default the relay keeps FIFO
- *   order per direction:  due = max(previous due, arrival + delay + J).
+ *   due = arrival + D, never below arrival, D drawn exactly as netem's
+ *   tabledist() draws it (sch_netem.c): with a table (iproute2's .dist files,
+ *   the ones tc loads: "table K PATH"), D = mu + sigma * t / 8192 for t a
+ *   table value picked uniformly; without one (table 0), netem's uniform
+ *   D = mu - sigma + (r mod 2 sigma), in ns.  mu and sigma are netem's
+ *   "delay MU SIGMA", which the Python side derives from the link's mean
+ *   delay and standard deviation (testbed/emulator/jitter.py), so the relay
+ *   and netem give the same distribution.  By default the relay keeps FIFO
+ *   order per direction:  due = max(previous due, arrival + D), as netem does
+ *   given a rate (shaping.py).
  *   Real WAN paths very rarely reorder, and reordering makes TCP see spurious
  *   losses (dupacks), which would dominate the experiment.  netem WOULD
  *   reorder; set "reorder 1" to get netem-like behaviour (heap by due time).
@@ -101,9 +108,11 @@
  *   seed N | reorder 0/1 | vnet 0/1 | cpu N | rtprio N | slack_us N |
  *   batch N | rx_poll_us N (-1 = auto) | max_ring_mb N | spin_us N |
  *   spin_pct N (CPU share the early-wake spinning may use)
- *   link P Q  ab_delay_us ab_jitter_us ab_loss  ba_delay_us ba_jitter_us ba_loss  rate_mbps
+ *   table K PATH   (jitter table K >= 1: a netem .dist file; at most MAX_TABLES)
+ *   link P Q  ab_delay_us ab_jitter_us ab_loss ab_table  ba_delay_us ba_jitter_us ba_loss ba_table  rate_mbps
+ *   (delay and jitter: netem's mu and sigma; table 0: netem's uniform)
  * Runtime control on stdin (one command per line):
- *   set LINK ab|ba DELAY_US JITTER_US LOSS      stats
+ *   set LINK ab|ba DELAY_US JITTER_US LOSS TABLE      stats
  * Output (stdout, one JSON object per line): {"event":"ready"...} once set up,
  *   {"event":"stats"...} on SIGUSR1 or "stats", {"event":"exit"...} on
  *   SIGTERM/SIGINT/SIGHUP/EOF-free exit (then exit status 0).
@@ -148,6 +157,8 @@
 #define VNET_LEN ((uint32_t)sizeof(struct virtio_net_hdr))
 #define NSEC 1000000000LL
 #define HIST_N 281 /* lateness buckets, see hist_idx() */
+#define MAX_TABLES 16
+#define NETEM_DIST_SCALE 8192
 
 /* ---------------------------------------------------------------- utils */
 
@@ -233,12 +244,11 @@ typedef struct port {
 typedef struct dir {
     port_t *in, *out;
     int link, ba; /* ba=0: A->B (in = P), ba=1: B->A (in = Q) */
-    int64_t delay, jitter;
+    int64_t delay, jitter; /* netem's mu and sigma, ns */
+    int table;             /* jitter table (0: netem's uniform) */
     double loss;
     uint64_t loss_thr; /* loss * 2^53 */
     rng_t rng;
-    double spare;
-    int has_spare;
     entry_t *q;
     uint32_t cap, qhead, qlen, seq;
     /* arena: FIFO circular byte buffer holding queued frames */
@@ -260,6 +270,9 @@ static struct {
     int reorder, vnet, cpu, rtprio, slack_us, batch, rx_poll_us, max_ring_mb, spin_us, spin_pct, tx_kb;
 } cfg = {0, 0, 1, -1, 0, 20, 64, -1, 256, 0, 5, 0};
 
+typedef struct { int16_t *v; uint32_t n; } table_t;
+static table_t tables[MAX_TABLES + 1]; /* [0]: none (uniform) */
+
 static port_t *ports;
 static dir_t *dirs;
 static int nports, ndirs, nlinks;
@@ -275,17 +288,47 @@ static int64_t t_start;
 
 /* --------------------------------------------------------------- config */
 
-static void set_dir_params(dir_t *d, double delay_us, double jitter_us, double loss)
+static int set_dir_params(dir_t *d, double delay_us, double jitter_us, double loss, int table)
 {
-    if (delay_us < 0 || jitter_us < 0 || loss < 0 || loss > 1 || !isfinite(delay_us) ||
-        !isfinite(jitter_us) || !isfinite(loss)) {
-        fprintf(stderr, "tbrelay: bad parameters %g %g %g ignored\n", delay_us, jitter_us, loss);
-        return;
+    if (delay_us < 0 || jitter_us < 0 || jitter_us > 2e6 || loss < 0 || loss > 1 || !isfinite(delay_us) ||
+        !isfinite(jitter_us) || !isfinite(loss) || table < 0 || table > MAX_TABLES ||
+        (table && !tables[table].n)) {
+        fprintf(stderr, "tbrelay: bad parameters %g %g %g %d ignored\n", delay_us, jitter_us, loss, table);
+        return -1;
     }
     d->delay = (int64_t)llround(delay_us * 1000.0);
     d->jitter = (int64_t)llround(jitter_us * 1000.0);
+    d->table = table;
     d->loss = loss;
     d->loss_thr = loss >= 1.0 ? (1ULL << 53) : (uint64_t)(loss * 0x1.0p53);
+    return 0;
+}
+
+/* A netem distribution table (iproute2's .dist format: '#' comment lines,
+ * whitespace-separated integers), as tc reads it. */
+static void load_table(int k, const char *path)
+{
+    FILE *f = fopen(path, "r");
+    if (!f) die("cannot open jitter table %s: %s", path, strerror(errno));
+    char line[4096];
+    uint32_t cap = 4096;
+    tables[k].v = malloc(sizeof(int16_t) * cap);
+    tables[k].n = 0;
+    while (fgets(line, sizeof line, f)) {
+        char *s = line, *end;
+        while (*s == ' ' || *s == '\t') s++;
+        if (*s == '#') continue;
+        for (;;) {
+            long x = strtol(s, &end, 10);
+            if (end == s) break;
+            if (x < INT16_MIN || x > INT16_MAX) die("%s: value %ld out of range", path, x);
+            if (tables[k].n == cap) tables[k].v = realloc(tables[k].v, sizeof(int16_t) * (cap *= 2));
+            tables[k].v[tables[k].n++] = (int16_t)x;
+            s = end;
+        }
+    }
+    fclose(f);
+    if (!tables[k].n) die("jitter table %s is empty", path);
 }
 
 static void parse_config(const char *path)
@@ -301,11 +344,20 @@ static void parse_config(const char *path)
         if (*s == '#' || *s == '\n' || *s == 0) continue;
         char key[32];
         long long v;
+        if (strncmp(s, "table ", 6) == 0) {
+            int k;
+            char tp[900];
+            if (sscanf(s, "table %d %899s", &k, tp) != 2 || k < 1 || k > MAX_TABLES)
+                die("%s:%d: bad table line", path, lineno);
+            load_table(k, tp);
+            continue;
+        }
         if (strncmp(s, "link ", 5) == 0) {
             char p[IFNAMSIZ], q[IFNAMSIZ];
             double ad, aj, al, bd, bj, bl, rate;
-            if (sscanf(s, "link %15s %15s %lf %lf %lf %lf %lf %lf %lf", p, q, &ad, &aj, &al, &bd,
-                       &bj, &bl, &rate) != 9)
+            int at, bt;
+            if (sscanf(s, "link %15s %15s %lf %lf %lf %d %lf %lf %lf %d %lf", p, q, &ad, &aj, &al, &at, &bd,
+                       &bj, &bl, &bt, &rate) != 11)
                 die("%s:%d: bad link line", path, lineno);
             if (nlinks == cap) {
                 cap = cap ? cap * 2 : 16;
@@ -322,9 +374,8 @@ static void parse_config(const char *path)
             dir_t *ab = &dirs[2 * i], *ba = &dirs[2 * i + 1];
             ab->link = i; ab->ba = 0; /* ports: set once parsing is done (realloc moves them) */
             ba->link = i; ba->ba = 1;
-            set_dir_params(ab, ad, aj, al);
-            set_dir_params(ba, bd, bj, bl);
-            if (ab->loss != al || ba->loss != bl) die("%s:%d: bad parameters", path, lineno);
+            if (set_dir_params(ab, ad, aj, al, at) || set_dir_params(ba, bd, bj, bl, bt))
+                die("%s:%d: bad parameters", path, lineno);
             link_rate[i] = rate > 0 ? rate : 1000;
             continue;
         }
@@ -387,10 +438,10 @@ static void setup_port(port_t *p, dir_t *d)
         die("bind %s: %s", p->name, strerror(errno));
 
     /* Arena of the direction fed by this port: the bytes that arrive during
-     * delay + 3 sigma jitter at the link's maximum rate, x2 (headers, small
+     * delay + 4 sigma jitter at the link's maximum rate, x2 (headers, small
      * frames, record alignment), plus 100 ms at full rate of slack for stalls;
      * at least 4 MB.  Full arena => drop_ring (overload). */
-    double hold_s = (d->delay + 3 * d->jitter) / 1e9 + 0.005;
+    double hold_s = (d->delay + 4 * d->jitter) / 1e9 + 0.005; /* netem's tables: up to 4 sigma */
     double rate_Bps = link_rate[d->link] * 1e6 / 8;
     double bytes = 2 * rate_Bps * hold_s + rate_Bps * 0.100;
     size_t acap = (size_t)bytes;
@@ -519,22 +570,18 @@ static void q_unpop(dir_t *d, entry_t *b, int n)
 
 /* ----------------------------------------------------------------- RX */
 
-static double normal(dir_t *d)
+/* One delay draw (ns), as netem's tabledist(mu, sigma, ...) makes it. */
+static int64_t tabledist(dir_t *d)
 {
-    if (d->has_spare) {
-        d->has_spare = 0;
-        return d->spare;
-    }
-    double u, v, s;
-    do {
-        u = rng_unit(&d->rng) * 2 - 1;
-        v = rng_unit(&d->rng) * 2 - 1;
-        s = u * u + v * v;
-    } while (s >= 1 || s == 0);
-    s = sqrt(-2.0 * log(s) / s);
-    d->spare = v * s;
-    d->has_spare = 1;
-    return u * s;
+    int64_t mu = d->delay, sigma = d->jitter;
+    if (!sigma) return mu;
+    uint32_t rnd = (uint32_t)(rng_next(&d->rng) >> 32);
+    if (!d->table) return (int64_t)(rnd % (2 * (uint32_t)sigma)) + mu - sigma; /* netem's uniform */
+    const table_t *t = &tables[d->table];
+    int64_t v = t->v[rnd % t->n];
+    int64_t x = (sigma % NETEM_DIST_SCALE) * v;
+    x += x >= 0 ? NETEM_DIST_SCALE / 2 : -NETEM_DIST_SCALE / 2;
+    return x / NETEM_DIST_SCALE + (sigma / NETEM_DIST_SCALE) * v + mu;
 }
 
 /* L3/L4 layout of a frame; returns 0 if not IPv4/IPv6. */
@@ -627,13 +674,8 @@ static void rx_frame(dir_t *d, uint8_t *data, uint32_t len, int64_t arrival)
     memcpy(copy, data, len);
     data = copy;
     d->rsize[d->seq & (d->cap - 1)] = recsize;
-    int64_t due = arrival + d->delay;
-    if (d->jitter) {
-        double z;
-        do z = normal(d); while (z > 3.0 || z < -3.0); /* truncated at +-3 sigma */
-        due += (int64_t)(z * (double)d->jitter);
-        if (due < arrival) due = arrival;
-    }
+    int64_t due = arrival + tabledist(d);
+    if (due < arrival) due = arrival;
     if (!cfg.reorder && due < d->last_due) due = d->last_due; /* FIFO: never reorder */
     d->last_due = due;
     entry_t e = {.data = data, .len = len, .rec = d->seq, .due = due,
@@ -1016,7 +1058,7 @@ static void emit_stats(const char *event)
             if (isinf(pct[k])) pct[k] = s->late_max / 1e3;
         }
         P("%s{\"link\":%d,\"dir\":\"%s\",\"in\":\"%s\",\"out\":\"%s\",\"delay_us\":%.3f,"
-          "\"jitter_us\":%.3f,\"loss\":%.6g,"
+          "\"jitter_us\":%.3f,\"table\":%d,\"loss\":%.6g,"
           "\"frames_in\":%" PRIu64 ",\"bytes_in\":%" PRIu64 ",\"segs_in\":%" PRIu64
           ",\"frames_out\":%" PRIu64 ",\"bytes_out\":%" PRIu64 ",\"segs_out\":%" PRIu64
           ",\"lost_segs\":%" PRIu64 ",\"lost_frames\":%" PRIu64 ",\"drop_ring\":%" PRIu64
@@ -1027,7 +1069,7 @@ static void emit_stats(const char *event)
           ",\"late_max_us\":%.1f,\"late_p50_us\":%.1f,\"late_p99_us\":%.1f,\"late_p999_us\":%.1f"
           ",\"rx_lag_max_us\":%.1f,\"rx_lag_avg_us\":%.1f,\"buffer_mb\":%.1f,\"buffer_used_max_mb\":%.2f}",
           i ? "," : "", d->link, d->ba ? "ba" : "ab", d->in->name, d->out->name, d->delay / 1e3,
-          d->jitter / 1e3, d->loss, s->frames_in, s->bytes_in, s->segs_in, s->frames_out,
+          d->jitter / 1e3, d->table, d->loss, s->frames_in, s->bytes_in, s->segs_in, s->frames_out,
           s->bytes_out, s->segs_out, s->lost_segs, s->lost_frames, s->drop_ring, s->drop_queue,
           s->drop_tx, s->drop_trunc, s->drop_down, s->gso_frames, s->gso_split, s->tx_retry,
           d->qlen, d->qbytes, s->max_backlog, s->max_backlog_bytes, s->late_max / 1e3, pct[0],
@@ -1095,13 +1137,14 @@ static void control_line(char *line)
     int link;
     char which[8];
     double dl, jt, ls;
+    int tb;
     if (!strncmp(line, "stats", 5)) {
         emit_stats("stats");
     } else if (!strncmp(line, "reset", 5)) {
         reset_window(); /* a new measurement window for the "did it keep up" statistics */
-    } else if (sscanf(line, "set %d %7s %lf %lf %lf", &link, which, &dl, &jt, &ls) == 5 &&
+    } else if (sscanf(line, "set %d %7s %lf %lf %lf %d", &link, which, &dl, &jt, &ls, &tb) == 6 &&
                link >= 0 && link < nlinks && (!strcmp(which, "ab") || !strcmp(which, "ba"))) {
-        set_dir_params(&dirs[2 * link + (which[0] == 'b')], dl, jt, ls);
+        set_dir_params(&dirs[2 * link + (which[0] == 'b')], dl, jt, ls, tb);
         apply_rx_mode();
     } else if (*line) {
         fprintf(stderr, "tbrelay: bad control line: %s\n", line);

@@ -1,0 +1,140 @@
+"""The executor's data path: cut-through forwarding, sub-block applies, and the store-and-forward
+reference giving the same bytes (executors in this process over socket pairs; the loopback chain
+in three processes)."""
+
+from __future__ import annotations
+
+import socket
+import threading
+
+import numpy as np
+import pytest
+
+from agents import wire
+from agents.executor import Executor
+from agents.inputs import make_input
+from testbed.dataplane import loopback_chain
+from testbed.plan import RECV, SEND, Op, interpret
+from testbed.planners import make_plan, schemes
+from testbed.topology import load_topology
+from tests.test_agents import relay_plan, ring_plan, two_tree_plan
+
+
+def run_in_process(plan, iterations=2, seed=3, **options):
+    """Every node's executor in this process, one socket pair per connection; each node's
+    final ``x`` per iteration, and every executor's timings of the last one."""
+    exs = {n: Executor(n, plan.programs.get(n, []), length=plan.length, scratch=plan.scratch.get(n),
+                       timeout_s=20, **options) for n in plan.nodes}
+    pairs = set()
+    for n, prog in plan.programs.items():
+        pairs.update((n, op.peer, op.channel) for op in prog if op.kind == SEND)
+    for src, dst, ch in sorted(pairs):
+        a, b = socket.socketpair()
+        exs[src].attach_outgoing(dst, ch, a)
+        exs[dst].attach_incoming(src, ch, b)
+    outs, timings = [], {}
+    try:
+        for it in range(iterations):
+            inputs = {n: make_input(seed, i, it, plan.length, "float32") for i, n in enumerate(plan.nodes)}
+            for n, ex in exs.items():
+                ex.prepare(inputs[n] if n in plan.contributing() else None)
+            errors = []
+
+            def go(n):
+                try:
+                    timings[n] = exs[n].run(it)
+                except Exception as e:  # reported below
+                    errors.append(f"{n}: {e}")
+            threads = [threading.Thread(target=go, args=(n,)) for n in plan.nodes]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(60)
+            assert not errors, errors
+            outs.append(({n: exs[n].bufs["x"].copy() for n in plan.nodes}, inputs))
+    finally:
+        for ex in exs.values():
+            ex.close()
+    return outs, timings
+
+
+@pytest.mark.parametrize("make", [lambda: two_tree_plan(length=300_000, chunks=4), lambda: ring_plan(n=4, length=200_001),
+                                  lambda: relay_plan(length=100_003)])
+@pytest.mark.parametrize("subblock", [4, 4096, 1 << 16])
+def test_cut_through_gives_the_reference_interpreters_bytes(make, subblock):
+    """Cut-through (sub-blocks down to one element) and store-and-forward end with exactly
+    what :func:`testbed.plan.interpret` computes, every iteration."""
+    plan = make()
+    for ct in (True, False):
+        outs, _ = run_in_process(plan, cut_through=ct, subblock_bytes=subblock)
+        for got, inputs in outs:
+            want = interpret(plan, inputs)
+            for n in plan.finishing():
+                assert np.array_equal(got[n], want[n]), (n, ct, subblock)
+
+
+@pytest.mark.parametrize("cut_through", [True, False])
+def test_an_interior_node_forwards_a_chunk_while_it_arrives(cut_through):
+    """b adds a's 1 MB chunk into its own and sends the sum to c: with cut-through, c gets the
+    first bytes of the sum while a has sent only half of its chunk; store-and-forward (the
+    reference) sends nothing of it until all of a's chunk is there; the sum is exact either way."""
+    n = 1 << 18
+    prog = [Op(0, RECV, "a", 1, 0, n, reduce=True), Op(1, SEND, "c", 2, 0, n, deps=(0,))]
+    ex = Executor("b", prog, length=n, timeout_s=10, cut_through=cut_through, subblock_bytes=1 << 16)
+    sa, sb = socket.socketpair()
+    sc, sd = socket.socketpair()
+    ex.attach_incoming("a", 0, sb)
+    ex.attach_outgoing("c", 0, sc)
+    ex.prepare(np.ones(n, np.float32))
+    result = {}
+    t = threading.Thread(target=lambda: result.update(ex.run(0)))
+    t.start()
+    try:
+        payload = np.arange(n, dtype=np.float32)
+        sa.sendall(wire.encode_header(wire.Header(wire.DATA, op_id=0, xfer=1, payload_len=payload.nbytes)))
+        sa.sendall(payload[:n // 2].tobytes())
+        sd.settimeout(5 if cut_through else 0.5)
+        if cut_through:
+            first = sd.recv(1 << 16)  # the header and the first bytes, before the second half is sent
+            assert len(first) > 0
+        else:
+            with pytest.raises(socket.timeout):
+                sd.recv(1)
+            first = b""
+        sa.sendall(payload[n // 2:].tobytes())
+        sd.settimeout(5)
+        got = bytearray(first)
+        while len(got) < 64 + payload.nbytes:
+            got += sd.recv(1 << 20)
+        t.join(10)
+        h = wire.decode_header(bytes(got[:64]), payload.nbytes)
+        assert (h.xfer, h.payload_len) == (2, payload.nbytes)
+        assert np.array_equal(np.frombuffer(bytes(got[64:]), np.float32), payload + 1)
+        (_, start, _), = result["sends"]
+        (_, _, _, recv_last, _), = result["recvs"]
+        assert (start < recv_last) == cut_through  # the send began before the last byte it forwards arrived
+    finally:
+        ex.close()
+        for s in (sa, sd):
+            s.close()
+
+
+def test_loopback_chain_cut_through_and_store_and_forward_are_exact():
+    """Three processes a -> b -> c, b adding and forwarding: exact either way (the bench's harness)."""
+    for ct in (True, False):
+        r = loopback_chain(1 << 18, 8, iterations=2, cut_through=ct)
+        assert r["exact"] and r["b"]["cpu_s"] > 0, r
+    with pytest.raises(RuntimeError, match="loopback chain failed"):
+        loopback_chain(1 << 12, 2, iterations=1, subblock_bytes="not a size")
+
+
+@pytest.mark.parametrize("scheme", sorted(schemes()))
+def test_every_scheme_is_exact_with_cut_through_in_small_sub_blocks(scheme):
+    """Every registered scheme's plan on quick-5, its executors streaming in sub-blocks of 64
+    bytes (every transfer of this size cut through), equals the reference interpreter's."""
+    plan = make_plan(scheme, load_topology("quick-5").graph(), 20_011)
+    outs, _ = run_in_process(plan, iterations=1, subblock_bytes=64)
+    for got, inputs in outs:
+        want = interpret(plan, inputs)
+        for n in plan.finishing():
+            assert np.array_equal(got[n], want[n]), n
