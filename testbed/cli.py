@@ -334,6 +334,28 @@ def _print_plan(exp: Experiment, variant: Variant, args) -> None:
              "no bound: the tree-packing optimum bounds an AllReduce of every node, this is a partial reduce"))
 
 
+def cmd_reproduce(args) -> int:
+    from testbed.progress import Progress
+    from testbed.reproduce import reproduce, summary_line, text_table
+    from testbed.results import new_run_dir
+
+    if args.quick and args.smoke:
+        raise ConfigError("give --quick or --smoke, not both")
+    mode = "smoke" if args.smoke else "quick" if args.quick else "full"
+    out = Path(args.out) if args.out else new_run_dir("results", f"reproduce-{mode}")
+    done = reproduce(args.papers, mode, out, Progress(quiet=args.quiet), reuse=args.reuse,
+                     command=" ".join(["python3 -m testbed reproduce", *args.papers] + [f"--{mode}"] * (mode != "full")
+                                      + [f"--out {out}"] + ["--reuse"] * args.reuse))
+    print(text_table(done["rows"]))
+    print(summary_line(done["meta"]))
+    print(f"table: {out / 'table.txt'}, {out / 'claims.csv'}, {out / 'reproducing.md'}")
+    print(f"report: {out / 'report.html'}")
+    failed = [rid for rid, st in done["meta"]["runs"].items() if st["status"] == "failed"]
+    for rid in failed:
+        print(f"error: run {rid} failed: {done['meta']['runs'][rid]['error']}", file=sys.stderr)
+    return 1 if failed else 0
+
+
 def cmd_doctor(args) -> int:
     from testbed.emulator.capabilities import probe
 
@@ -520,7 +542,7 @@ def build_parser() -> argparse.ArgumentParser:
                                 description="Emulated inter-datacenter WANs for geo-distributed ML synchronisation.")
     sub = p.add_subparsers(dest="verb", required=True, metavar="VERB")
     for add in (_verb_run, _verb_report, _verb_exec, _verb_shell, _verb_deploy, _verb_validate, _verb_plan,
-                _verb_doctor, _verb_clean, _verb_linkcheck, _verb_bench):  # one subparser each, in --help order
+                _verb_reproduce, _verb_doctor, _verb_clean, _verb_linkcheck, _verb_bench):  # one subparser each, in --help order
         add(sub)
     return p
 
@@ -600,6 +622,24 @@ def _verb_plan(sub) -> None:
                     help="plan on the rates the experiment's dynamics give at T s into a run (faults aside), "
                          "e.g. an oracle's plan after a redraw")
     pl.set_defaults(func=cmd_plan)
+
+
+def _verb_reproduce(sub) -> None:
+    rd = sub.add_parser("reproduce", help="run the experiments behind the seed papers' headline claims and judge "
+                                          "each claim against what was measured",
+                        description="For each paper (crew, netstorm, mtree, topoadapt, multitree, or all), run the "
+                                    "experiments its claims need (experiments/reproduce/claims.yaml) and write one "
+                                    "table: the claim as a number, what was measured on the same metric (N runs, "
+                                    "spread), a verdict (reproduced / not reproduced / not comparable / not run) and "
+                                    "why: DIR/table.txt, claims.csv, reproducing.md, report.html.")
+    rd.add_argument("papers", nargs="*", metavar="PAPER", help="papers (default: all)")
+    rd.add_argument("--quick", action="store_true", help="reduced sizes and fewer runs: about 15 minutes on 2 cores")
+    rd.add_argument("--smoke", action="store_true", help="tiny sizes, a few runs (a few minutes): checks the command, "
+                                                         "judges no emulated claim")
+    rd.add_argument("--out", help="output folder (default: a new folder under results/)")
+    rd.add_argument("--reuse", action="store_true", help="reuse runs already finished in --out (same mode)")
+    rd.add_argument("--quiet", action="store_true", help="no progress lines")
+    rd.set_defaults(func=cmd_reproduce)
 
 
 def _verb_doctor(sub) -> None:

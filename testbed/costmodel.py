@@ -166,7 +166,7 @@ EXECUTOR_TRANSFER_S = 0.002
 EXECUTOR_SUBBLOCK_BYTES = 64 << 10
 
 
-def predict(plan: Plan, graph: nx.DiGraph, *, elem_bytes: int = 4, stop_and_wait: bool = False,  # noqa: C901, PLR0915 -- a flow-level simulation: its event loop and the simulated state it updates
+def predict(plan: Plan, graph: nx.DiGraph, *, elem_bytes: int = 4, stop_and_wait: bool = False,
             tcp: bool = False, transfer_s: float = 0.0, trace: bool = False, cut_through_bytes: float = 0.0) -> dict:
     """Flow-level, max-min fair discrete-event simulation of ``plan`` on ``graph``.
 
@@ -206,248 +206,303 @@ def predict(plan: Plan, graph: nx.DiGraph, *, elem_bytes: int = 4, stop_and_wait
     busy time), ``node_finish_s``, ``phase_end_s`` and ``transfers``.  Raises PlanError
     if the plan deadlocks.
     """
-    ops = _Ops(plan)
-    routes = _Routes(graph, TCP_LINK_SHARE if tcp else 1.0)
-    n_ops = len(ops.ops)
-    links: list[tuple[int, ...]] = [()] * n_ops
-    alpha = [0.0] * n_ops
-    rtt = [0.0] * n_ops
-    size = [0.0] * n_ops
-    conn = [0] * n_ops
-    conn_id: dict[tuple[str, str, int], int] = {}
-    paced: dict[tuple[str, str, int], int] = {}  # connection -> its virtual pacing link
-    for i, op in enumerate(ops.ops):
-        if not ops.is_send[i]:
-            continue
-        src = ops.node[i]
-        links[i], alpha[i], _ = routes.get(src, op.peer, op.path)
-        if op.rate_mbps > 0:  # a paced connection: a private virtual link at its rate
-            key = (src, op.peer, op.channel)
-            if key not in paced:
-                paced[key] = len(routes.cap)
-                routes.cap.append(op.rate_mbps * 1e6 / 8 * (TCP_PACED_SHARE if tcp else 1.0))
-                routes.names.append(PACE_PREFIX + f"{src}->{op.peer}#{op.channel}")
-            links[i] = links[i] + (paced[key],)
-        if stop_and_wait:
-            rtt[i] = alpha[i] + routes.get(op.peer, src, op.path[::-1])[1]  # the acks come back the same way
-        size[i] = float(op.length * elem_bytes)
-        conn[i] = conn_id.setdefault((src, op.peer, op.channel), len(conn_id))
-    cap = routes.cap
-    deps_of: list[list[int]] = [[] for _ in range(n_ops)]
-    for d in range(n_ops):
-        for u in ops.users[d]:
-            deps_of[u].append(d)
-    streams = [cut_through_bytes > 0 and ops.is_send[i] and size[i] > cut_through_bytes
-               and any(not ops.is_send[d] for d in deps_of[i]) for i in range(n_ops)]
-    begun = [False] * n_ops  # recv: its first cut_through_bytes have arrived
-    queued = [False] * n_ops  # send: in its connection's FIFO (or sent)
-    held = [False] * n_ops  # streaming send: all its bytes out, its deps not yet complete
-    cur_links: list[tuple[int, ...]] = list(links)  # the links of a transmitting flow
-    streamers: dict[int, list[int]] = {}  # send op -> streaming sends capped at its rate
-    queues = [deque() for _ in conn_id]
-    busy = [False] * len(conn_id)
-    done = [-1.0] * n_ops
-    started = [0.0] * n_ops  # send: when its first byte went out
-    left_at = [0.0] * n_ops  # send: when its last byte left
-    arrived = [False] * n_ops  # recv: its data is there
-    ready = [False] * n_ops  # recv: its deps are met
-    unmet = list(ops.unmet)
-    per_link = [0.0] * len(cap)
-    events: list[tuple[float, int, int, int]] = []  # (time, seq, kind, op): arrivals and ACKs
-    ARRIVE, ACK, CPU, BEGUN = 0, 1, 2, 3
-    cpu_free = dict.fromkeys(plan.nodes, 0.0)  # transfer_s: when each node's CPU is next free
-    seq = count()
-    # Transmitting flows.  A flow's bytes left are ``left`` as of ``t_upd`` at rate ``rate``;
-    # its predicted end sits in ``ends`` (stale entries are skipped by version).
-    left = [0.0] * n_ops
-    t_upd = [0.0] * n_ops
-    rate = [0.0] * n_ops
-    ver = [0] * n_ops
-    ends: list[tuple[float, int, int]] = []
-    members: dict[tuple[int, ...], set[int]] = {}  # class (link tuple) -> transmitting flows
-    class_rate: dict[tuple[int, ...], float] = {}  # max-min rate per class ...
-    basis: dict[tuple[int, ...], int] = {}  # ... computed for these class sizes
-    touched: set[tuple[int, ...]] = set()  # classes whose size may differ from basis
-    on_link: list[set[tuple[int, ...]]] = [set() for _ in cap]  # link -> active classes
-    fresh: list[int] = []  # flows started since the last rate update
-    t = 0.0
-    work = deque(i for i in range(n_ops) if unmet[i] == 0)
-
-    def complete(i: int) -> None:
-        done[i] = t
-        for u in ops.users[i]:
-            unmet[u] -= 1
-            if unmet[u] == 0:
-                if held[u]:
-                    finish(u)
-                elif not queued[u]:
-                    work.append(u)
-            else:
-                early(u)
-
-    def early(u: int) -> None:  # cut-through: queue send u before its deps are met
-        if streams[u] and not queued[u] and all(done[d] >= 0 or not ops.is_send[d] and ready[d] and begun[d]
-                                               for d in deps_of[u]):
-            queued[u] = True
-            queues[conn[u]].append(u)
-            pump(conn[u])
-
-    def finish(i: int) -> None:  # send i's last byte left at t
-        held[i] = False
-        left_at[i] = t
-        heapq.heappush(events, (t + alpha[i], next(seq), ARRIVE, ops.partner[i]))
-        if stop_and_wait:
-            heapq.heappush(events, (t + rtt[i], next(seq), ACK, i))
-        else:
-            complete(i)
-            busy[conn[i]] = False
-            pump(conn[i])
-
-    def received(i: int) -> None:  # a recv whose data is there and whose deps are met
-        if transfer_s <= 0:
-            complete(i)
-            return
-        n = ops.node[i]
-        cpu_free[n] = max(t, cpu_free[n]) + transfer_s
-        heapq.heappush(events, (cpu_free[n], next(seq), CPU, i))
-
-    def pump(c: int) -> None:
-        if busy[c] or not queues[c]:
-            return
-        i = queues[c].popleft()
-        busy[c] = True
-        key = links[i]
-        if unmet[i] > 0:  # streaming: no faster than the flows bringing its data
-            up = [ops.partner[d] for d in deps_of[i] if done[d] < 0 and not ops.is_send[d]]
-            up = [s for s in up if left[s] > 0 and rate[s] > 0]
-            if up:
-                routes.cap.append(min(rate[s] for s in up))
-                routes.names.append(STREAM_PREFIX + str(i))
-                per_link.append(0.0)
-                on_link.append(set())
-                key = key + (len(routes.cap) - 1,)
-                for s in up:
-                    streamers.setdefault(s, []).append(i)
-        cur_links[i] = key
-        members.setdefault(key, set()).add(i)
-        touched.add(key)
-        for l in key:
-            on_link[l].add(key)
-        left[i] = size[i]
-        started[i] = t
-        fresh.append(i)
-        for l in key:
-            per_link[l] += size[i]
-
-    def set_rate(i: int, r: float) -> None:
-        left[i] -= rate[i] * (t - t_upd[i])
-        t_upd[i], rate[i] = t, r
-        ver[i] += 1
-        heapq.heappush(ends, (t + left[i] / r, ver[i], i))
-
-    while True:
-        while work:
-            i = work.popleft()
-            if ops.is_send[i]:
-                if not queued[i]:
-                    queued[i] = True
-                    queues[conn[i]].append(i)
-                    pump(conn[i])
-            else:
-                ready[i] = True
-                if arrived[i]:
-                    received(i)
-                for u in ops.users[i]:
-                    early(u)
-        if touched:
-            moved = [k for k in touched if len(members.get(k, ())) != basis.get(k, 0)]
-            touched.clear()
-            if moved:
-                # re-share the connected component (classes linked by shared links) of the
-                # classes that changed; max-min allocations of components are independent
-                comp: set[tuple[int, ...]] = set()
-                seen_links: set[int] = set()
-                stack = list(moved)
-                while stack:
-                    k = stack.pop()
-                    for l in k:
-                        if l in seen_links:
-                            continue
-                        seen_links.add(l)
-                        for k2 in on_link[l]:
-                            if k2 not in comp:
-                                comp.add(k2)
-                                stack.append(k2)
-                for k in moved:
-                    if not members.get(k):
-                        basis.pop(k, None)
-                        class_rate.pop(k, None)
-                        for l in k:
-                            on_link[l].discard(k)
-                sub = {k: len(members[k]) for k in comp if members.get(k)}
-                basis.update(sub)
-                for key, r in max_min_rates(sub, cap).items():
-                    if class_rate.get(key) != r:
-                        class_rate[key] = r
-                        for i in members[key]:
-                            set_rate(i, r)
-        for i in fresh:  # a flow that replaced an identical one keeps the class rate
-            set_rate(i, class_rate[cur_links[i]])
-            if cut_through_bytes > 0 and any(streams[u] for u in ops.users[ops.partner[i]]):
-                heapq.heappush(events, (t + alpha[i] + min(size[i], cut_through_bytes) / rate[i], next(seq),
-                                        BEGUN, ops.partner[i]))
-        fresh.clear()
-        while ends and ends[0][1] != ver[ends[0][2]]:
-            heapq.heappop(ends)
-        t_flow = ends[0][0] if ends else float("inf")
-        t_ev = events[0][0] if events else float("inf")
-        if t_flow == float("inf") and t_ev == float("inf"):
-            break
-        t = min(t_flow, t_ev)
-        horizon = t + 1e-12 * (1.0 + t)
-        while ends and ends[0][0] <= horizon:
-            _, v, i = heapq.heappop(ends)
-            if v != ver[i]:
-                continue
-            ver[i] += 1
-            left[i] = 0.0
-            key = cur_links[i]
-            members[key].discard(i)
-            touched.add(key)
-            for u in streamers.pop(i, ()):  # its data is all under way: the sends streaming it are free
-                if left[u] > 0:
-                    cap[cur_links[u][-1]] = float("inf")
-                    basis[cur_links[u]] = -1
-                    touched.add(cur_links[u])
-            if unmet[i] > 0:
-                held[i] = True
-            else:
-                finish(i)
-        while events and events[0][0] <= horizon:
-            _, _, kind, i = heapq.heappop(events)
-            if kind == BEGUN:
-                begun[i] = True
-                for u in ops.users[i]:
-                    early(u)
-            elif kind == ARRIVE:
-                arrived[i] = True
-                if ready[i]:
-                    received(i)
-            elif kind == CPU:
-                complete(i)
-            else:
-                complete(i)
-                busy[conn[i]] = False
-                pump(conn[i])
-    stuck = [i for i in range(n_ops) if done[i] < 0]
+    sim = _Simulation(plan, graph, elem_bytes=elem_bytes, stop_and_wait=stop_and_wait, tcp=tcp,
+                      transfer_s=transfer_s, cut_through_bytes=cut_through_bytes)
+    sim.run()
+    ops, done = sim.ops, sim.done
+    stuck = [i for i in range(len(ops.ops)) if done[i] < 0]
     if stuck:
         sample = [(ops.node[i], ops.ops[i].id) for i in stuck[:5]]
         raise PlanError(f"plan deadlocks in the cost model; ops never complete: {sample}")
-    out = _report(plan, ops, routes, done, per_link, stop_and_wait, transfer_s)
+    out = _report(plan, ops, sim.routes, done, sim.per_link, stop_and_wait, transfer_s)
     if trace:
-        out["trace"] = sorted([ops.ops[i].xfer, ops.node[i], ops.ops[i].peer, started[i], left_at[i],
-                               done[ops.partner[i]]] for i in range(n_ops) if ops.is_send[i])
+        out["trace"] = sorted([ops.ops[i].xfer, ops.node[i], ops.ops[i].peer, sim.started[i], sim.left_at[i],
+                               done[ops.partner[i]]] for i in range(len(ops.ops)) if ops.is_send[i])
     return out
+
+
+_ARRIVE, _ACK, _CPU, _BEGUN = 0, 1, 2, 3  # kinds of :class:`_Simulation` events
+
+
+class _Simulation:
+    """The state of :func:`predict`'s simulation: the plan's sends on their routes, the
+    connections' FIFOs, the transmitting flows and the pending events, at time ``t``."""
+
+    def __init__(self, plan: Plan, graph: nx.DiGraph, *, elem_bytes: int, stop_and_wait: bool, tcp: bool,
+                 transfer_s: float, cut_through_bytes: float) -> None:
+        self.ops = ops = _Ops(plan)
+        self.routes = _Routes(graph, TCP_LINK_SHARE if tcp else 1.0)
+        self.stop_and_wait, self.transfer_s, self.cut_through_bytes = stop_and_wait, transfer_s, cut_through_bytes
+        n_ops = len(ops.ops)
+        self._route_sends(elem_bytes, tcp)
+        self.cap = cap = self.routes.cap
+        self.deps_of: list[list[int]] = [[] for _ in range(n_ops)]
+        for d in range(n_ops):
+            for u in ops.users[d]:
+                self.deps_of[u].append(d)
+        self.streams = [cut_through_bytes > 0 and ops.is_send[i] and self.size[i] > cut_through_bytes
+                        and any(not ops.is_send[d] for d in self.deps_of[i]) for i in range(n_ops)]
+        self.begun = [False] * n_ops  # recv: its first cut_through_bytes have arrived
+        self.queued = [False] * n_ops  # send: in its connection's FIFO (or sent)
+        self.held = [False] * n_ops  # streaming send: all its bytes out, its deps not yet complete
+        self.cur_links: list[tuple[int, ...]] = list(self.links)  # the links of a transmitting flow
+        self.streamers: dict[int, list[int]] = {}  # send op -> streaming sends capped at its rate
+        self.queues = [deque() for _ in self.conn_id]
+        self.busy = [False] * len(self.conn_id)
+        self.done = [-1.0] * n_ops
+        self.started = [0.0] * n_ops  # send: when its first byte went out
+        self.left_at = [0.0] * n_ops  # send: when its last byte left
+        self.arrived = [False] * n_ops  # recv: its data is there
+        self.ready = [False] * n_ops  # recv: its deps are met
+        self.unmet = list(ops.unmet)
+        self.per_link = [0.0] * len(cap)
+        self.events: list[tuple[float, int, int, int]] = []  # (time, seq, kind, op): arrivals and ACKs
+        self.cpu_free = dict.fromkeys(plan.nodes, 0.0)  # transfer_s: when each node's CPU is next free
+        self.seq = count()
+        # Transmitting flows.  A flow's bytes left are ``left`` as of ``t_upd`` at rate ``rate``;
+        # its predicted end sits in ``ends`` (stale entries are skipped by version).
+        self.left = [0.0] * n_ops
+        self.t_upd = [0.0] * n_ops
+        self.rate = [0.0] * n_ops
+        self.ver = [0] * n_ops
+        self.ends: list[tuple[float, int, int]] = []
+        self.members: dict[tuple[int, ...], set[int]] = {}  # class (link tuple) -> transmitting flows
+        self.class_rate: dict[tuple[int, ...], float] = {}  # max-min rate per class ...
+        self.basis: dict[tuple[int, ...], int] = {}  # ... computed for these class sizes
+        self.touched: set[tuple[int, ...]] = set()  # classes whose size may differ from basis
+        self.on_link: list[set[tuple[int, ...]]] = [set() for _ in cap]  # link -> active classes
+        self.fresh: list[int] = []  # flows started since the last rate update
+        self.t = 0.0
+        self.work = deque(i for i in range(n_ops) if self.unmet[i] == 0)
+
+    def _route_sends(self, elem_bytes: int, tcp: bool) -> None:
+        """Each send's links (with its connection's pacing link), one-way delay, RTT, size and connection."""
+        ops, routes = self.ops, self.routes
+        n_ops = len(ops.ops)
+        self.links: list[tuple[int, ...]] = [()] * n_ops
+        self.alpha = [0.0] * n_ops
+        self.rtt = [0.0] * n_ops
+        self.size = [0.0] * n_ops
+        self.conn = [0] * n_ops
+        self.conn_id: dict[tuple[str, str, int], int] = {}
+        paced: dict[tuple[str, str, int], int] = {}  # connection -> its virtual pacing link
+        for i, op in enumerate(ops.ops):
+            if not ops.is_send[i]:
+                continue
+            src = ops.node[i]
+            self.links[i], self.alpha[i], _ = routes.get(src, op.peer, op.path)
+            if op.rate_mbps > 0:  # a paced connection: a private virtual link at its rate
+                key = (src, op.peer, op.channel)
+                if key not in paced:
+                    paced[key] = len(routes.cap)
+                    routes.cap.append(op.rate_mbps * 1e6 / 8 * (TCP_PACED_SHARE if tcp else 1.0))
+                    routes.names.append(PACE_PREFIX + f"{src}->{op.peer}#{op.channel}")
+                self.links[i] = self.links[i] + (paced[key],)
+            if self.stop_and_wait:
+                self.rtt[i] = self.alpha[i] + routes.get(op.peer, src, op.path[::-1])[1]  # the acks come back the same way
+            self.size[i] = float(op.length * elem_bytes)
+            self.conn[i] = self.conn_id.setdefault((src, op.peer, op.channel), len(self.conn_id))
+
+    def run(self) -> None:
+        """The event loop: start what is ready, re-share rates, advance to the next flow end or event."""
+        while True:
+            self.start_ready()
+            if self.touched:
+                self.reshare()
+            self.rate_fresh()
+            ends, events, ver = self.ends, self.events, self.ver
+            while ends and ends[0][1] != ver[ends[0][2]]:
+                heapq.heappop(ends)
+            t_flow = ends[0][0] if ends else float("inf")
+            t_ev = events[0][0] if events else float("inf")
+            if t_flow == float("inf") and t_ev == float("inf"):
+                break
+            self.t = min(t_flow, t_ev)
+            horizon = self.t + 1e-12 * (1.0 + self.t)
+            while ends and ends[0][0] <= horizon:
+                _, v, i = heapq.heappop(ends)
+                if v == ver[i]:
+                    self.flow_ended(i)
+            while events and events[0][0] <= horizon:
+                _, _, kind, i = heapq.heappop(events)
+                self.event(kind, i)
+
+    def start_ready(self) -> None:
+        """Ops whose deps are met: sends join their connection's FIFO, receives are ready."""
+        ops = self.ops
+        while self.work:
+            i = self.work.popleft()
+            if ops.is_send[i]:
+                if not self.queued[i]:
+                    self.queued[i] = True
+                    self.queues[self.conn[i]].append(i)
+                    self.pump(self.conn[i])
+            else:
+                self.ready[i] = True
+                if self.arrived[i]:
+                    self.received(i)
+                for u in ops.users[i]:
+                    self.early(u)
+
+    def reshare(self) -> None:
+        """Max-min rates anew for the connected component (classes linked by shared links) of
+        the classes that changed; max-min allocations of components are independent."""
+        members, basis, on_link = self.members, self.basis, self.on_link
+        moved = [k for k in self.touched if len(members.get(k, ())) != basis.get(k, 0)]
+        self.touched.clear()
+        if not moved:
+            return
+        comp: set[tuple[int, ...]] = set()
+        seen_links: set[int] = set()
+        stack = list(moved)
+        while stack:
+            k = stack.pop()
+            for l in k:
+                if l in seen_links:
+                    continue
+                seen_links.add(l)
+                for k2 in on_link[l]:
+                    if k2 not in comp:
+                        comp.add(k2)
+                        stack.append(k2)
+        for k in moved:
+            if not members.get(k):
+                basis.pop(k, None)
+                self.class_rate.pop(k, None)
+                for l in k:
+                    on_link[l].discard(k)
+        sub = {k: len(members[k]) for k in comp if members.get(k)}
+        basis.update(sub)
+        for key, r in max_min_rates(sub, self.cap).items():
+            if self.class_rate.get(key) != r:
+                self.class_rate[key] = r
+                for i in members[key]:
+                    self.set_rate(i, r)
+
+    def rate_fresh(self) -> None:
+        """Flows started since the last re-share take their class's rate (one that replaced an
+        identical flow keeps it); with cut-through, schedule when their first bytes are in."""
+        ops, t = self.ops, self.t
+        for i in self.fresh:
+            self.set_rate(i, self.class_rate[self.cur_links[i]])
+            if self.cut_through_bytes > 0 and any(self.streams[u] for u in ops.users[ops.partner[i]]):
+                heapq.heappush(self.events, (t + self.alpha[i] + min(self.size[i], self.cut_through_bytes)
+                                             / self.rate[i], next(self.seq), _BEGUN, ops.partner[i]))
+        self.fresh.clear()
+
+    def flow_ended(self, i: int) -> None:
+        """Send i's last byte left now; the sends streaming its data are no longer held to its rate."""
+        cur_links = self.cur_links
+        self.ver[i] += 1
+        self.left[i] = 0.0
+        key = cur_links[i]
+        self.members[key].discard(i)
+        self.touched.add(key)
+        for u in self.streamers.pop(i, ()):  # its data is all under way: the sends streaming it are free
+            if self.left[u] > 0:
+                self.cap[cur_links[u][-1]] = float("inf")
+                self.basis[cur_links[u]] = -1
+                self.touched.add(cur_links[u])
+        if self.unmet[i] > 0:
+            self.held[i] = True
+        else:
+            self.finish(i)
+
+    def event(self, kind: int, i: int) -> None:
+        if kind == _BEGUN:
+            self.begun[i] = True
+            for u in self.ops.users[i]:
+                self.early(u)
+        elif kind == _ARRIVE:
+            self.arrived[i] = True
+            if self.ready[i]:
+                self.received(i)
+        elif kind == _CPU:
+            self.complete(i)
+        else:  # _ACK: stop-and-wait's acknowledgement is back, the connection may send again
+            self.complete(i)
+            self.busy[self.conn[i]] = False
+            self.pump(self.conn[i])
+
+    def complete(self, i: int) -> None:
+        self.done[i] = self.t
+        for u in self.ops.users[i]:
+            self.unmet[u] -= 1
+            if self.unmet[u] == 0:
+                if self.held[u]:
+                    self.finish(u)
+                elif not self.queued[u]:
+                    self.work.append(u)
+            else:
+                self.early(u)
+
+    def early(self, u: int) -> None:
+        """Cut-through: queue send u before its deps are met."""
+        ops, done = self.ops, self.done
+        if self.streams[u] and not self.queued[u] and all(
+                done[d] >= 0 or not ops.is_send[d] and self.ready[d] and self.begun[d] for d in self.deps_of[u]):
+            self.queued[u] = True
+            self.queues[self.conn[u]].append(u)
+            self.pump(self.conn[u])
+
+    def finish(self, i: int) -> None:
+        """Send i's last byte left at t."""
+        t = self.t
+        self.held[i] = False
+        self.left_at[i] = t
+        heapq.heappush(self.events, (t + self.alpha[i], next(self.seq), _ARRIVE, self.ops.partner[i]))
+        if self.stop_and_wait:
+            heapq.heappush(self.events, (t + self.rtt[i], next(self.seq), _ACK, i))
+        else:
+            self.complete(i)
+            self.busy[self.conn[i]] = False
+            self.pump(self.conn[i])
+
+    def received(self, i: int) -> None:
+        """A recv whose data is there and whose deps are met."""
+        if self.transfer_s <= 0:
+            self.complete(i)
+            return
+        n = self.ops.node[i]
+        self.cpu_free[n] = max(self.t, self.cpu_free[n]) + self.transfer_s
+        heapq.heappush(self.events, (self.cpu_free[n], next(self.seq), _CPU, i))
+
+    def pump(self, c: int) -> None:
+        """Connection c starts its next transfer if it is idle."""
+        if self.busy[c] or not self.queues[c]:
+            return
+        ops, routes = self.ops, self.routes
+        i = self.queues[c].popleft()
+        self.busy[c] = True
+        key = self.links[i]
+        if self.unmet[i] > 0:  # streaming: no faster than the flows bringing its data
+            up = [ops.partner[d] for d in self.deps_of[i] if self.done[d] < 0 and not ops.is_send[d]]
+            up = [s for s in up if self.left[s] > 0 and self.rate[s] > 0]
+            if up:
+                routes.cap.append(min(self.rate[s] for s in up))
+                routes.names.append(STREAM_PREFIX + str(i))
+                self.per_link.append(0.0)
+                self.on_link.append(set())
+                key = key + (len(routes.cap) - 1,)
+                for s in up:
+                    self.streamers.setdefault(s, []).append(i)
+        self.cur_links[i] = key
+        self.members.setdefault(key, set()).add(i)
+        self.touched.add(key)
+        for l in key:
+            self.on_link[l].add(key)
+        self.left[i] = self.size[i]
+        self.started[i] = self.t
+        self.fresh.append(i)
+        for l in key:
+            self.per_link[l] += self.size[i]
+
+    def set_rate(self, i: int, r: float) -> None:
+        t = self.t
+        self.left[i] -= self.rate[i] * (t - self.t_upd[i])
+        self.t_upd[i], self.rate[i] = t, r
+        self.ver[i] += 1
+        heapq.heappush(self.ends, (t + self.left[i] / r, self.ver[i], i))
 
 
 def _report(plan: Plan, ops: _Ops, routes: _Routes, done: list[float], per_link: list[float],

@@ -402,7 +402,9 @@ margin:.5em 0;display:block;overflow-x:auto}td,th{border:1px solid #bbb;padding:
 .warn{background:#fde2e1;border:2px solid #c00;color:#900;padding:.6em 1em;
 font-weight:bold}
 img{max-width:100%;border:1px solid #ddd}pre{background:#f6f6f6;padding:.5em;font-size:80%;overflow:auto;
-max-height:30em}figure{margin:1em 0}"""
+max-height:30em}figure{margin:1em 0}
+table.claims td{text-align:left}tr.reproduced td:nth-child(8){background:#dff0d8}
+tr.not-reproduced td:nth-child(8){background:#fde2e1}tr.not-run td:nth-child(8),tr.not-comparable td:nth-child(8){background:#eee}"""
 
 # The page marks on <body> how many images the browser decoded and any script errors, so a
 # headless browser can check the page (tests/test_report.py).
@@ -474,9 +476,10 @@ def _run_section(entry: dict, out: Path, n: int, table: bool = True) -> tuple[st
     return "\n".join(parts), figs
 
 
-def write_report(folders: list[Path], out: Path | None = None) -> Path:
+def write_report(folders: list[Path], out: Path | None = None, claims: str | None = None) -> Path:
     """Write figures, CSV tables and ``report.html`` for ``folders`` into ``out`` (default:
-    the only folder); return the HTML file's path."""
+    the only folder); return the HTML file's path.  ``claims``: a section (HTML, from
+    ``reproduce``) put first: the papers' claims beside what was measured."""
     entries = [load(Path(f)) for f in folders]
     out = Path(out) if out else Path(folders[0])
     out.mkdir(parents=True, exist_ok=True)
@@ -500,7 +503,7 @@ def write_report(folders: list[Path], out: Path | None = None) -> Path:
         lrows += link_rows(res)
     write_csv(out / "variants.csv", vrows, (["point"] if any("point" in r for r in vrows) else []) + VARIANT_COLUMNS)
     write_csv(out / "links.csv", lrows, LINK_COLUMNS)
-    body = ["<h1>testbed report</h1>"]
+    body = ["<h1>testbed report</h1>"] + ([claims] if claims else [])
     warns = [w for e in runs for w in _warnings(e["results"])] + [
         f"sweep point {p['index']} failed: {p['error']}" for s in sweeps for p in s["sweep"].get("points", [])
         if p.get("error")]

@@ -379,6 +379,27 @@ def full_mesh(n: Any = 4, *, rate_mbps: Any = 100, delay_ms: Any = 0) -> Topolog
                     f"full mesh of {n} nodes")
 
 
+def gpu_cluster(machines: Any = 2, gpus: Any = 4, *, intra_mbps: Any = 100000, inter_mbps: Any = 10000,
+                delay_ms: Any = 0) -> Topology:
+    """TopoAdapt's GPU cluster (Zhang, Wu, Li, INFOCOM 2021, Sec. VI-A, Fig. 3): ``machines`` x
+    ``gpus`` workers, GPU ``k`` of machine ``m`` named ``{letter m}{k}`` (a0, a1, ..., b0, ...).
+
+    The paper's figures of the intra- and inter-machine graphs are not in its text; this is
+    the complete-graph reading its Sec. VI-B supports ("one one-hop tree rooted at each worker
+    ... utilizes all bandwidth on all links" at 100/100 Gbit/s): every GPU pair is a direct
+    link, at ``intra_mbps`` (PCIe, 100 Gbit/s per direction) inside a machine and at
+    ``inter_mbps`` (10, 25, 40 or 100 Gbit/s) across machines.  No delay by default (the
+    paper's simulation has none)."""
+    m = _int(machines, "machines", minimum=1, maximum=26)
+    g = _int(gpus, "gpus", minimum=1, maximum=64)
+    intra, inter = _uniform_dir(intra_mbps, delay_ms), _uniform_dir(inter_mbps, delay_ms)
+    names = [f"{chr(ord('a') + i)}{k}" for i in range(m) for k in range(g)]
+    links = [Link(a, b, *(2 * (intra if a[0] == b[0] else inter,))) for a, b in combinations(names, 2)]
+    return Topology(name=f"gpu-{m}x{g}", nodes=names, links=links,
+                    source=f"TopoAdapt GPU cluster, {m} machines x {g} GPUs, intra {float(intra_mbps):g} / inter "
+                           f"{float(inter_mbps):g} Mbit/s, every GPU pair linked (Sec. VI-A)")
+
+
 def leaf_spine(leaves: Any = 8, spines: Any = 8, hosts_per_leaf: Any = 8, *, rate_mbps: Any = 100,
                delay_ms: Any = 0) -> Topology:
     """Two-tier leaf-spine (folded Clos) fabric: hosts ``h{leaf * hosts_per_leaf + k}``, each
@@ -574,6 +595,7 @@ GENERATORS: dict[str, Callable[..., Topology]] = {
     "star": star,
     "full-mesh": full_mesh,
     "leaf-spine": leaf_spine,
+    "gpu-cluster": gpu_cluster,
     "bigraph": bigraph,
     "zoo": zoo,
 }

@@ -9,7 +9,7 @@ import pytest
 from fidelity import fidelity
 
 from testbed.emulator.linkcheck import run_linkcheck
-from testbed.emulator.network import WanNetwork
+from testbed.emulator.network import CONTROL_BRIDGE, CONTROL_IP, WanNetwork, control_conflicts, control_route
 from testbed.topology import load_topology
 
 pytestmark = pytest.mark.net
@@ -291,6 +291,30 @@ def test_non_adjacent_datacenters_are_routed(netenv):
     assert p.returncode == 0, out
     rtt_min = float(out.rsplit("=", 1)[1].split("/")[0])  # min: the first ping also waits for ARP
     assert 19 <= rtt_min <= 23, rtt_min  # two hops of 5 ms each way
+
+
+def test_the_control_network_hides_none_of_the_machines_own_addresses(netenv):
+    """The machine routes only its hosts' control block: an address elsewhere in 10.255.0.0/16
+    (a resolver at 10.255.255.53, say) still leaves by the machine's own route."""
+    with WanNetwork(_two()) as net:
+        route = subprocess.run(["ip", "-4", "route", "get", "10.255.255.53"], capture_output=True, text=True).stdout
+        host = subprocess.run(["ip", "-4", "route", "get", net.control_address("b")], capture_output=True,
+                              text=True).stdout
+        p = net.popen("a", ["ping", "-n", "-c", "1", "-W", "2", CONTROL_IP], stdout=subprocess.PIPE, text=True)
+        out, _ = p.communicate(timeout=10)
+    assert f"dev {CONTROL_BRIDGE} " not in route, route
+    assert f"dev {CONTROL_BRIDGE} " in host, host
+    assert p.returncode == 0, out  # a host reaches the coordinator's address
+
+
+def test_a_control_route_that_would_hide_a_nameserver_or_network_is_refused():
+    block = control_route(9)
+    assert str(block) == "10.255.0.0/24" and str(control_route(251)) == "10.255.0.0/23"
+    assert control_conflicts(block, "nameserver 10.255.255.53\n", "default via 192.0.2.1 dev eth0\n"
+                             "10.0.0.0/8 via 192.0.2.1 dev eth0\n10.255.0.0/16 dev tbc0 scope link\n") == []
+    assert control_conflicts(block, "nameserver 10.255.0.53\n", "10.255.0.128/25 dev eth1\n"
+                             "172.16.0.0/12 via 10.255.0.9 dev eth0\n") == [
+        "nameserver 10.255.0.53", "route 10.255.0.128/25 dev eth1", "route 172.16.0.0/12 via 10.255.0.9 dev eth0"]
 
 
 def test_bad_topology_fails_validation_clearly(tmp_path):

@@ -11,7 +11,9 @@ Overlay model (Mininet's Topo/Net/Node/Link split, built imperatively):
   each other over latency-shortest paths (``testbed.routing``): static /32 routes with the
   node address as source, and IP forwarding on every host;
 * a separate, unshaped control network (Linux bridge ``tbc0`` in the root namespace,
-  10.255.0.0/16) carries only control traffic: coordinator <-> agents, never data.
+  10.255.0.0/16) carries only control traffic: coordinator <-> agents, never data.  The
+  machine routes only the block of it its hosts use (``control_route``), so its own addresses
+  elsewhere in 10.255.0.0/16 stay reachable.
 
 Addresses: node i -> 10.0.(i // 250).(i % 250 + 1); link j -> 10.(1 + j // 250).(j % 250).{1,2}/24
 (end a gets .1); control: host i -> 10.255.(i // 250).(i % 250 + 1), root 10.255.255.254;
@@ -45,6 +47,7 @@ so every path has one MTU.
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import shutil
 import signal
@@ -75,6 +78,53 @@ def link_ip(j: int, end: int) -> str:
 
 def control_ip(i: int) -> str:
     return f"10.255.{i // 250}.{i % 250 + 1}"
+
+
+def control_route(n: int) -> ipaddress.IPv4Network:
+    """The machine's route to the control addresses of n hosts: the smallest prefix of
+    10.255.0.0 that holds them, not the whole /16, so the machine's own addresses in
+    10.255.0.0/16 (a nameserver at 10.255.255.53, say) stay reachable during a run.  The
+    machine's own control address (``CONTROL_IP``) is a /32 outside it; the hosts hold /16."""
+    blocks = (max(n, 1) - 1) // 250 + 1  # /24s, one per 250 hosts
+    return ipaddress.ip_network(f"10.255.0.0/{24 - (blocks - 1).bit_length()}")
+
+
+def _text(path: str) -> str:
+    try:
+        return Path(path).read_text()
+    except OSError:
+        return ""
+
+
+def _inside(address: str, net: ipaddress.IPv4Network) -> bool:
+    try:
+        return ipaddress.ip_address(address) in net
+    except ValueError:
+        return False
+
+
+def control_conflicts(route: ipaddress.IPv4Network, resolv_conf: str, routes: str) -> list[str]:
+    """What of this machine the control route would hide: its nameservers (``resolv.conf``'s
+    text), and its routes (``ip -4 route show``'s text) to a network inside ``route`` or by a
+    gateway or source address inside it.  A wider route around it (10.0.0.0/8) loses only the
+    control block's addresses, which such a machine does not use."""
+    found = []
+    for line in resolv_conf.splitlines():
+        parts = line.split()
+        if parts[:1] == ["nameserver"] and len(parts) > 1 and _inside(parts[1], route):
+            found.append(f"nameserver {parts[1]}")
+    for line in routes.splitlines():
+        words = line.split()
+        if not words or f" dev {CONTROL_BRIDGE} " in f" {line} ":
+            continue
+        try:
+            dest = ipaddress.ip_network(words[0], strict=False)
+        except ValueError:
+            dest = None  # default, blackhole, ...
+        hops = [w for k, w in zip(words, words[1:]) if k in ("via", "src")]
+        if (dest is not None and dest.subnet_of(route)) or any(_inside(h, route) for h in hops):
+            found.append(f"route {line.strip()}")
+    return found
 
 
 def path_ip(m: int) -> str:
@@ -201,6 +251,12 @@ class WanNetwork:
         if subprocess.run(["ip", "link", "show", CONTROL_BRIDGE], capture_output=True).returncode == 0:
             raise RunError(f"interface {CONTROL_BRIDGE} exists: another run is active, or a crashed run left "
                            "its network behind (remove it with: python3 -m testbed clean)")
+        route = control_route(len(self.topo.nodes))
+        hidden = control_conflicts(route, _text("/etc/resolv.conf"), subprocess.run(
+            ["ip", "-4", "route", "show"], capture_output=True, text=True).stdout)
+        if hidden:
+            raise RunError(f"the control network's route {route} would hide this machine's "
+                           f"{', '.join(hidden)}: the emulator's control addresses are 10.255.0.0/16")
         self._allow_tcp_cc()
         self.run_id = cleanup.claim()  # inherited by every process of this network (clean spares live runs)
         setLogLevel("error")
@@ -223,8 +279,11 @@ class WanNetwork:
         net.build()
         net.start()
         self._make_tunnels()
-        _check(subprocess.run(["ip", "addr", "replace", f"{CONTROL_IP}/16", "dev", CONTROL_BRIDGE],
+        _check(subprocess.run(["ip", "addr", "replace", f"{CONTROL_IP}/32", "dev", CONTROL_BRIDGE],
                               capture_output=True, text=True), "control bridge address")
+        _check(subprocess.run(["ip", "route", "replace", str(control_route(len(self.topo.nodes))), "dev",
+                               CONTROL_BRIDGE, "src", CONTROL_IP], capture_output=True, text=True),
+               "control route")
         _check(subprocess.run(["ip", "link", "set", "dev", CONTROL_BRIDGE, "alias",
                                cleanup.ALIAS_PREFIX + self.run_id], capture_output=True, text=True), "bridge alias")
         self._configure_hosts()

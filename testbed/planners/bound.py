@@ -320,7 +320,7 @@ def greedy_pairs(C: np.ndarray, step: float = 0.5) -> list[tuple[int, np.ndarray
     return out
 
 
-def pack_arborescences(graph: nx.DiGraph, nodes: Iterable[str] | None = None, *,  # noqa: C901, PLR0915 -- column generation: the master LP, the pricing loop and the early stop share their state
+def pack_arborescences(graph: nx.DiGraph, nodes: Iterable[str] | None = None, *,
                        tol: float = 1e-4, max_pricing: int = 1000, max_master_nonzeros: int = 20000
                        ) -> tuple[float, list[dict], dict]:
     """The best AllReduce rate with per-direction capacities: a packing and an upper bound.
@@ -369,7 +369,6 @@ def pack_arborescences(graph: nx.DiGraph, nodes: Iterable[str] | None = None, *,
     m = len(U)
     arc_id = np.full((n, n), -1)
     arc_id[U, V] = np.arange(m)
-    cap = C[U, V]
     cut_rate, cut = cut_bound(g)
     bounds = {"cut": cut_rate, "degree": degree_bound(C)}
     cols: list[tuple[int, bool, tuple]] = []  # (root, inward, sorted arc ids)
@@ -396,61 +395,88 @@ def pack_arborescences(graph: nx.DiGraph, nodes: Iterable[str] | None = None, *,
     for r in range(n):  # hop-shortest trees from and to every root
         for inward, adj in ((False, hops), (True, hops.T.tocsr())):
             add(r, inward, breadth_first_order(adj, r, directed=True, return_predecessors=True)[1])
+    value, x, rounds, priced, status = _column_generation(cols, add, bounds, U, V, C[U, V], n, tol, max_pricing)
+    ub, kind = _least(bounds)
+    return value, _pair_trees(cols, x, names, U, V), {
+        "status": status, "upper_bound": ub, "bound": kind, "bounds": {k: float(v) for k, v in bounds.items()},
+        "gap": max(0.0, 1.0 - value / ub) if ub > 0 else 0.0, "rounds": rounds, "priced": priced,
+        "columns": len(cols), "greedy_rate_mbps": greedy_rate, "master": True, "cut": cut}
 
-    def upper() -> tuple[float, str]:
-        kind = min(bounds, key=lambda k: bounds[k])
-        return bounds[kind], kind
 
+def _least(bounds: dict) -> tuple[float, str]:
+    """The least upper bound and its name."""
+    kind = min(bounds, key=lambda k: bounds[k])
+    return bounds[kind], kind
+
+
+def _column_generation(cols: list, add, bounds: dict, U: np.ndarray, V: np.ndarray, cap: np.ndarray, n: int,
+                       tol: float, max_pricing: int) -> tuple[float, np.ndarray, int, int, str]:
+    """:func:`pack_arborescences`' search: solve the restricted master over ``cols``, price
+    new arborescences under its duals (``add`` appends one to ``cols``), update the dual
+    bound in ``bounds``; until the gap is within ``tol``, the pricing budget is spent or
+    pricing stalls.  Returns (master value, its solution, rounds, priced, status)."""
     value, x, rounds, priced = 0.0, np.zeros(0), 0, 0
-    status = "pricing budget spent"
     while True:
-        rows = np.concatenate([np.asarray(t, int) for _, _, t in cols])
-        colidx = np.repeat(np.arange(len(cols)), [len(t) for _, _, t in cols])
-        A = sparse.csr_matrix((np.ones(len(rows)), (rows, colidx)), shape=(m, len(cols)))
-        B = sparse.csr_matrix(([1.0 if inw else -1.0 for _, inw, _ in cols],
-                               ([r for r, _, _ in cols], np.arange(len(cols)))), shape=(n, len(cols)))
-        res = linprog(np.array([-1.0 if inw else 0.0 for _, inw, _ in cols]), A_ub=A, b_ub=cap, A_eq=B,
-                      b_eq=np.zeros(n), bounds=(0, None), method="highs")
+        res = _solve_master(cols, len(U), n, cap)
         if res.status != 0:
-            status = f"linprog failed: {res.message}"
-            break
+            return value, x, rounds, priced, f"linprog failed: {res.message}"
         value, x = -float(res.fun), res.x
-        ub, _ = upper()
+        ub, _ = _least(bounds)
         if ub - value <= tol * max(ub, 1e-12):
-            status = "optimal"
-            break
+            return value, x, rounds, priced, "optimal"
         if priced + 2 * n > max_pricing:
-            break
+            return value, x, rounds, priced, "pricing budget spent"
         rounds += 1
-        y = np.maximum(-res.ineqlin.marginals, 0.0)
-        p = -res.eqlin.marginals
-        fwd = list(zip(U.tolist(), V.tolist(), y.tolist()))
-        back = list(zip(V.tolist(), U.tolist(), y.tolist()))
-        beta, added = INF, 0
-        for r in range(n):
-            t_out, t_in = min_arborescence(n, fwd, r), min_arborescence(n, back, r)
-            c_out, c_in = float(y[t_out].sum()), float(y[t_in].sum())
-            beta = min(beta, c_out + c_in)
-            po, pi = np.full(n, -1), np.full(n, -1)
-            po[V[t_out]], pi[U[t_in]] = U[t_out], V[t_in]
-            if c_in + p[r] < 1.0 - 1e-9:
-                added += add(r, True, pi)
-            if c_out - p[r] < -1e-9:
-                added += add(r, False, po)
+        beta, added = _price(res, add, U, V, n)
         priced += 2 * n
         if beta > 0:
             bounds["dual"] = min(bounds.get("dual", INF), value / beta)
-        ub, _ = upper()
+        ub, _ = _least(bounds)
         if beta >= 1.0 - 1e-9 or ub - value <= tol * max(ub, 1e-12):
             bounds["dual"] = min(bounds.get("dual", INF), value)  # the master is the LP optimum
-            status = "optimal"
-            break
+            return value, x, rounds, priced, "optimal"
         if not added:  # degenerate duals: the priced columns are already in the master
-            status = "stalled (degenerate pricing)"
-            break
-    ub, kind = upper()
+            return value, x, rounds, priced, "stalled (degenerate pricing)"
+
+
+def _solve_master(cols: list, m: int, n: int, cap: np.ndarray):
+    """The restricted master LP over ``cols`` (HiGHS): max the in-trees' rates, each root's
+    in-tree total equal to its out-tree total, each arc's use within its capacity."""
+    rows = np.concatenate([np.asarray(t, int) for _, _, t in cols])
+    colidx = np.repeat(np.arange(len(cols)), [len(t) for _, _, t in cols])
+    A = sparse.csr_matrix((np.ones(len(rows)), (rows, colidx)), shape=(m, len(cols)))
+    B = sparse.csr_matrix(([1.0 if inw else -1.0 for _, inw, _ in cols],
+                           ([r for r, _, _ in cols], np.arange(len(cols)))), shape=(n, len(cols)))
+    return linprog(np.array([-1.0 if inw else 0.0 for _, inw, _ in cols]), A_ub=A, b_ub=cap, A_eq=B,
+                   b_eq=np.zeros(n), bounds=(0, None), method="highs")
+
+
+def _price(res, add, U: np.ndarray, V: np.ndarray, n: int) -> tuple[float, int]:
+    """One pricing round under the master's duals: every root's cheapest in- and out-arborescence
+    (Edmonds), added when its reduced cost is negative.  Returns (beta, the cheapest in- plus
+    out-arborescence of any root; how many columns were added)."""
+    y = np.maximum(-res.ineqlin.marginals, 0.0)
+    p = -res.eqlin.marginals
+    fwd = list(zip(U.tolist(), V.tolist(), y.tolist()))
+    back = list(zip(V.tolist(), U.tolist(), y.tolist()))
+    beta, added = INF, 0
+    for r in range(n):
+        t_out, t_in = min_arborescence(n, fwd, r), min_arborescence(n, back, r)
+        c_out, c_in = float(y[t_out].sum()), float(y[t_in].sum())
+        beta = min(beta, c_out + c_in)
+        po, pi = np.full(n, -1), np.full(n, -1)
+        po[V[t_out]], pi[U[t_in]] = U[t_out], V[t_in]
+        if c_in + p[r] < 1.0 - 1e-9:
+            added += add(r, True, pi)
+        if c_out - p[r] < -1e-9:
+            added += add(r, False, po)
+    return beta, added
+
+
+def _pair_trees(cols: list, x: np.ndarray, names: list[str], U: np.ndarray, V: np.ndarray) -> list[dict]:
+    """Pair each root's in-trees with its out-trees (equal totals) in the master's solution ``x``."""
     pairs = []
-    for r in range(n):  # pair each root's in-trees with its out-trees (equal totals)
+    for r in range(len(names)):
         side = {inw: [[cols[c][2], x[c]] for c in range(len(cols)) if cols[c][:2] == (r, inw) and x[c] > 1e-9]
                 for inw in (True, False)}
         ins, outs = side[True], side[False]
@@ -462,11 +488,7 @@ def pack_arborescences(graph: nx.DiGraph, nodes: Iterable[str] | None = None, *,
                 s[0][1] -= rate
                 if s[0][1] <= 1e-9:
                     s.pop(0)
-    return value, pairs, {"status": status, "upper_bound": ub, "bound": kind,
-                          "bounds": {k: float(v) for k, v in bounds.items()},
-                          "gap": max(0.0, 1.0 - value / ub) if ub > 0 else 0.0, "rounds": rounds,
-                          "priced": priced, "columns": len(cols), "greedy_rate_mbps": greedy_rate, "master": True,
-                          "cut": cut}
+    return pairs
 
 
 def _greedy_result(names: list[str], greedy: list, bounds: dict, tol: float, columns: int, cut: dict

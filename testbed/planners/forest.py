@@ -322,7 +322,7 @@ class Weights:
     duals: dict = field(default_factory=dict)
 
 
-def solve_weights(caps: dict[tuple[str, str], float], roots: list[str], reduce_trees: list[SteinerTree],  # noqa: PLR0915 -- the LP's rows, built and solved in one pass
+def solve_weights(caps: dict[tuple[str, str], float], roots: list[str], reduce_trees: list[SteinerTree],
                   bcast_trees: list[SteinerTree], overlap: str, *, shallow: bool = False,
                   central: bool = False) -> Weights:
     """Solve LP (4) (``overlap="none"``) or LP (8) (``"partial"``) of TopoAdapt for the
@@ -341,18 +341,49 @@ def solve_weights(caps: dict[tuple[str, str], float], roots: list[str], reduce_t
     so without it e.g. Hamiltonian chains and one-hop stars tie on a homogeneous
     complete graph (Sec. VI-B expects stars).
     """
+    part = overlap == "partial"
+    A, b, at = _lp_rows(caps, roots, reduce_trees, bcast_trees, part)
+    nr, R, B = len(roots), len(reduce_trees), len(bcast_trees)
+    c = np.zeros(A.shape[1])
+    c[:nr] = -1.0
+    res = _solve_lp(c, A, b, central)
+    x = res.x
+    lam = res.ineqlin.marginals  # <= 0 for a minimisation with <= rows
+    if shallow and -res.fun > EPS:
+        h = [_height(t) for t in reduce_trees] + [_height(t) for t in bcast_trees] * (2 if part else 1)
+        x = _prefer_shallow(A, b, res, h, nr)
+    ridx = {v: i for i, v in enumerate(roots)}
+    chi = {v: max(0.0, float(x[ridx[v]])) for v in roots}
+    wr = [max(0.0, float(x[at["o_r"] + i])) for i in range(R)]
+    wj = [max(0.0, float(x[at["o_j"] + j])) for j in range(B)]
+    wk = [max(0.0, float(x[at["o_k"] + j])) for j in range(B)] if part else [0.0] * B
+    _scale_to_roots(roots, reduce_trees, bcast_trees, chi, wr, wj, wk)
+    eidx = {e: i for i, e in enumerate(caps)}
+    duals = {
+        "y1": {e: max(0.0, -float(lam[at["e1"] + eidx[e]])) for e in caps},
+        "y2": {e: max(0.0, -float(lam[at["e2"] + eidx[e]])) for e in caps},
+        "A": {v: float(lam[at["rA"] + ridx[v]]) for v in roots},
+        "B": {v: float(lam[at["rB"] + ridx[v]]) for v in roots},
+        "C": {v: float(lam[at["rC"] + ridx[v]]) for v in roots} if part else {v: 0.0 for v in roots},
+    }
+    return Weights(chi, wr, wk, wj, float(sum(chi.values())), duals)
+
+
+def _lp_rows(caps: dict[tuple[str, str], float], roots: list[str], reduce_trees: list[SteinerTree],
+             bcast_trees: list[SteinerTree], part: bool) -> tuple[sparse.csr_matrix, np.ndarray, dict[str, int]]:
+    """:func:`solve_weights`' constraint rows A x <= b, and where each block starts (``at``).
+
+    Variables: chi (one per root) | w_reduce | w_j | w_k (``part`` only).  Rows: A_v (4a/8a) |
+    B_v (4b/8b) | C_v (8c, ``part`` only) | edge block 1 (4c/8d) | edge block 2 (4d/8e)."""
     edges = list(caps)
     eidx = {e: i for i, e in enumerate(edges)}
     m = len(edges)
     R, B = len(reduce_trees), len(bcast_trees)
     nr = len(roots)
     ridx = {v: i for i, v in enumerate(roots)}
-    part = overlap == "partial"
-    # variable layout: chi (nr) | w_reduce (R) | w_j (B) | w_k (B, overlap only)
     o_r, o_j = nr, nr + R
     o_k = nr + R + B
     nv = nr + R + B + (B if part else 0)
-    # row layout: A_v (nr) | B_v (nr) | C_v (nr, overlap) | edge block 1 (m) | edge block 2 (m)
     rA, rB = 0, nr
     rC = 2 * nr
     e1 = 2 * nr + (nr if part else 0)
@@ -385,11 +416,15 @@ def solve_weights(caps: dict[tuple[str, str], float], roots: list[str], reduce_t
     b = np.zeros(nrows)
     b[e1:e1 + m] = [caps[e] for e in edges]
     b[e2:e2 + m] = [caps[e] for e in edges]
-    c = np.zeros(nv)
-    c[:nr] = -1.0
-    # Central duals come from interior point without crossover; HiGHS sometimes stops that
-    # at an unrecognised status (15) on valid instances, so fall back to IPM with
-    # crossover, then to HiGHS' default (simplex): vertex duals still price correctly.
+    return A, b, {"o_r": o_r, "o_j": o_j, "o_k": o_k, "rA": rA, "rB": rB, "rC": rC, "e1": e1, "e2": e2}
+
+
+def _solve_lp(c: np.ndarray, A: sparse.csr_matrix, b: np.ndarray, central: bool):
+    """min c x s.t. A x <= b, x >= 0 (HiGHS); raises RuntimeError if it fails.
+
+    Central duals come from interior point without crossover; HiGHS sometimes stops that
+    at an unrecognised status (15) on valid instances, so fall back to IPM with
+    crossover, then to HiGHS' default (simplex): vertex duals still price correctly."""
     attempts = ([("highs-ipm", {"run_crossover": "off"}), ("highs-ipm", {})] if central else []) \
         + [("highs", {})]
     for method, options in attempts:
@@ -400,23 +435,24 @@ def solve_weights(caps: dict[tuple[str, str], float], roots: list[str], reduce_t
             break
     if res.status != 0:
         raise RuntimeError(f"forest LP failed: {res.message}")
-    x = res.x
-    lam = res.ineqlin.marginals  # <= 0 for a minimisation with <= rows
-    if shallow and -res.fun > EPS:
-        h = [_height(t) for t in reduce_trees] + [_height(t) for t in bcast_trees] * (2 if part else 1)
-        c2 = np.concatenate([np.zeros(nr), np.asarray(h, dtype=float)])
-        keep = np.zeros((1, nv))
-        keep[0, :nr] = -1.0
-        A2 = sparse.vstack([A, sparse.csr_matrix(keep)]).tocsr()
-        b2 = np.concatenate([b, [res.fun * (1 - 1e-9)]])
-        res2 = linprog(c2, A_ub=A2, b_ub=b2, bounds=(0, None), method="highs")
-        if res2.status == 0:
-            x = res2.x
-    chi = {v: max(0.0, float(x[ridx[v]])) for v in roots}
-    wr = [max(0.0, float(x[o_r + i])) for i in range(R)]
-    wj = [max(0.0, float(x[o_j + j])) for j in range(B)]
-    wk = [max(0.0, float(x[o_k + j])) for j in range(B)] if part else [0.0] * B
-    # scale surplus weight down so that the per-root equalities hold (proof of Thm. 2)
+    return res
+
+
+def _prefer_shallow(A: sparse.csr_matrix, b: np.ndarray, res, heights: list[int], nr: int) -> np.ndarray:
+    """:func:`solve_weights`' tie-break: keep sum chi within 1e-9 (relative) of ``res``'s
+    optimum and minimise sum_t w_t * height_t; ``res.x`` if that LP fails."""
+    c2 = np.concatenate([np.zeros(nr), np.asarray(heights, dtype=float)])
+    keep = np.zeros((1, A.shape[1]))
+    keep[0, :nr] = -1.0
+    A2 = sparse.vstack([A, sparse.csr_matrix(keep)]).tocsr()
+    b2 = np.concatenate([b, [res.fun * (1 - 1e-9)]])
+    res2 = linprog(c2, A_ub=A2, b_ub=b2, bounds=(0, None), method="highs")
+    return res2.x if res2.status == 0 else res.x
+
+
+def _scale_to_roots(roots: list[str], reduce_trees: list[SteinerTree], bcast_trees: list[SteinerTree],
+                    chi: dict[str, float], wr: list[float], wj: list[float], wk: list[float]) -> None:
+    """Scale surplus weight down (in place) so that the per-root equalities hold (proof of Thm. 2)."""
     for v in roots:
         ri = [i for i, t in enumerate(reduce_trees) if t.root == v]
         bi = [j for j, t in enumerate(bcast_trees) if t.root == v]
@@ -428,14 +464,6 @@ def solve_weights(caps: dict[tuple[str, str], float], roots: list[str], reduce_t
             f = chi[v] / sb if sb > 0 else 0.0
             wj[j] *= f
             wk[j] *= f
-    duals = {
-        "y1": {e: max(0.0, -float(lam[e1 + eidx[e]])) for e in edges},
-        "y2": {e: max(0.0, -float(lam[e2 + eidx[e]])) for e in edges},
-        "A": {v: float(lam[rA + ridx[v]]) for v in roots},
-        "B": {v: float(lam[rB + ridx[v]]) for v in roots},
-        "C": {v: float(lam[rC + ridx[v]]) for v in roots} if part else {v: 0.0 for v in roots},
-    }
-    return Weights(chi, wr, wk, wj, float(sum(chi.values())), duals)
 
 
 # ---------------------------------------------------------------------------
@@ -617,7 +645,7 @@ def _tree_order(t: SteinerTree) -> list[tuple[str, int]]:
     return sorted(t.to_tree().depth().items(), key=lambda kv: (-kv[1], kv[0]))
 
 
-def compile_forest(forest: Forest, nodes: list[str], length: int, active: list[str], *, chunks: int,  # noqa: C901, PLR0915 -- one pass emitting every tree's ops: they share the builder's state
+def compile_forest(forest: Forest, nodes: list[str], length: int, active: list[str], *, chunks: int,
                    scheme: str = "forest", pace: bool = False) -> tuple[Plan, list[dict]]:
     """Compile a weighted forest into the plan IR (TopoAdapt Sec. III-C/V; the static
     piece assignment is ours, see the module doc).  Returns the plan and the flow table
@@ -644,36 +672,51 @@ def compile_forest(forest: Forest, nodes: list[str], length: int, active: list[s
     j_flows = {v: [(flow(t, "pure", x), t, x) for t, x in zip(forest.broadcast, w.w_j)
                    if t.root == v and x > EPS] for v in roots}
     sizes = split_lengths(length, [w.chi[v] for v in roots]) if roots and length else [0] * len(roots)
-    # rounds[v] = list of (reduce pieces, broadcast pieces); a piece = (flow, tree, off, len)
     plan_pieces: dict[str, list[tuple[list, list]]] = {}
     off = 0
     for v, size in zip(roots, sizes):
-        rounds = []
-        o = off
-        for rs in (split_lengths(size, [1] * chunks) if size else []):
-            if rs == 0:
-                continue
-            rp, bp = [], []
-            q = o
-            for (fi, t, x), part in zip(red_flows[v], split_lengths(rs, [x for _, _, x in red_flows[v]])):
-                if part:
-                    rp.append((fi, t, q, part))
-                    q += part
-            bfl = k_flows[v] + j_flows[v]
-            q = o
-            for (fi, t, x), part in zip(bfl, split_lengths(rs, [x for _, _, x in bfl])):
-                if part:
-                    bp.append((fi, t, q, part))
-                    q += part
-            rounds.append((rp, bp))
-            o += rs
-        plan_pieces[v] = rounds
+        plan_pieces[v] = _rounds(off, size, chunks, red_flows[v], k_flows[v] + j_flows[v])
         off += size
-    up_send: dict[tuple[int, int], dict[str, int]] = {}  # (flow, offset) -> node -> send id
-    at_root: dict[tuple[int, int], list[int]] = {}  # (flow, offset) -> recv ids at the root
-    all_at_root: dict[str, list[int]] = defaultdict(list)
     nrounds = max((len(r) for r in plan_pieces.values()), default=0)
-    # reduce stage, round-major so that program order follows time
+    reduced = _emit_reduce(b, flows, roots, plan_pieces, nrounds, rate_of)
+    _emit_broadcast(b, flows, roots, plan_pieces, nrounds, rate_of, *reduced)
+    plan = Plan(scheme, list(nodes), length, b.programs, participants=list(active), receivers=list(active))
+    return plan, flows
+
+
+def _rounds(off: int, size: int, chunks: int, red: list, bc: list) -> list[tuple[list, list]]:
+    """Root v's range [off, off + size) cut into ``chunks`` rounds, each round's range split
+    over v's reduce flows ``red`` and (separately) its broadcast flows ``bc`` by weight.
+    Returns per round (reduce pieces, broadcast pieces); a piece = (flow, tree, off, len)."""
+    rounds = []
+    o = off
+    for rs in (split_lengths(size, [1] * chunks) if size else []):
+        if rs == 0:
+            continue
+        rp, bp = [], []
+        q = o
+        for (fi, t, x), part in zip(red, split_lengths(rs, [x for _, _, x in red])):
+            if part:
+                rp.append((fi, t, q, part))
+                q += part
+        q = o
+        for (fi, t, x), part in zip(bc, split_lengths(rs, [x for _, _, x in bc])):
+            if part:
+                bp.append((fi, t, q, part))
+                q += part
+        rounds.append((rp, bp))
+        o += rs
+    return rounds
+
+
+def _emit_reduce(b: ProgramBuilder, flows: list[dict], roots: list[str], plan_pieces: dict, nrounds: int,
+                 rate_of) -> tuple[dict, dict, dict]:
+    """The reduce stage's ops, round-major so that program order follows time: every piece
+    flows up its tree, leaves first.  Returns (up_send: (flow, offset) -> node -> send id,
+    at_root: (flow, offset) -> recv ids at the root, all_at_root: root -> recv ids)."""
+    up_send: dict[tuple[int, int], dict[str, int]] = {}
+    at_root: dict[tuple[int, int], list[int]] = {}
+    all_at_root: dict[str, list[int]] = defaultdict(list)
     for r in range(nrounds):
         for v in roots:
             if r >= len(plan_pieces[v]):
@@ -694,7 +737,14 @@ def compile_forest(forest: Forest, nodes: list[str], length: int, active: list[s
                 at_root[(fi, o)] = got[v]
                 all_at_root[v] += got[v]
                 flows[fi]["elements"] += ln
-    # broadcast: overlapped (K) pieces first, then pure (J) pieces
+    return up_send, at_root, all_at_root
+
+
+def _emit_broadcast(b: ProgramBuilder, flows: list[dict], roots: list[str], plan_pieces: dict, nrounds: int,
+                    rate_of, up_send: dict, at_root: dict, all_at_root: dict) -> None:
+    """The broadcast stage's ops: overlapped (K) pieces first, then pure (J) pieces.  A piece
+    leaves its root once the reduce pieces it overlaps are there (a pure piece: once all
+    of the root's are), and a node forwards it once it has it."""
     for stage in ("overlap", "pure"):
         for r in range(nrounds):
             for v in roots:
@@ -718,8 +768,6 @@ def compile_forest(forest: Forest, nodes: list[str], length: int, active: list[s
                                                 phase="bcast" if stage == "pure" else "bcast-overlap")
                             have[c] = [rid]
                     flows[fi]["elements"] += ln
-    plan = Plan(scheme, list(nodes), length, b.programs, participants=list(active), receivers=list(active))
-    return plan, flows
 
 
 @planner(

@@ -247,7 +247,7 @@ def _free_path(graph: nx.DiGraph, p: str, members: set[str], endpoints: set[str]
     return []
 
 
-def build_trees(graph: nx.DiGraph, *, neighbour_order: str = "auto", dim_order: str = "plus_first",  # noqa: C901, PLR0915 -- the paper's algorithm step by step, as its comments cite it
+def build_trees(graph: nx.DiGraph, *, neighbour_order: str = "auto", dim_order: str = "plus_first",
                 tree_order: str = "id", rr_restart: bool = True, variant: str = "direct") -> MultiTreeSchedule:
     """MultiTree tree construction, Algorithm 1 (Huang et al., ISCA'21, Sec. III-C).
 
@@ -298,21 +298,7 @@ def build_trees(graph: nx.DiGraph, *, neighbour_order: str = "auto", dim_order: 
     by_id = sorted(ends, key=ids.__getitem__)
     n = len(by_id)
 
-    # candidate children of p in examination order, with the links they occupy
-    routes = shortest_paths(graph) if variant == "routed" else None
-    cand: dict[str, list[tuple[str, list[str], list[str]]]] = {}
-    for p in by_id:
-        if variant == "bfs":
-            continue  # paths are searched per step over the free links (_free_path)
-        if variant == "direct":
-            cs = [c for c in graph.successors(p) if graph.has_edge(c, p)]
-            cand[p] = [(c, [p, c], [c, p]) for c in sorted(cs, key=lambda c: key(p, c))]
-        else:
-            hops = nx.single_source_shortest_path_length(graph, p)
-            cs = [c for c in by_id if c != p and (p, c) in routes and (c, p) in routes]
-            cs.sort(key=lambda c: (hops.get(c, len(graph)), key(p, c)))
-            cand[p] = [(c, routes[(p, c)], routes[(c, p)]) for c in cs]
-
+    cand = _candidates(graph, by_id, variant, key)
     trees = [TreeSchedule(r, {r: None}, {r: 0}, [r], {r: [r]}, {r: [r]}) for r in by_id]
     alloc: list[tuple[int, str, str, int]] = []
     members = [{r} for r in by_id]
@@ -338,30 +324,10 @@ def build_trees(graph: nx.DiGraph, *, neighbour_order: str = "auto", dim_order: 
         while idle < n:
             ti = seq[pos % n]
             pos += 1
-            tr, mem = trees[ti], members[ti]
-            done = False
-            if len(mem) < n:
-                for p in parents[ti]:
-                    options = cand[p] if variant != "bfs" else _free_path(graph, p, mem, endset, free_fwd, free_rev, key)
-                    for c, fwd, rev in options:
-                        if c in mem:
-                            continue
-                        fl = list(zip(fwd, fwd[1:]))
-                        rl = list(zip(rev, rev[1:]))
-                        if all(e in free_fwd for e in fl) and (variant == "direct" or all(e in free_rev for e in rl)):
-                            free_fwd.difference_update(fl)
-                            if variant != "direct":
-                                free_rev.difference_update(rl)
-                            mem.add(c)
-                            tr.parent[c], tr.added[c] = p, t
-                            tr.order.append(c)
-                            tr.path[c], tr.rpath[c] = list(fwd), list(rev)
-                            alloc.append((ti, p, c, t))
-                            done = True
-                            break
-                    if done:
-                        break
-            if done:
+            edge = (_turn(graph, trees[ti], members[ti], parents[ti], cand, variant, endset, free_fwd, free_rev, key, t)
+                    if len(members[ti]) < n else None)
+            if edge:
+                alloc.append((ti, *edge, t))
                 idle = 0
                 last = ti
                 added_any = True
@@ -371,6 +337,52 @@ def build_trees(graph: nx.DiGraph, *, neighbour_order: str = "auto", dim_order: 
             raise ValueError("the topology is not strongly connected: MultiTree cannot span it")
         start = (seq.index(last) + 1) % n if last is not None else start
     return MultiTreeSchedule(trees, t, ids, neighbour_order, variant, alloc)
+
+
+def _candidates(graph: nx.DiGraph, by_id: list[str], variant: str, key) -> dict[str, list[tuple[str, list[str], list[str]]]]:
+    """Candidate children of each p in examination order (line 10), with the paths they
+    occupy there and back: the neighbours (``direct``) or every endpoint by hops over its
+    static route (``routed``); none for ``bfs``, whose paths are searched per step over the
+    free links (:func:`_free_path`)."""
+    routes = shortest_paths(graph) if variant == "routed" else None
+    cand: dict[str, list[tuple[str, list[str], list[str]]]] = {}
+    for p in by_id:
+        if variant == "bfs":
+            continue
+        if variant == "direct":
+            cs = [c for c in graph.successors(p) if graph.has_edge(c, p)]
+            cand[p] = [(c, [p, c], [c, p]) for c in sorted(cs, key=lambda c: key(p, c))]
+        else:
+            hops = nx.single_source_shortest_path_length(graph, p)
+            cs = [c for c in by_id if c != p and (p, c) in routes and (c, p) in routes]
+            cs.sort(key=lambda c: (hops.get(c, len(graph)), key(p, c)))
+            cand[p] = [(c, routes[(p, c)], routes[(c, p)]) for c in cs]
+    return cand
+
+
+def _turn(graph: nx.DiGraph, tr: TreeSchedule, mem: set[str], parents: list[str], cand: dict, variant: str,
+          endset: set[str], free_fwd: set, free_rev: set, key, t: int) -> tuple[str, str] | None:
+    """One tree's turn in step t (lines 9-13): the first of its ``parents`` (nodes added in
+    previous steps, in order of adding) with a candidate child not in the tree whose links
+    are still free attaches it and takes the links from this step's pool.  Returns the
+    attached (parent, child), or None."""
+    for p in parents:
+        options = cand[p] if variant != "bfs" else _free_path(graph, p, mem, endset, free_fwd, free_rev, key)
+        for c, fwd, rev in options:
+            if c in mem:
+                continue
+            fl = list(zip(fwd, fwd[1:]))
+            rl = list(zip(rev, rev[1:]))
+            if all(e in free_fwd for e in fl) and (variant == "direct" or all(e in free_rev for e in rl)):
+                free_fwd.difference_update(fl)
+                if variant != "direct":
+                    free_rev.difference_update(rl)
+                mem.add(c)
+                tr.parent[c], tr.added[c] = p, t
+                tr.order.append(c)
+                tr.path[c], tr.rpath[c] = list(fwd), list(rev)
+                return p, c
+    return None
 
 
 # ---------------------------------------------------------------------------

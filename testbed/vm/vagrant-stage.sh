@@ -43,9 +43,9 @@ stamp() {  # each line with the time; of a progress bar (redrawn after CRs) only
 IN_NS=(ip netns exec "$NS" env VAGRANT_HOME="$STATE/vagrant.d" TESTBED_LIBVIRT_DRIVER=qemu)  # a command as the user types it
 virsh_ns() { timeout 60 ip netns exec "$NS" virsh -q -c qemu:///system "$@"; }
 
-install_host_packages() {
+install_host_packages() {  # [PACKAGE ...]: these (default: all a cycle needs), if missing
   local missing="" p
-  for p in $HOST_PKGS; do
+  for p in ${*:-$HOST_PKGS}; do
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing="$missing $p"
   done
   [ -z "$missing" ] && return 0
@@ -54,8 +54,8 @@ install_host_packages() {
   timeout 600 apt-get update -qq && timeout 900 apt-get install -y -qq --no-install-recommends $missing >/dev/null
 }
 
-validate() {
-  install_host_packages || return 1
+validate() {  # needs vagrant and the provider plugin only: no libvirt daemon, qemu or box tools
+  install_host_packages vagrant vagrant-libvirt || return 1
   local home; home=$(mktemp -d)
   (cd "$REPO" && VAGRANT_HOME=$home timeout 120 vagrant validate); local rc=$?
   rm -rf "$home"
