@@ -103,6 +103,6 @@ def test_stage_runs_the_link_checks_named_and_only_those():
     from testbed.vm.__main__ import LINKCHECKS, stage_command
     assert "LINKCHECKS='' bash testbed/vm/stage.sh 0.1" == stage_command(0.1, False, None)
     every = stage_command(0.1, True, [])
-    assert every.startswith("STRICT=1 ") and all(t in every for t in LINKCHECKS.values())
+    assert every.startswith("STRICT=1 LINKCHECK_TESTS=1 ") and all(t in every for t in LINKCHECKS.values())
     two = stage_command(0.2, False, ["jitter-3", "lossy-jitter-4"])
     assert two == "LINKCHECKS='testbed/vm/lossy-jitter-4.yaml testbed/vm/jitter-3.yaml' bash testbed/vm/stage.sh 0.2"

@@ -281,9 +281,8 @@ class WanNetwork:
         self._make_tunnels()
         _check(subprocess.run(["ip", "addr", "replace", f"{CONTROL_IP}/32", "dev", CONTROL_BRIDGE],
                               capture_output=True, text=True), "control bridge address")
-        _check(subprocess.run(["ip", "route", "replace", str(control_route(len(self.topo.nodes))), "dev",
-                               CONTROL_BRIDGE, "src", CONTROL_IP], capture_output=True, text=True),
-               "control route")
+        _check(subprocess.run(["ip", "route", "replace", str(route), "dev", CONTROL_BRIDGE, "src", CONTROL_IP],
+                              capture_output=True, text=True), "control route")
         _check(subprocess.run(["ip", "link", "set", "dev", CONTROL_BRIDGE, "alias",
                                cleanup.ALIAS_PREFIX + self.run_id], capture_output=True, text=True), "bridge alias")
         self._configure_hosts()
