@@ -16,6 +16,7 @@ from fidelity import fidelity
 
 from testbed.cluster import load_servers, network_on
 from testbed.emulator.nsservers import local_leftovers, sshd_binary
+from testbed.placement import place
 from testbed.topology import load_topology
 
 REPO = Path(__file__).resolve().parent.parent
@@ -90,11 +91,14 @@ def _linkcheck(topo_name: str, sf):
 
 @pytest.mark.net
 def test_linkcheck_over_two_servers_within_the_single_machine_tolerances(servers, tmp_path):
-    """quick-5 (cut and local links, rates 20-100 Mbit/s, delays 5-30 ms): every direction
-    measured link by link within the tolerances the link check applies on one machine (rate,
-    delay, jitter, loss, queue)."""
-    res = _linkcheck("quick-5", load_servers(_servers_file(tmp_path)))
-    assert len(res["directions"]) == 2 * len(load_topology("quick-5").links)
+    """small-3 over two servers (two links cut, one local): every direction measured link by
+    link within the tolerances the link check applies on one machine (rate, delay, jitter,
+    loss, queue)."""
+    sf = load_servers(_servers_file(tmp_path))
+    cut = place(load_topology("small-3"), sf.sizes()).cut
+    assert 0 < len(cut) < len(load_topology("small-3").links), "want cut and local links both"
+    res = _linkcheck("small-3", sf)
+    assert len(res["directions"]) == 2 * len(load_topology("small-3").links)
 
 
 def _run(tmp_path, *args, timeout=600, **kw):
