@@ -35,6 +35,8 @@ logging.getLogger("paramiko").addHandler(logging.NullHandler())  # failures are 
 
 MAX_PARALLEL = 16  # hosts handled at once (connecting, copying, clock exchanges)
 SYSTEM_KNOWN_HOSTS = "/etc/ssh/ssh_known_hosts"
+KEEPALIVE_S = 15  # an idle connection (a server with nothing to do for minutes of a link check) still
+# talks: firewalls and NAT drop silent TCP, and sshd's ClientAlive counts our replies only
 _known_hosts_lock = threading.Lock()  # parallel first contacts append to one file
 
 T, R = TypeVar("T"), TypeVar("R")
@@ -174,6 +176,8 @@ class Connection:
     # -- connecting -------------------------------------------------------------------
     def connect(self) -> "Connection":
         self._open(self.dest, None)
+        for client in self._clients:
+            client.get_transport().set_keepalive(KEEPALIVE_S)
         return self
 
     def _open(self, dest: str, jumps: list[str] | None) -> paramiko.SSHClient:

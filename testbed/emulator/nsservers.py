@@ -127,7 +127,7 @@ class LocalServers:
                             f"AuthorizedKeysFile {self.keys / 'authorized_keys'}\nPidFile {self.keys / name}.pid\n"
                             "StrictModes no\nPasswordAuthentication no\nKbdInteractiveAuthentication no\n"
                             "PermitRootLogin prohibit-password\nUsePAM no\nSubsystem sftp internal-sftp\n"
-                            "MaxSessions 200\nMaxStartups 100\nClientAliveInterval 5\nClientAliveCountMax 3\n")
+                            "MaxSessions 200\nMaxStartups 100\nClientAliveInterval 15\nClientAliveCountMax 4\n")
             subprocess.Popen(["ip", "netns", "exec", ns, sshd, "-D", "-e", "-f", str(conf)],
                              stdout=subprocess.DEVNULL, stderr=open(self.keys / f"sshd-{name}.log", "wb"),
                              start_new_session=True)
