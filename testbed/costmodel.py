@@ -209,15 +209,10 @@ def predict(plan: Plan, graph: nx.DiGraph, *, elem_bytes: int = 4, stop_and_wait
     sim = _Simulation(plan, graph, elem_bytes=elem_bytes, stop_and_wait=stop_and_wait, tcp=tcp,
                       transfer_s=transfer_s, cut_through_bytes=cut_through_bytes)
     sim.run()
-    ops, done = sim.ops, sim.done
-    stuck = [i for i in range(len(ops.ops)) if done[i] < 0]
-    if stuck:
-        sample = [(ops.node[i], ops.ops[i].id) for i in stuck[:5]]
-        raise PlanError(f"plan deadlocks in the cost model; ops never complete: {sample}")
-    out = _report(plan, ops, sim.routes, done, sim.per_link, stop_and_wait, transfer_s)
+    sim.check_complete()
+    out = _report(plan, sim.ops, sim.routes, sim.done, sim.per_link, stop_and_wait, transfer_s)
     if trace:
-        out["trace"] = sorted([ops.ops[i].xfer, ops.node[i], ops.ops[i].peer, sim.started[i], sim.left_at[i],
-                               done[ops.partner[i]]] for i in range(len(ops.ops)) if ops.is_send[i])
+        out["trace"] = sim.trace()
     return out
 
 
@@ -504,6 +499,20 @@ class _Simulation:
         self.ver[i] += 1
         heapq.heappush(self.ends, (t + self.left[i] / r, self.ver[i], i))
 
+    def check_complete(self) -> None:
+        """Raise PlanError naming a few ops that never completed (the plan deadlocks)."""
+        ops, done = self.ops, self.done
+        stuck = [i for i in range(len(ops.ops)) if done[i] < 0]
+        if stuck:
+            sample = [(ops.node[i], ops.ops[i].id) for i in stuck[:5]]
+            raise PlanError(f"plan deadlocks in the cost model; ops never complete: {sample}")
+
+    def trace(self) -> list[list]:
+        """[xfer, src, dst, started, last byte left, received] of every send, sorted."""
+        ops, done = self.ops, self.done
+        return sorted([ops.ops[i].xfer, ops.node[i], ops.ops[i].peer, self.started[i], self.left_at[i],
+                       done[ops.partner[i]]] for i in range(len(ops.ops)) if ops.is_send[i])
+
 
 def _report(plan: Plan, ops: _Ops, routes: _Routes, done: list[float], per_link: list[float],
             stop_and_wait: bool, transfer_s: float = 0.0) -> dict:
@@ -536,7 +545,7 @@ def _report(plan: Plan, ops: _Ops, routes: _Routes, done: list[float], per_link:
     }
 
 
-def alpha_beta(plan: Plan, graph: nx.DiGraph, elem_bytes: int = 4) -> dict:  # noqa: PLR0915 -- the alpha-beta model's one pass over a plan's programs
+def alpha_beta(plan: Plan, graph: nx.DiGraph, elem_bytes: int = 4) -> dict:
     """Classic Hockney α-β estimate (MTREE §III: a μ-byte message over a route costs
     α + μ/b, α = route one-way delay, b = route bottleneck rate) along the plan's critical
     chain, with **no contention** between connections.
@@ -548,7 +557,27 @@ def alpha_beta(plan: Plan, graph: nx.DiGraph, elem_bytes: int = 4) -> dict:  # n
     transfers on the critical chain as "src->dst" strings.
     """
     ops = _Ops(plan)
-    routes = _Routes(graph)
+    cost, conn, n_conn = _alpha_beta_costs(ops, _Routes(graph), elem_bytes)
+    finish, why = _critical_times(ops, cost, conn, n_conn)
+    if any(f < 0 for f in finish):
+        raise PlanError("plan deadlocks (cyclic dependencies across nodes)")
+    model = "alpha-beta critical chain (no contention)"
+    n_ops = len(ops.ops)
+    if not n_ops:
+        return {"cct_s": 0.0, "model": model, "critical_chain": []}
+    last = max(range(n_ops), key=lambda i: finish[i])
+    chain = []
+    i = last
+    while i >= 0:
+        if not ops.is_send[i]:
+            chain.append(f"{ops.ops[i].peer}->{ops.node[i]}")
+        i = why[i]
+    return {"cct_s": finish[last], "model": model, "critical_chain": chain[::-1]}
+
+
+def _alpha_beta_costs(ops: _Ops, routes: _Routes, elem_bytes: int) -> tuple[list[float], list[int], int]:
+    """Per op the α-β cost (send: μ/b, its transmission time; recv: α of its route) and per
+    send its connection's number; and the number of connections."""
     n_ops = len(ops.ops)
     cost = [0.0] * n_ops  # send: transmission time; recv: α of its route
     conn = [0] * n_ops
@@ -559,8 +588,16 @@ def alpha_beta(plan: Plan, graph: nx.DiGraph, elem_bytes: int = 4) -> dict:  # n
             cost[i] = op.length * elem_bytes / b
             cost[ops.partner[i]] = a
             conn[i] = conn_id.setdefault((ops.node[i], op.peer, op.channel), len(conn_id))
-    free = [0.0] * len(conn_id)
-    last_on = [-1] * len(conn_id)
+    return cost, conn, len(conn_id)
+
+
+def _critical_times(ops: _Ops, cost: list[float], conn: list[int], n_conn: int) -> tuple[list[float], list[int]]:
+    """:func:`alpha_beta`'s event pass: every op's completion time (-1: never) and the op
+    that last held it up (its connection's previous send, its data's send or its latest
+    dep; -1: none), each connection sending one message at a time in ready order."""
+    n_ops = len(ops.ops)
+    free = [0.0] * n_conn
+    last_on = [-1] * n_conn
     unmet = list(ops.unmet)
     dep_t = [0.0] * n_ops  # latest completion among deps
     dep_w = [-1] * n_ops
@@ -602,16 +639,4 @@ def alpha_beta(plan: Plan, graph: nx.DiGraph, elem_bytes: int = 4) -> dict:  # n
                     heapq.heappush(heap, (dep_t[u], next(seq), u))
                 else:
                     push_recv(u)
-    if any(f < 0 for f in finish):
-        raise PlanError("plan deadlocks (cyclic dependencies across nodes)")
-    model = "alpha-beta critical chain (no contention)"
-    if not n_ops:
-        return {"cct_s": 0.0, "model": model, "critical_chain": []}
-    last = max(range(n_ops), key=lambda i: finish[i])
-    chain = []
-    i = last
-    while i >= 0:
-        if not ops.is_send[i]:
-            chain.append(f"{ops.ops[i].peer}->{ops.node[i]}")
-        i = why[i]
-    return {"cct_s": finish[last], "model": model, "critical_chain": chain[::-1]}
+    return finish, why

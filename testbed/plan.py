@@ -167,7 +167,7 @@ class Plan:
         return cls.from_dict(json.loads(s))
 
     # -- checks ------------------------------------------------------------
-    def validate(self) -> None:  # noqa: C901 -- one check per kind of plan defect, in the order they are reported
+    def validate(self) -> None:
         """Raise PlanError unless the plan is well formed and race free."""
         known = set(self.nodes)
         for group, names in (("participants", self.participants), ("receivers", self.receivers)):
@@ -185,42 +185,46 @@ class Plan:
                 raise PlanError(f"{node}: duplicate op ids")
             idset = set(ids)
             for op in prog:
-                if op.kind not in (SEND, RECV):
-                    raise PlanError(f"{node} op {op.id}: unknown kind {op.kind!r}")
-                if op.peer not in known or op.peer == node:
-                    raise PlanError(f"{node} op {op.id}: bad peer {op.peer!r}")
-                if op.channel < 0:
-                    raise PlanError(f"{node} op {op.id}: channel {op.channel} (negative channels are reserved)")
-                size = self.length if op.buf == "x" else self.scratch.get(node, {}).get(op.buf)
-                if size is None:
-                    raise PlanError(f"{node} op {op.id}: unknown buffer {op.buf!r}")
-                if op.length <= 0 or op.offset < 0 or op.offset + op.length > size:
-                    raise PlanError(f"{node} op {op.id}: block [{op.offset}, +{op.length}) outside {op.buf}")
-                missing = set(op.deps) - idset
-                if missing:
-                    raise PlanError(f"{node} op {op.id}: unknown deps {sorted(missing)}")
-                if op.path and (op.kind != SEND or len(op.path) < 2 or op.path[0] != node
-                                or op.path[-1] != op.peer or len(set(op.path)) < len(op.path)
-                                or not set(op.path) <= known):
-                    raise PlanError(f"{node} op {op.id}: path {list(op.path)} is not distinct known nodes from "
-                                    f"{node} to {op.peer} on a send")
-                if op.kind == SEND and conn_path.setdefault((node, op.peer, op.channel), op.path) != op.path:
-                    raise PlanError(f"{node} op {op.id}: path {list(op.path)} differs from that of an earlier send "
-                                    f"to {op.peer} on channel {op.channel} (one connection, one path)")
+                self._check_op(node, op, idset, known, conn_path)
                 table = sends if op.kind == SEND else recvs
                 if op.xfer in table:
                     raise PlanError(f"transfer {op.xfer} has two {op.kind} ops")
                 table[op.xfer] = (node, op)
             _check_acyclic(node, prog)
             _check_races(node, prog)
-        if sends.keys() != recvs.keys():
-            odd = sorted(sends.keys() ^ recvs.keys())[:5]
-            raise PlanError(f"unmatched transfers (send without recv or vice versa): {odd}")
-        for x, (src, s) in sends.items():
-            dst, r = recvs[x]
-            if s.peer != dst or r.peer != src or s.length != r.length or s.channel != r.channel:
-                raise PlanError(f"transfer {x}: send {src}->{s.peer} does not match recv at {dst} from {r.peer}")
-        pairs = {(src, s.peer) for src, s in sends.values()}
+        _check_transfers(sends, recvs)
+        self._check_aux(known, {(src, s.peer) for src, s in sends.values()})
+
+    def _check_op(self, node: str, op: Op, idset: set[int], known: set[str],
+                  conn_path: dict[tuple[str, str, int], tuple[str, ...]]) -> None:
+        """One op of ``node``'s program: kind, peer, channel, buffer and block, deps (among
+        ``idset``), and a send's path (one per connection: ``conn_path``)."""
+        if op.kind not in (SEND, RECV):
+            raise PlanError(f"{node} op {op.id}: unknown kind {op.kind!r}")
+        if op.peer not in known or op.peer == node:
+            raise PlanError(f"{node} op {op.id}: bad peer {op.peer!r}")
+        if op.channel < 0:
+            raise PlanError(f"{node} op {op.id}: channel {op.channel} (negative channels are reserved)")
+        size = self.length if op.buf == "x" else self.scratch.get(node, {}).get(op.buf)
+        if size is None:
+            raise PlanError(f"{node} op {op.id}: unknown buffer {op.buf!r}")
+        if op.length <= 0 or op.offset < 0 or op.offset + op.length > size:
+            raise PlanError(f"{node} op {op.id}: block [{op.offset}, +{op.length}) outside {op.buf}")
+        missing = set(op.deps) - idset
+        if missing:
+            raise PlanError(f"{node} op {op.id}: unknown deps {sorted(missing)}")
+        if op.path and (op.kind != SEND or len(op.path) < 2 or op.path[0] != node
+                        or op.path[-1] != op.peer or len(set(op.path)) < len(op.path)
+                        or not set(op.path) <= known):
+            raise PlanError(f"{node} op {op.id}: path {list(op.path)} is not distinct known nodes from "
+                            f"{node} to {op.peer} on a send")
+        if op.kind == SEND and conn_path.setdefault((node, op.peer, op.channel), op.path) != op.path:
+            raise PlanError(f"{node} op {op.id}: path {list(op.path)} differs from that of an earlier send "
+                            f"to {op.peer} on channel {op.channel} (one connection, one path)")
+
+    def _check_aux(self, known: set[str], pairs: set[tuple[str, str]]) -> None:
+        """The auxiliary paths (each joining the two ends of a transfer in ``pairs``) and
+        their dispatch settings (NetStorm §VI)."""
         for path in self.aux.get("paths", []):
             if not 3 <= len(path) <= AUX_MAX_NODES or len(set(path)) < len(path) or not set(path) <= known \
                     or (path[0], path[-1]) not in pairs:
@@ -242,6 +246,17 @@ class Plan:
         for key in ("primary_busy_bound", "aux_queue_length"):
             if key in self.aux and not (isinstance(self.aux[key], int) and self.aux[key] >= (key == "aux_queue_length")):
                 raise PlanError(f"aux.{key} must be an integer >= {int(key == 'aux_queue_length')}")
+
+
+def _check_transfers(sends: dict[int, tuple[str, Op]], recvs: dict[int, tuple[str, Op]]) -> None:
+    """Every transfer has one send and one recv, naming each other, of one length and channel."""
+    if sends.keys() != recvs.keys():
+        odd = sorted(sends.keys() ^ recvs.keys())[:5]
+        raise PlanError(f"unmatched transfers (send without recv or vice versa): {odd}")
+    for x, (src, s) in sends.items():
+        dst, r = recvs[x]
+        if s.peer != dst or r.peer != src or s.length != r.length or s.channel != r.channel:
+            raise PlanError(f"transfer {x}: send {src}->{s.peer} does not match recv at {dst} from {r.peer}")
 
 
 def _check_acyclic(node: str, prog: list[Op]) -> None:
@@ -531,31 +546,44 @@ def trees_plan(scheme: str, nodes: list[str], length: int, trees: list[Tree], *,
         for ci, csize in enumerate(split_lengths(size, [1] * t.chunks) if size else []):
             if csize == 0:
                 continue
-            label = dict(channel=ti, flow=ti, chunk=ci)
-
-            def rate(a: str, b: str, ti: int = ti, t: Tree = t) -> float:
-                if isinstance(pace, dict):
-                    return pace.get((ti, a, b), 0.0)
-                return t.rate_mbps if pace else 0.0
-            got: dict[str, list[int]] = defaultdict(list)  # node -> recv ids of children's sums
-            up_send: dict[str, int] = {}
-            for n, _ in order:  # reduce, bottom-up
-                p = t.parent[n]
-                if p is None:
-                    continue
-                s, r = b.transfer(n, p, offset, csize, reduce=True, send_deps=got[n],
-                                  phase="reduce", rate_mbps=rate(n, p), **label)
-                up_send[n] = s
-                got[p].append(r)
-            have: dict[str, list[int]] = {t.root: got[t.root]}
-            for n, _ in reversed(order):  # broadcast, top-down
-                for c in children[n]:
-                    # the child's copy-in must wait until its own upward send has read the data
-                    _, r = b.transfer(n, c, offset, csize, reduce=False, send_deps=have[n],
-                                      recv_deps=[up_send[c]], phase="bcast", rate_mbps=rate(n, c), **label)
-                    have[c] = [r]
+            _tree_chunk(b, t, children, order, offset, csize, dict(channel=ti, flow=ti, chunk=ci),
+                        _tree_pacing(pace, ti, t))
             offset += csize
     meta = dict(meta or {})
     meta.setdefault("trees", [t.to_dict() for t in trees])
     plan = Plan(scheme, list(nodes), length, b.programs, participants=participants, meta=meta)
     return plan
+
+
+def _tree_pacing(pace: bool | dict[tuple[int, str, str], float], ti: int, t: Tree):
+    """rate(a, b): the pacing rate of tree ti's connection a->b (0: unpaced), by
+    :func:`trees_plan`'s ``pace``."""
+
+    def rate(a: str, b: str) -> float:
+        if isinstance(pace, dict):
+            return pace.get((ti, a, b), 0.0)
+        return t.rate_mbps if pace else 0.0
+    return rate
+
+
+def _tree_chunk(b: ProgramBuilder, t: Tree, children: dict[str, list[str]], order: list[tuple[str, int]],
+                offset: int, csize: int, label: dict, rate) -> None:
+    """One chunk of one tree (:func:`trees_plan`): reduce bottom-up, each node forwarding the
+    sum of its children's partial sums and its own; then broadcast top-down from the root."""
+    got: dict[str, list[int]] = defaultdict(list)  # node -> recv ids of children's sums
+    up_send: dict[str, int] = {}
+    for n, _ in order:  # reduce, bottom-up
+        p = t.parent[n]
+        if p is None:
+            continue
+        s, r = b.transfer(n, p, offset, csize, reduce=True, send_deps=got[n],
+                          phase="reduce", rate_mbps=rate(n, p), **label)
+        up_send[n] = s
+        got[p].append(r)
+    have: dict[str, list[int]] = {t.root: got[t.root]}
+    for n, _ in reversed(order):  # broadcast, top-down
+        for c in children[n]:
+            # the child's copy-in must wait until its own upward send has read the data
+            _, r = b.transfer(n, c, offset, csize, reduce=False, send_deps=have[n],
+                              recv_deps=[up_send[c]], phase="bcast", rate_mbps=rate(n, c), **label)
+            have[c] = [r]

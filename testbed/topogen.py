@@ -486,7 +486,7 @@ def _sanitize(label: str) -> str:
     return s
 
 
-def zoo(path: Any, *, rate_mbps: Any = 100, delay_ms: Any = 0, km_per_ms: Any = 200,  # noqa: PLR0915 -- one Topology Zoo reader: its attribute fallbacks share the parsed graph
+def zoo(path: Any, *, rate_mbps: Any = 100, delay_ms: Any = 0, km_per_ms: Any = 200,
         use_link_speed: Any = True, node_names: Any = "auto") -> Topology:
     """Import an Internet Topology Zoo (topology-zoo.org) GraphML or GML file.
 
@@ -515,25 +515,46 @@ def zoo(path: Any, *, rate_mbps: Any = 100, delay_ms: Any = 0, km_per_ms: Any = 
         raise ConfigError(f"expected a .graphml or .gml file, got {p.name!r}", key="path")
     if not p.is_file():
         raise ConfigError(f"file not found: {str(path)!r}", key="path")
+    g = _zoo_graph(p, suffix)
+    ids = list(g.nodes)
+    names = _zoo_names(g, ids, naming)
+    attrs, coords = _zoo_node_attrs(g, ids, names)
+    links = _zoo_links(g, coords, dict(zip(ids, names)), use_speed, rate_fallback, delay_fallback, kpm)
+    net = g.graph.get("Network") or g.graph.get("label") or p.stem
+    src = f"Internet Topology Zoo (topology-zoo.org) file {p.name}; network {net!r}"
+    if g.graph.get("DateObtained"):
+        src += f", obtained {g.graph['DateObtained']}"
+    src += f"; delays = great-circle distance / {kpm:g} km/ms"
+    return Topology(name=_zoo_name(p.stem), nodes=names, links=links, source=src, node_attrs=attrs)
+
+
+def _zoo_graph(p: Path, suffix: str) -> nx.Graph:
+    """The parsed Topology Zoo file as an undirected graph with at least one node."""
     try:
         g = nx.read_graphml(p) if suffix == ".graphml" else nx.read_gml(p, label="id")
     except (nx.NetworkXError, ET.ParseError, ValueError, KeyError, TypeError, OSError) as e:
         raise ConfigError(f"cannot parse {suffix[1:]} file: {e}", key="path") from None
     if g.is_directed():
         g = g.to_undirected(as_view=False)
-    ids = list(g.nodes)
-    if not ids:
+    if not list(g.nodes):
         raise ConfigError("empty topology: the graph has no nodes", key="path")
+    return g
 
+
+def _zoo_names(g: nx.Graph, ids: list, naming: str) -> list[str]:
+    """Node names by ``node_names`` (see :func:`zoo`): identifier-safe labels or n0, n1, ..."""
     labels = [str(g.nodes[i].get("label", "")) for i in ids]
     safe = [_sanitize(x) for x in labels]
     labels_ok = all(s and NAME_RE.match(s) for s in safe) and len(set(safe)) == len(safe)
     if naming == "label" and not labels_ok:
         raise ConfigError("node labels are missing, duplicated or not usable as names; expected "
                           "node_names: index or auto", key="node_names")
-    names = safe if (naming == "label" or (naming == "auto" and labels_ok)) else _names(len(ids))
-    name_of = dict(zip(ids, names))
+    return safe if (naming == "label" or (naming == "auto" and labels_ok)) else _names(len(ids))
 
+
+def _zoo_node_attrs(g: nx.Graph, ids: list, names: list[str]) -> tuple[dict[str, dict], dict[Any, tuple[float, float]]]:
+    """node_attrs (``zoo_id``, ``label``, ``lat``/``lon`` when valid, ``country``) by name,
+    and the coordinates of the nodes that have them, by file id."""
     attrs: dict[str, dict] = {}
     coords: dict[Any, tuple[float, float]] = {}
     for i, nm in zip(ids, names):
@@ -548,7 +569,13 @@ def zoo(path: Any, *, rate_mbps: Any = 100, delay_ms: Any = 0, km_per_ms: Any = 
         if isinstance(d.get("Country"), str):
             a["country"] = d["Country"]
         attrs[nm] = a
+    return attrs, coords
 
+
+def _zoo_links(g: nx.Graph, coords: dict, name_of: dict, use_speed: bool, rate_fallback: float,
+               delay_fallback: float, kpm: float) -> list[Link]:
+    """One symmetric link per node pair (self-loops dropped, parallel edges' rates added):
+    the file's speed or ``rate_fallback``; great-circle delay or ``delay_fallback``."""
     merged: dict[frozenset, list] = {}
     order: list[tuple[Any, Any]] = []
     for u, v, d in g.edges(data=True):
@@ -569,12 +596,7 @@ def zoo(path: Any, *, rate_mbps: Any = 100, delay_ms: Any = 0, km_per_ms: Any = 
             delay = delay_fallback
         d = LinkDir(rate_mbps=rate, delay_ms=delay)
         links.append(Link(name_of[u], name_of[v], d, d))
-    net = g.graph.get("Network") or g.graph.get("label") or p.stem
-    src = f"Internet Topology Zoo (topology-zoo.org) file {p.name}; network {net!r}"
-    if g.graph.get("DateObtained"):
-        src += f", obtained {g.graph['DateObtained']}"
-    src += f"; delays = great-circle distance / {kpm:g} km/ms"
-    return Topology(name=_zoo_name(p.stem), nodes=names, links=links, source=src, node_attrs=attrs)
+    return links
 
 
 def _zoo_name(stem: str) -> str:

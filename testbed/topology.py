@@ -231,58 +231,19 @@ def _per_dir(f: str, x: Any, *, source: str, key: str) -> tuple[Any, Any]:
     return v, v
 
 
-def _from_mapping(data: Any, *, source: str, prefix: str, base_dir: Path, default_name: str) -> Topology:  # noqa: C901 -- one check per key of a topology file, in the order they are reported
-    if data is None:
-        raise ConfigError("empty topology: expected a mapping with 'datacenters' and 'links' "
-                          "or 'generator'", source=source, key=prefix)
-    if not isinstance(data, Mapping):
-        raise ConfigError(f"expected a mapping with 'datacenters' and 'links' or 'generator', "
-                          f"got {typename(data)}", source=source, key=prefix)
-    for k in data:
-        if k not in TOP_LEVEL_KEYS:
-            raise ConfigError(unknown_key_msg("topology", k, TOP_LEVEL_KEYS), source=source,
-                              key=key_path(prefix, str(k)))
-
-    def s(k: str, default: str) -> str:
-        v = data.get(k, default)
-        if v is None:
-            return default
-        if not isinstance(v, str):
-            raise ConfigError(f"expected a string, got {typename(v)}", source=source, key=key_path(prefix, k))
-        return v
-
-    name = s("name", default_name)
+def _from_mapping(data: Any, *, source: str, prefix: str, base_dir: Path, default_name: str) -> Topology:
+    _check_top_level(data, source=source, prefix=prefix)
+    name = _string_field(data, "name", default_name, source=source, prefix=prefix)
     if not name.strip():
         raise ConfigError("expected a non-empty name", source=source, key=key_path(prefix, "name"))
-    src = s("source", "")
+    src = _string_field(data, "source", "", source=source, prefix=prefix)
     scale = 1.0
     if "scale" in data:
         scale = float(check_number(data["scale"], source=source, key=key_path(prefix, "scale"),
                                    minimum=0, min_open=True, what="a positive scale factor"))
-
-    # defaults
-    defaults: dict[str, Any] = {}
-    dk = key_path(prefix, "defaults")
-    if data.get("defaults") is not None:
-        d = data["defaults"]
-        if not isinstance(d, Mapping):
-            raise ConfigError(f"expected a mapping of link fields, got {typename(d)}", source=source, key=dk)
-        for f, v in d.items():
-            if f not in LINK_FIELDS:
-                raise ConfigError(unknown_key_msg("defaults", f, LINK_FIELDS), source=source, key=key_path(dk, str(f)))
-            defaults[f] = check_link_field(f, v, source=source, key=key_path(dk, f))
-
+    defaults = _parse_defaults(data.get("defaults"), source=source, key=key_path(prefix, "defaults"))
     if "generator" in data:
-        for k in ("datacenters", "links"):
-            if k in data:
-                raise ConfigError(f"'{k}' cannot be combined with 'generator' (give one or the other)",
-                                  source=source, key=key_path(prefix, k))
-        for f in ("rate_mbps", "delay_ms"):
-            if f in defaults:
-                raise ConfigError(f"defaults.{f} is not used with a generator; set the generator's own "
-                                  "rate/delay parameters instead", source=source, key=key_path(dk, f))
-        topo = topogen.build(data["generator"], source=source, key=key_path(prefix, "generator"),
-                             base_dir=base_dir, link_defaults=defaults)
+        topo = _from_generator(data, defaults, source=source, prefix=prefix, base_dir=base_dir)
         if "name" in data or default_name != "inline":
             topo.name = name  # a file's stem names it unless the generator block is inline
         if "source" in data:
@@ -296,6 +257,60 @@ def _from_mapping(data: Any, *, source: str, prefix: str, base_dir: Path, defaul
     nodes, attrs = _parse_datacenters(data["datacenters"], source=source, key=key_path(prefix, "datacenters"))
     links = _parse_links(data.get("links"), nodes, defaults, source=source, key=key_path(prefix, "links"))
     return Topology(name=name, nodes=nodes, links=links, source=src, scale=scale, node_attrs=attrs)
+
+
+def _check_top_level(data: Any, *, source: str, prefix: str) -> None:
+    """A topology is a mapping of known top-level keys."""
+    if data is None:
+        raise ConfigError("empty topology: expected a mapping with 'datacenters' and 'links' "
+                          "or 'generator'", source=source, key=prefix)
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"expected a mapping with 'datacenters' and 'links' or 'generator', "
+                          f"got {typename(data)}", source=source, key=prefix)
+    for k in data:
+        if k not in TOP_LEVEL_KEYS:
+            raise ConfigError(unknown_key_msg("topology", k, TOP_LEVEL_KEYS), source=source,
+                              key=key_path(prefix, str(k)))
+
+
+def _string_field(data: Mapping, k: str, default: str, *, source: str, prefix: str) -> str:
+    """The string at key ``k`` (``default`` when absent or null)."""
+    v = data.get(k, default)
+    if v is None:
+        return default
+    if not isinstance(v, str):
+        raise ConfigError(f"expected a string, got {typename(v)}", source=source, key=key_path(prefix, k))
+    return v
+
+
+def _parse_defaults(d: Any, *, source: str, key: str) -> dict[str, Any]:
+    """The ``defaults`` block: link fields every link (or generated direction) starts from."""
+    defaults: dict[str, Any] = {}
+    if d is not None:
+        if not isinstance(d, Mapping):
+            raise ConfigError(f"expected a mapping of link fields, got {typename(d)}", source=source, key=key)
+        for f, v in d.items():
+            if f not in LINK_FIELDS:
+                raise ConfigError(unknown_key_msg("defaults", f, LINK_FIELDS), source=source, key=key_path(key, str(f)))
+            defaults[f] = check_link_field(f, v, source=source, key=key_path(key, f))
+    return defaults
+
+
+def _from_generator(data: Mapping, defaults: dict[str, Any], *, source: str, prefix: str, base_dir: Path
+                    ) -> Topology:
+    """The topology of a ``generator`` block (:func:`topogen.build`), which excludes
+    ``datacenters``, ``links`` and default rates and delays."""
+    for k in ("datacenters", "links"):
+        if k in data:
+            raise ConfigError(f"'{k}' cannot be combined with 'generator' (give one or the other)",
+                              source=source, key=key_path(prefix, k))
+    dk = key_path(prefix, "defaults")
+    for f in ("rate_mbps", "delay_ms"):
+        if f in defaults:
+            raise ConfigError(f"defaults.{f} is not used with a generator; set the generator's own "
+                              "rate/delay parameters instead", source=source, key=key_path(dk, f))
+    return topogen.build(data["generator"], source=source, key=key_path(prefix, "generator"),
+                         base_dir=base_dir, link_defaults=defaults)
 
 
 def _parse_datacenters(raw: Any, *, source: str, key: str) -> tuple[list[str], dict[str, dict]]:

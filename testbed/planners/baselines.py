@@ -449,18 +449,7 @@ def plan_ring(graph: nx.DiGraph, length: int, *, elem_bytes: int = 4, order=(),
     nodes = check_graph(graph, "ring")
     group = members(graph, active)
     paths = shortest_paths(graph)
-    order = list(order or ())
-    if order:
-        if set(order) != set(group) or len(set(order)) != len(order):
-            raise ParamError("order", f"must list every ring member exactly once; they are {sorted(group)}")
-        ring, rule_used, info = order, "given", {"search": "given"}
-    elif ring_rule == "given":
-        raise ParamError("order", "ring_rule 'given' needs a non-empty order")
-    elif ring_rule == "name-order":
-        ring, rule_used, info = sorted(group, key=str), ring_rule, {"search": "name-order"}
-    else:
-        ring, info = choose_ring(graph, paths, group)
-        rule_used = ring_rule
+    ring, rule_used, info = _ring_order(graph, paths, group, list(order or ()), ring_rule)
     n = len(ring)
     b = ProgramBuilder(nodes)
     blocks = split_lengths(length, [1] * n)
@@ -470,22 +459,7 @@ def plan_ring(graph: nx.DiGraph, length: int, *, elem_bytes: int = 4, order=(),
             continue
         off = starts[i]
         for c, csize in enumerate(split_lengths(blocks[i], [1] * min(chunks, blocks[i]))):
-            label = dict(chunk=c, flow=i)
-            rs_send: dict[int, int] = {}
-            last_recv: list[int] = []
-            for s in range(n - 1):  # reduce-scatter: position i+1+s sends to i+2+s
-                p = (i + 1 + s) % n
-                q = (p + 1) % n
-                sid, rid = b.transfer(ring[p], ring[q], off, csize, reduce=True, send_deps=last_recv,
-                                      phase="reduce-scatter", **label)
-                rs_send[p] = sid
-                last_recv = [rid]
-            for s in range(n - 1):  # all-gather: position i+s sends to i+s+1
-                p = (i + s) % n
-                q = (p + 1) % n
-                _, rid = b.transfer(ring[p], ring[q], off, csize, reduce=False, send_deps=last_recv,
-                                    recv_deps=[rs_send[q]], phase="all-gather", **label)
-                last_recv = [rid]
+            _ring_chunk(b, ring, i, off, csize, dict(chunk=c, flow=i))
             off += csize
     meta = {
         "ring": ring,
@@ -497,6 +471,44 @@ def plan_ring(graph: nx.DiGraph, length: int, *, elem_bytes: int = 4, order=(),
     }
     return Plan("ring", nodes, length, b.programs, participants=partial(nodes, group),
                 receivers=partial(nodes, group), meta=meta)
+
+
+def _ring_order(graph: nx.DiGraph, paths: dict, group: list[str], order: list[str], ring_rule: str
+                ) -> tuple[list[str], str, dict]:
+    """The ring: ``order`` when given, else by ``ring_rule`` (name order, or
+    :func:`choose_ring`'s search).  Returns (ring, the rule used, the search's info)."""
+    if order:
+        if set(order) != set(group) or len(set(order)) != len(order):
+            raise ParamError("order", f"must list every ring member exactly once; they are {sorted(group)}")
+        return order, "given", {"search": "given"}
+    if ring_rule == "given":
+        raise ParamError("order", "ring_rule 'given' needs a non-empty order")
+    if ring_rule == "name-order":
+        return sorted(group, key=str), ring_rule, {"search": "name-order"}
+    ring, info = choose_ring(graph, paths, group)
+    return ring, ring_rule, info
+
+
+def _ring_chunk(b: ProgramBuilder, ring: list[str], i: int, off: int, csize: int, label: dict) -> None:
+    """One chunk of block i (owned by ring position i) around the ring: n-1 reduce-scatter
+    hops from position i+1 to i, then n-1 all-gather hops from i; each all-gather receive
+    overwrites only after that position's reduce-scatter send has read the data."""
+    n = len(ring)
+    rs_send: dict[int, int] = {}
+    last_recv: list[int] = []
+    for s in range(n - 1):  # reduce-scatter: position i+1+s sends to i+2+s
+        p = (i + 1 + s) % n
+        q = (p + 1) % n
+        sid, rid = b.transfer(ring[p], ring[q], off, csize, reduce=True, send_deps=last_recv,
+                              phase="reduce-scatter", **label)
+        rs_send[p] = sid
+        last_recv = [rid]
+    for s in range(n - 1):  # all-gather: position i+s sends to i+s+1
+        p = (i + s) % n
+        q = (p + 1) % n
+        _, rid = b.transfer(ring[p], ring[q], off, csize, reduce=False, send_deps=last_recv,
+                            recv_deps=[rs_send[q]], phase="all-gather", **label)
+        last_recv = [rid]
 
 
 # ---------------------------------------------------------------------------

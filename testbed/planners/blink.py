@@ -113,8 +113,35 @@ def blink(graph: nx.DiGraph, length: int, *, elem_bytes: int, max_trees: int = 5
     pack_s = time.perf_counter() - t0
     keys, rates, milp_info = select_subset(wv, flow, max_trees, candidates, milp_time_limit)
     total = sum(rates)
-    sizes = split_lengths(length, rates) if length else [0] * len(rates)
+    trees, infos = _blink_trees(graph, wv, flow, keys, rates, total, length, elem_bytes, chunks, chunk_bytes)
+    simple = simple_bound(graph)
+    meta = {
+        "trees": infos,
+        "roots": [t.root for t in trees],
+        "rates_mbps": rates,
+        "shares": [t.share for t in trees],
+        "chunks": [t.chunks for t in trees],
+        "total_rate_mbps": total,
+        "packing": {**pack_info, "distinct_trees": len(flow)},
+        "simple_bound_mbps": simple,
+        "normalised_throughput": total / simple,
+        "milp": milp_info,
+        "model_cct_s": max(d["model_t_s"] for d in infos),
+        "model_cct_kind": "MTREE Eq. (4), worst tree, leaf->root->leaf' paths, tree at rate r_i",
+        "avg_height": float(np.mean([t.height() for t in trees])),
+        "avg_max_fanout": float(np.mean([d["max_fanout"] for d in infos])),
+        "timing_s": {"packing_s": pack_s, "milp_s": milp_info.get("solve_s", 0.0)},
+    }
+    return trees_plan("blink", list(wv.nodes), length, trees, meta=meta, pace=tree_pacing(graph, trees, pace, pacing))
+
+
+def _blink_trees(graph: nx.DiGraph, wv: WanView, flow: dict[tuple[int, ...], float], keys: list[tuple[int, ...]],
+                 rates: list[float], total: float, length: int, elem_bytes: int, chunks: int, chunk_bytes: int
+                 ) -> tuple[list[Tree], list[dict]]:
+    """The selected trees rooted at their centres, with shares by rate and chunk counts
+    (``chunk_bytes`` per chunk, else ``chunks``), and each tree's ``meta`` record."""
     trees, infos = [], []
+    sizes = split_lengths(length, rates) if length else [0] * len(rates)
     for key, rate, size in zip(keys, rates, sizes):
         pairs = [wv.names(k) for k in key]
         root = tree_centre(graph, wv.nodes, pairs)
@@ -135,22 +162,4 @@ def blink(graph: nx.DiGraph, length: int, *, elem_bytes: int, max_trees: int = 5
                   "model_t_s": float(chunk_time(lam, paths[:, 0], paths[:, 1], paths[:, 2],
                                                 beta_v).max())})
         infos.append(d)
-    simple = simple_bound(graph)
-    meta = {
-        "trees": infos,
-        "roots": [t.root for t in trees],
-        "rates_mbps": rates,
-        "shares": [t.share for t in trees],
-        "chunks": [t.chunks for t in trees],
-        "total_rate_mbps": total,
-        "packing": {**pack_info, "distinct_trees": len(flow)},
-        "simple_bound_mbps": simple,
-        "normalised_throughput": total / simple,
-        "milp": milp_info,
-        "model_cct_s": max(d["model_t_s"] for d in infos),
-        "model_cct_kind": "MTREE Eq. (4), worst tree, leaf->root->leaf' paths, tree at rate r_i",
-        "avg_height": float(np.mean([t.height() for t in trees])),
-        "avg_max_fanout": float(np.mean([d["max_fanout"] for d in infos])),
-        "timing_s": {"packing_s": pack_s, "milp_s": milp_info.get("solve_s", 0.0)},
-    }
-    return trees_plan("blink", list(wv.nodes), length, trees, meta=meta, pace=tree_pacing(graph, trees, pace, pacing))
+    return trees, infos

@@ -358,49 +358,69 @@ def pack_arborescences(graph: nx.DiGraph, nodes: Iterable[str] | None = None, *,
     """
     g = nx.DiGraph(graph if nodes is None else graph.subgraph(nodes))
     names = sorted(g.nodes)
-    n = len(names)
-    if n <= 1:
+    if len(names) <= 1:
         return INF, [], {"status": "trivial", "upper_bound": None, "bound": None, "gap": 0.0}
     if not nx.is_strongly_connected(g):
         return 0.0, [], {"status": "disconnected", "upper_bound": 0.0, "bound": "cut", "gap": 0.0,
                          "bounds": {"cut": 0.0}, "cut": {}}
-    C = capacity_matrix(g, names)
-    U, V = np.nonzero(C)
-    m = len(U)
-    arc_id = np.full((n, n), -1)
-    arc_id[U, V] = np.arange(m)
-    cut_rate, cut = cut_bound(g)
-    bounds = {"cut": cut_rate, "degree": degree_bound(C)}
-    cols: list[tuple[int, bool, tuple]] = []  # (root, inward, sorted arc ids)
-    seen: set = set()
+    return _pack(g, names, tol, max_pricing, max_master_nonzeros)
 
-    def add(r: int, inward: bool, parent) -> bool:
-        ch = np.flatnonzero(np.arange(n) != r)
-        ids = arc_id[ch, parent[ch]] if inward else arc_id[parent[ch], ch]
+
+class _Columns:
+    """The master LP's columns, each arborescence once: (root, inward, sorted arc ids),
+    arcs numbered in the order of ``U, V`` (the nonzero capacities)."""
+
+    def __init__(self, n: int, U: np.ndarray, V: np.ndarray):
+        self.n = n
+        self.arc_id = np.full((n, n), -1)
+        self.arc_id[U, V] = np.arange(len(U))
+        self.cols: list[tuple[int, bool, tuple]] = []  # (root, inward, sorted arc ids)
+        self.seen: set = set()
+
+    def add(self, r: int, inward: bool, parent) -> bool:
+        """Add root r's in-tree (``inward``) or out-tree given by its parent array; False
+        if it is a column already."""
+        ch = np.flatnonzero(np.arange(self.n) != r)
+        ids = self.arc_id[ch, parent[ch]] if inward else self.arc_id[parent[ch], ch]
         key = (r, inward, tuple(sorted(int(k) for k in ids)))
-        if key in seen:
+        if key in self.seen:
             return False
-        seen.add(key)
-        cols.append(key)
+        self.seen.add(key)
+        self.cols.append(key)
         return True
 
+
+def _pack(g: nx.DiGraph, names: list[str], tol: float, max_pricing: int, max_master_nonzeros: int
+          ) -> tuple[float, list[dict], dict]:
+    """:func:`pack_arborescences` on a strongly connected graph of two or more nodes: the
+    upper bounds, :func:`greedy_pairs`' packing and, unless that is within ``tol`` of the
+    bounds or the master would be too large, the master LP over its trees and the
+    hop-shortest ones, improved by column generation."""
+    n = len(names)
+    C = capacity_matrix(g, names)
+    U, V = np.nonzero(C)
+    cols = _Columns(n, U, V)
+    cut_rate, cut = cut_bound(g)
+    bounds = {"cut": cut_rate, "degree": degree_bound(C)}
     greedy = greedy_pairs(C)
     for r, po, pi, _ in greedy:
-        add(r, False, po)
-        add(r, True, pi)
+        cols.add(r, False, po)
+        cols.add(r, True, pi)
     greedy_rate = sum(t[3] for t in greedy)
-    if min(bounds.values()) - greedy_rate <= tol * min(bounds.values()) or len(cols) * (n - 1) > max_master_nonzeros:
-        return _greedy_result(names, greedy, bounds, tol, len(cols), cut)
+    if (min(bounds.values()) - greedy_rate <= tol * min(bounds.values())
+            or len(cols.cols) * (n - 1) > max_master_nonzeros):
+        return _greedy_result(names, greedy, bounds, tol, len(cols.cols), cut)
     hops = sparse.csr_matrix(C > 0, dtype=float)
     for r in range(n):  # hop-shortest trees from and to every root
         for inward, adj in ((False, hops), (True, hops.T.tocsr())):
-            add(r, inward, breadth_first_order(adj, r, directed=True, return_predecessors=True)[1])
-    value, x, rounds, priced, status = _column_generation(cols, add, bounds, U, V, C[U, V], n, tol, max_pricing)
+            cols.add(r, inward, breadth_first_order(adj, r, directed=True, return_predecessors=True)[1])
+    value, x, rounds, priced, status = _column_generation(cols.cols, cols.add, bounds, U, V, C[U, V], n, tol,
+                                                          max_pricing)
     ub, kind = _least(bounds)
-    return value, _pair_trees(cols, x, names, U, V), {
+    return value, _pair_trees(cols.cols, x, names, U, V), {
         "status": status, "upper_bound": ub, "bound": kind, "bounds": {k: float(v) for k, v in bounds.items()},
         "gap": max(0.0, 1.0 - value / ub) if ub > 0 else 0.0, "rounds": rounds, "priced": priced,
-        "columns": len(cols), "greedy_rate_mbps": greedy_rate, "master": True, "cut": cut}
+        "columns": len(cols.cols), "greedy_rate_mbps": greedy_rate, "master": True, "cut": cut}
 
 
 def _least(bounds: dict) -> tuple[float, str]:
@@ -599,12 +619,23 @@ def optimum(graph: nx.DiGraph, size_bytes: float, *, nodes: Iterable[str] | None
     names = sorted(graph.nodes if nodes is None else nodes)
     value, pairs, info = pack_arborescences(graph, names, tol=tol, max_pricing=max_pricing,
                                             max_master_nonzeros=max_master_nonzeros)
+    return _optimum_result(graph, names, size_bytes, value, _pair_records(graph, pairs), info, t0)
+
+
+def _pair_records(graph: nx.DiGraph, pairs: list[dict]) -> list[dict]:
+    """:func:`optimum`'s ``trees``: each packed pair as reduce and broadcast parent maps with
+    its rate and round-trip delay."""
     trees = []
     for p in pairs:
         up = {**{c: q for c, q in p["reduce"]}, p["root"]: None}
         down = {**{c: q for q, c in p["broadcast"]}, p["root"]: None}
         trees.append({"root": p["root"], "parent": up, "broadcast_parent": down,
                       "rate_mbps": p["rate_mbps"], "roundtrip_s": _pair_roundtrip_s(graph, up, down)})
+    return trees
+
+
+def _pair_loads(trees: list[dict]) -> dict[tuple[str, str], float]:
+    """Mbit/s the packed pairs put on each directed link."""
     loads: dict[tuple[str, str], float] = defaultdict(float)
     for t in trees:
         for c, p in t["parent"].items():
@@ -613,6 +644,19 @@ def optimum(graph: nx.DiGraph, size_bytes: float, *, nodes: Iterable[str] | None
         for c, p in t["broadcast_parent"].items():
             if p is not None:
                 loads[(p, c)] += t["rate_mbps"]
+    return loads
+
+
+#: The name of each upper bound :func:`pack_arborescences` reports (``info["bound"]``).
+BOUND_NAMES = {"cut": "smallest directed cut", "degree": "node ingress/egress (degree) bound",
+               "dual": "column generation's dual (Farley) bound"}
+
+
+def _optimum_result(graph: nx.DiGraph, names: list[str], size_bytes: float, value: float, trees: list[dict],
+                    info: dict, t0: float) -> dict:
+    """:func:`optimum`'s answer from the packing (its rate ``value``, ``trees`` and solver
+    ``info``); ``t0``: when the search started."""
+    loads = _pair_loads(trees)
     if len(names) <= 1:
         rate, cut_rate, cut = INF, INF, {}
     else:
@@ -622,12 +666,10 @@ def optimum(graph: nx.DiGraph, size_bytes: float, *, nodes: Iterable[str] | None
     simple = simple_bound(graph, names)
     transfer = size_bytes * 8 / (rate * 1e6) if rate > 0 else INF
     latency = min((t["roundtrip_s"] for t in trees), default=INF if len(names) > 1 else 0.0)
-    bound_names = {"cut": "smallest directed cut", "degree": "node ingress/egress (degree) bound",
-                   "dual": "column generation's dual (Farley) bound"}
     return {
         "rate_mbps": rate,
-        "bound": ("packing optimum (a packing meets the " + bound_names[info["bound"]] + ")"
-                  if info["status"] == "optimal" else bound_names.get(info["bound"], info["status"])),
+        "bound": ("packing optimum (a packing meets the " + BOUND_NAMES[info["bound"]] + ")"
+                  if info["status"] == "optimal" else BOUND_NAMES.get(info["bound"], info["status"])),
         "packing_rate_mbps": value,
         "gap": info.get("gap", 0.0),
         "method": "reduce in-tree / broadcast out-tree packing (directed capacities)",

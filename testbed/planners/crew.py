@@ -216,6 +216,49 @@ def plan_crew(graph: nx.DiGraph, length: int, *, elem_bytes: int = 4, active=Non
     ``exclude`` and ``reassign``: the run-time failover (agents/crew.py)."""
     nodes = check_graph(graph, "crew")
     members = workers_of(graph, active)
+    aggs, reassign = _aggregators(nodes, members, aggregators, exclude, reassign)
+    x, t_s, t_m, aggs = _weights(graph, members, aggs, split, reassign)
+    moved = 0
+    if prescattered:
+        if aggregators != "all":
+            raise ParamError("prescattered", "needs every worker as an aggregator (CREW): OPR's aggregators "
+                                             "are P, unknown before P forms")
+        k, edges, blocks, kept, moved = _prescattered_blocks(graph, length, nodes, aggs, x, exclude, reassign,
+                                                             split, chunks, rounding)
+    else:
+        k = min(chunks or 8 * len(aggs), length)
+        blocks = dict(zip(aggs, split_model([x[j] for j in aggs], k, rounding)))
+        edges = [c * length // k for c in range(k + 1)]  # chunk c = elements [edges[c], edges[c + 1])
+    programs = _programs(nodes, members, aggs, blocks, edges, pipelined, scheduling)
+    model_mbit = length * elem_bytes * 8 / 1e6
+    meta = {
+        "members": members,
+        "aggregators": aggs,
+        "aggregators_rule": aggregators,
+        "exclude": list(exclude or ()),
+        "reassign": reassign,
+        "split": split,
+        "weights": x,
+        "chunks": k,
+        "rounding": rounding,
+        "blocks": {j: [r.start, r.stop] for j, r in blocks.items()} if not prescattered
+        else {j: _ranges(c, list(range(k + 1))) for j, c in blocks.items()},  # chunk index ranges
+        **({"prescattered": True, "moved_chunks": moved,
+            "kept": {j: _ranges(kept[j], edges) for j in aggs}} if prescattered else {}),
+        "pipelined": pipelined,
+        "scheduling": scheduling,
+        "t_scatter_s": t_s * model_mbit,
+        "t_multicast_s": t_m * model_mbit,
+        "bound_s": [(t_s + t_m) * model_mbit / 2, (t_s + t_m) * model_mbit],  # T/2 <= T_CREW <= T (§III)
+    }
+    return Plan("crew", nodes, length, programs, participants=partial(nodes, members),
+                receivers=partial(nodes, members), meta=meta)
+
+
+def _aggregators(nodes: list[str], members: list[str], aggregators: str, exclude, reassign
+                 ) -> tuple[list[str], dict[str, str]]:
+    """The aggregators (all workers for CREW, P for OPR, §III) without the ``exclude``d ones
+    (§IV-B), and the checked failover map ``reassign`` (Eq. (3))."""
     aggs = [j for j in (nodes if aggregators == "all" else members) if j not in set(exclude or ())]
     reassign = dict(reassign or {})
     for j, r in reassign.items():
@@ -224,6 +267,13 @@ def plan_crew(graph: nx.DiGraph, length: int, *, elem_bytes: int = 4, active=Non
                                          f"keeping its own block; got {j} -> {r}")
     if not aggs:
         raise ParamError("exclude", "no aggregator left")
+    return aggs, reassign
+
+
+def _weights(graph: nx.DiGraph, members: list[str], aggs: list[str], split: str, reassign: dict[str, str]
+             ) -> tuple[dict[str, float], float, float, list[str]]:
+    """Block weights x (LP (2), or even), the scatter and multicast times per Mbit of model
+    (§III), and the aggregators left after Eq. (3)'s failover moved each reassigned block."""
     b = pair_rates(graph)
     if split == "network-aware":
         x, t_s, t_m = scatter_weights(b, members, aggs)
@@ -235,24 +285,32 @@ def plan_crew(graph: nx.DiGraph, length: int, *, elem_bytes: int = 4, active=Non
             x[r] += x.pop(j)
         aggs = [j for j in aggs if j not in reassign]
         t_s, t_m = phase_times(b, x, members)
-    moved = 0
-    if prescattered:
-        if aggregators != "all":
-            raise ParamError("prescattered", "needs every worker as an aggregator (CREW): OPR's aggregators "
-                                             "are P, unknown before P forms")
-        default_aggs = [j for j in nodes if j not in set(exclude or ())]
-        k, edges, default = default_split(graph, length, default_aggs, split, chunks, rounding)
-        new, moved = rearrange([default[j] for j in default_aggs], [x.get(j, 0.0) for j in default_aggs], rounding)
-        start = dict(zip(default_aggs, new))
-        for j, r in reassign.items():  # Eq. (3): j's chunks to r, none of them at r yet
-            start[r] = sorted(start[r] + start.pop(j))
-        blocks = {j: start[j] for j in aggs}
-        kept = {j: sorted(set(blocks[j]) & set(default[j])) for j in aggs}  # early copies j may keep
-    else:
-        k = min(chunks or 8 * len(aggs), length)
-        blocks = dict(zip(aggs, split_model([x[j] for j in aggs], k, rounding)))
-        edges = [c * length // k for c in range(k + 1)]  # chunk c = elements [edges[c], edges[c + 1])
+    return x, t_s, t_m, aggs
 
+
+def _prescattered_blocks(graph: nx.DiGraph, length: int, nodes: list[str], aggs: list[str], x: dict[str, float],
+                         exclude, reassign: dict[str, str], split: str, chunks: int, rounding: str
+                         ) -> tuple[int, list[int], dict[str, list[int]], dict[str, list[int]], int]:
+    """Non-blocking scatter (§IV-A2): the default split (P = N, :func:`default_split`)
+    rearranged by Alg. 2 for the weights ``x``, with Eq. (3)'s reassigned chunks.  Returns
+    (k, chunk edges, aggregator -> chunk indexes, the early copies each may keep, chunks
+    moved)."""
+    default_aggs = [j for j in nodes if j not in set(exclude or ())]
+    k, edges, default = default_split(graph, length, default_aggs, split, chunks, rounding)
+    new, moved = rearrange([default[j] for j in default_aggs], [x.get(j, 0.0) for j in default_aggs], rounding)
+    start = dict(zip(default_aggs, new))
+    for j, r in reassign.items():  # Eq. (3): j's chunks to r, none of them at r yet
+        start[r] = sorted(start[r] + start.pop(j))
+    blocks = {j: start[j] for j in aggs}
+    kept = {j: sorted(set(blocks[j]) & set(default[j])) for j in aggs}  # early copies j may keep
+    return k, edges, blocks, kept, moved
+
+
+def _programs(nodes: list[str], members: list[str], aggs: list[str], blocks: dict, edges: list[int],
+              pipelined: bool, scheduling: str) -> dict[str, list]:
+    """The three phases (§III) per aggregator j: weighted scatter of block j from every
+    other member, controlled reduce at j, way-back multicast of each chunk once its copies
+    are added (``pipelined``) or of the block once all of it is."""
     bld = ProgramBuilder(nodes)
     mc_channel = 0 if scheduling == "fcfs" else 1
     for f, j in enumerate(aggs):
@@ -276,26 +334,4 @@ def plan_crew(graph: nx.DiGraph, length: int, *, elem_bytes: int = 4, active=Non
                 for i in peers:
                     bld.transfer(j, i, off, size, reduce=False, send_deps=reduced, recv_deps=[sent[(i, c)]]
                                  if (i, c) in sent else [], channel=mc_channel, flow=f, chunk=c, phase="multicast")
-    model_mbit = length * elem_bytes * 8 / 1e6
-    meta = {
-        "members": members,
-        "aggregators": aggs,
-        "aggregators_rule": aggregators,
-        "exclude": list(exclude or ()),
-        "reassign": reassign,
-        "split": split,
-        "weights": x,
-        "chunks": k,
-        "rounding": rounding,
-        "blocks": {j: [r.start, r.stop] for j, r in blocks.items()} if not prescattered
-        else {j: _ranges(c, list(range(k + 1))) for j, c in blocks.items()},  # chunk index ranges
-        **({"prescattered": True, "moved_chunks": moved,
-            "kept": {j: _ranges(kept[j], edges) for j in aggs}} if prescattered else {}),
-        "pipelined": pipelined,
-        "scheduling": scheduling,
-        "t_scatter_s": t_s * model_mbit,
-        "t_multicast_s": t_m * model_mbit,
-        "bound_s": [(t_s + t_m) * model_mbit / 2, (t_s + t_m) * model_mbit],  # T/2 <= T_CREW <= T (§III)
-    }
-    return Plan("crew", nodes, length, bld.programs, participants=partial(nodes, members),
-                receivers=partial(nodes, members), meta=meta)
+    return bld.programs

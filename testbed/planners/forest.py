@@ -196,30 +196,10 @@ def _milp_steiner(H: nx.DiGraph, w: dict, root: str, terminals: set[str]) -> dic
     m = len(edges)
     nodes = list(H.nodes)
     terms = [t for t in nodes if t in terminals and t != root]
-    k = len(terms)
-    nv = m * (1 + k)
+    nv = m * (1 + len(terms))
     c = np.zeros(nv)
     c[:m] = [w[e] + 1e-9 for e in edges]  # tiny cost: no useless zero-weight edges
-    rows, cols, vals, lo, hi = [], [], [], [], []
-    r = 0
-    for ti, t in enumerate(terms):
-        base = m * (1 + ti)
-        for n in nodes:
-            for ei, (u, v) in enumerate(edges):
-                if u == n:
-                    rows.append(r), cols.append(base + ei), vals.append(1.0)
-                if v == n:
-                    rows.append(r), cols.append(base + ei), vals.append(-1.0)
-            rhs = 1.0 if n == root else (-1.0 if n == t else 0.0)
-            lo.append(rhs), hi.append(rhs)
-            r += 1
-        for ei in range(m):
-            rows += [r, r]
-            cols += [base + ei, ei]
-            vals += [1.0, -1.0]
-            lo.append(-np.inf), hi.append(0.0)
-            r += 1
-    A = sparse.csr_matrix((vals, (rows, cols)), shape=(r, nv))
+    A, lo, hi = _flow_rows(edges, nodes, terms, root)
     integrality = np.zeros(nv)
     integrality[:m] = 1
     res = milp(c, constraints=LinearConstraint(A, lo, hi), integrality=integrality,
@@ -241,6 +221,33 @@ def _milp_steiner(H: nx.DiGraph, w: dict, root: str, terminals: set[str]) -> dic
                     nxt.append(v)
         frontier = nxt
     return parent
+
+
+def _flow_rows(edges: list[tuple[str, str]], nodes: list[str], terms: list[str], root: str
+               ) -> tuple[sparse.csr_matrix, list[float], list[float]]:
+    """:func:`_milp_steiner`'s rows over the variables [x_e, then f^t_e per terminal t]:
+    flow conservation of each commodity t (one unit from the root to t) and f^t_e <= x_e."""
+    m = len(edges)
+    rows, cols, vals, lo, hi = [], [], [], [], []
+    r = 0
+    for ti, t in enumerate(terms):
+        base = m * (1 + ti)
+        for n in nodes:
+            for ei, (u, v) in enumerate(edges):
+                if u == n:
+                    rows.append(r), cols.append(base + ei), vals.append(1.0)
+                if v == n:
+                    rows.append(r), cols.append(base + ei), vals.append(-1.0)
+            rhs = 1.0 if n == root else (-1.0 if n == t else 0.0)
+            lo.append(rhs), hi.append(rhs)
+            r += 1
+        for ei in range(m):
+            rows += [r, r]
+            cols += [base + ei, ei]
+            vals += [1.0, -1.0]
+            lo.append(-np.inf), hi.append(0.0)
+            r += 1
+    return sparse.csr_matrix((vals, (rows, cols)), shape=(r, m * (1 + len(terms)))), lo, hi
 
 
 def steiner_oracle(graph: nx.DiGraph, y: dict[tuple[str, str], float], root: str, terminals: set[str], *,
@@ -508,50 +515,68 @@ def pack_forest(graph: nx.DiGraph, active: list[str], *, overlap: str = "partial
     terminals = set(active)
     method = "exact" if oracle == "exact" else "heuristic"
     roots = list(active)
-    red: list[SteinerTree] = []
-    bc: list[SteinerTree] = []
-    seen: set[SteinerTree] = set()
-
-    def add(t: SteinerTree) -> bool:
-        if t in seen:
-            return False
-        seen.add(t)
-        (red if t.kind == "reduce" else bc).append(t)
-        return True
-
-    def prices(d: dict, v: str, kind: str) -> list[tuple[dict, float]]:
-        if kind == "reduce":
-            return [(d["y1"], -d["A"][v])]
-        if overlap == "partial":
-            return [(d["y1"], -d["B"][v] + d["C"][v]), (d["y2"], -d["B"][v])]  # as K, as J
-        return [(d["y2"], -d["B"][v])]
-
+    pool = _TreePool()
     y0 = {e: 1.0 / caps[e] for e in caps}
     for v in roots:
         for kind in ("reduce", "broadcast"):
-            add(_shortest_path_tree(graph, v, terminals, kind))
-            add(steiner_oracle(graph, y0, v, terminals, kind=kind, method=method))
+            pool.add(_shortest_path_tree(graph, v, terminals, kind))
+            pool.add(steiner_oracle(graph, y0, v, terminals, kind=kind, method=method))
+    it, converged, oracle_calls, best_bound = _generate_columns(graph, caps, roots, terminals, pool, overlap,
+                                                                method, max_iters, gap, tol)
+    wts = solve_weights(caps, roots, pool.red, pool.bc, overlap, shallow=shallow)
+    stats = {"iterations": it, "converged": converged, "oracle_calls": oracle_calls,
+             "reduce_columns": len(pool.red), "broadcast_columns": len(pool.bc), "objective": wts.objective,
+             "dual_bound": best_bound if np.isfinite(best_bound) else None,
+             "gap_bound": (max(0.0, best_bound / wts.objective - 1)
+                           if wts.objective > EPS and np.isfinite(best_bound) else None)}
+    return Forest(overlap, roots, pool.red, pool.bc, wts, stats)
+
+
+@dataclass
+class _TreePool:
+    """The master LP's columns: reduce and broadcast trees, each once."""
+
+    red: list[SteinerTree] = field(default_factory=list)
+    bc: list[SteinerTree] = field(default_factory=list)
+    seen: set[SteinerTree] = field(default_factory=set)
+
+    def add(self, t: SteinerTree) -> bool:
+        """Add a tree to its kind's columns; False if it is one already."""
+        if t in self.seen:
+            return False
+        self.seen.add(t)
+        (self.red if t.kind == "reduce" else self.bc).append(t)
+        return True
+
+
+def _prices(d: dict, v: str, kind: str, overlap: str) -> list[tuple[dict, float]]:
+    """The (edge duals, threshold) pairs a new tree of ``kind`` rooted at v is priced under:
+    reduce trees (4c)/(8d); broadcast (4d), or with overlap both (8d) as a K tree and
+    (8e) as a J tree."""
+    if kind == "reduce":
+        return [(d["y1"], -d["A"][v])]
+    if overlap == "partial":
+        return [(d["y1"], -d["B"][v] + d["C"][v]), (d["y2"], -d["B"][v])]  # as K, as J
+    return [(d["y2"], -d["B"][v])]
+
+
+def _generate_columns(graph: nx.DiGraph, caps: dict, roots: list[str], terminals: set[str], pool: _TreePool,
+                      overlap: str, method: str, max_iters: int, gap: float, tol: float
+                      ) -> tuple[int, bool, int, float]:
+    """:func:`pack_forest`'s iterations: solve the master (interior point, central duals),
+    price new trees, update the dual bound; until no tree prices out, the bound proves the
+    master within ``gap``, or ``max_iters``.  Returns (iterations, converged, oracle calls,
+    dual bound)."""
     it = 0
     converged = False
     oracle_calls = 0
     best_bound = float("inf")
     while it < max_iters:
-        wts = solve_weights(caps, roots, red, bc, overlap, central=True)
+        wts = solve_weights(caps, roots, pool.red, pool.bc, overlap, central=True)
         it += 1
         d = wts.duals
-        added = 0
-        rho = float("inf")
-        for v in roots:
-            for kind in ("reduce", "broadcast"):
-                for y, thr in prices(d, v, kind):
-                    if thr <= tol:
-                        continue
-                    t = steiner_oracle(graph, y, v, terminals, kind=kind, method=method)
-                    oracle_calls += 1
-                    tw = tree_weight(t, y)
-                    rho = min(rho, tw / thr)
-                    if tw < thr - tol * max(1.0, thr) and add(t):
-                        added += 1
+        added, rho, calls = _price_round(graph, d, roots, terminals, pool, overlap, method, tol)
+        oracle_calls += calls
         if rho > 0:
             best_bound = min(best_bound, sum(caps[e] * (d["y1"][e] + d["y2"][e]) for e in caps) / min(1.0, rho))
         if not added:
@@ -559,13 +584,29 @@ def pack_forest(graph: nx.DiGraph, active: list[str], *, overlap: str = "partial
             break
         if best_bound <= wts.objective * (1 + gap):
             break
-    wts = solve_weights(caps, roots, red, bc, overlap, shallow=shallow)
-    stats = {"iterations": it, "converged": converged, "oracle_calls": oracle_calls,
-             "reduce_columns": len(red), "broadcast_columns": len(bc), "objective": wts.objective,
-             "dual_bound": best_bound if np.isfinite(best_bound) else None,
-             "gap_bound": (max(0.0, best_bound / wts.objective - 1)
-                           if wts.objective > EPS and np.isfinite(best_bound) else None)}
-    return Forest(overlap, roots, red, bc, wts, stats)
+    return it, converged, oracle_calls, best_bound
+
+
+def _price_round(graph: nx.DiGraph, d: dict, roots: list[str], terminals: set[str], pool: _TreePool,
+                 overlap: str, method: str, tol: float) -> tuple[int, float, int]:
+    """One pricing round under the master's duals ``d``: for every root and tree type the
+    oracle's tree, added when its y-weight is below the root's threshold (reduced cost
+    < 0).  Returns (trees added, rho = min of tree weight / threshold, oracle calls)."""
+    added = 0
+    rho = float("inf")
+    calls = 0
+    for v in roots:
+        for kind in ("reduce", "broadcast"):
+            for y, thr in _prices(d, v, kind, overlap):
+                if thr <= tol:
+                    continue
+                t = steiner_oracle(graph, y, v, terminals, kind=kind, method=method)
+                calls += 1
+                tw = tree_weight(t, y)
+                rho = min(rho, tw / thr)
+                if tw < thr - tol * max(1.0, thr) and pool.add(t):
+                    added += 1
+    return added, rho, calls
 
 
 def _select(trees: list[SteinerTree], weight: list[float], roots: list[str], chi: dict, limit: int) -> list[int]:
@@ -804,19 +845,7 @@ def plan_forest(graph: nx.DiGraph, length: int, *, elem_bytes: int = 4, overlap:
     minimum-Steiner-tree oracle, weighted by LP (4) or (8), each tree carrying a share of
     its root's data proportional to its weight; inactive workers may relay."""
     nodes = check_graph(graph, "forest", connected=False)  # reachability of the active workers below
-    if active is None:
-        act = nodes
-    else:
-        if not active:
-            raise ParamError("active", "must be a non-empty list of node names")
-        act = [n for n in nodes if n in set(active)]  # graph order, no duplicates
-    g = graph if relays else graph.subgraph(act).copy()
-    if len(act) > 1:
-        for v in act:
-            reach = nx.descendants(g, v)
-            if not set(act) - {v} <= reach:
-                raise ParamError("active", f"active workers unreachable from {v}"
-                           + ("" if relays else " without relays"))
+    act, g = _active_workers(graph, nodes, active, relays)
     meta: dict = {"overlap": overlap, "active": act, "relays_allowed": relays,
                   "chunks": chunks, "max_trees": max_trees, "shallow": shallow, "pace": pace}
     if len(act) == 1:
@@ -833,14 +862,6 @@ def plan_forest(graph: nx.DiGraph, length: int, *, elem_bytes: int = 4, overlap:
     plan, flows = compile_forest(forest, nodes, length, act, chunks=chunks, pace=pace)
     w = forest.weights
     total = w.objective
-    trees_meta = []
-    for fi, f in enumerate(flows):
-        t: SteinerTree = f["tree"]
-        d = t.to_tree(share=f["rate_mbps"] / total, chunks=chunks, rate_mbps=f["rate_mbps"]).to_dict()
-        d.update({"flow": fi, "kind": t.kind, "stage": f["stage"], "elements": f["elements"],
-                  "edges": [list(e) for e in t.edges],
-                  "relays": sorted(t.nodes() - set(act))})
-        trees_meta.append(d)
     used = set().union(*(f["tree"].nodes() for f in flows)) if flows else set()
     loads = link_loads(forest)
     meta.update({
@@ -851,10 +872,45 @@ def plan_forest(graph: nx.DiGraph, length: int, *, elem_bytes: int = 4, overlap:
         "roots": {v: {"chi_mbps": w.chi[v], "share": w.chi[v] / total} for v in act},
         "sum_chi_mbps": total,
         "predicted_time_s": 2 * length * elem_bytes * 8 / (total * 1e6),
-        "trees": trees_meta,
+        "trees": _flows_meta(flows, total, chunks, act),
         "relays_used": sorted(used - set(act)),
         "link_load_mbps": [{"edge": list(e), "capacity": caps[e], **l} for e, l in sorted(loads.items())],
         "lp": forest.stats,
     })
     plan.meta.update(meta)
     return plan
+
+
+def _active_workers(graph: nx.DiGraph, nodes: list[str], active: list | None, relays: bool
+                    ) -> tuple[list[str], nx.DiGraph]:
+    """The active workers in graph order and the graph the trees may use (all of it with
+    ``relays``, else the active workers' induced subgraph), checked that every active
+    worker reaches every other."""
+    if active is None:
+        act = nodes
+    else:
+        if not active:
+            raise ParamError("active", "must be a non-empty list of node names")
+        act = [n for n in nodes if n in set(active)]  # graph order, no duplicates
+    g = graph if relays else graph.subgraph(act).copy()
+    if len(act) > 1:
+        for v in act:
+            reach = nx.descendants(g, v)
+            if not set(act) - {v} <= reach:
+                raise ParamError("active", f"active workers unreachable from {v}"
+                           + ("" if relays else " without relays"))
+    return act, g
+
+
+def _flows_meta(flows: list[dict], total: float, chunks: int, act: list[str]) -> list[dict]:
+    """``plan.meta["trees"]``: every compiled flow's tree with its share, stage, elements
+    and relays."""
+    trees_meta = []
+    for fi, f in enumerate(flows):
+        t: SteinerTree = f["tree"]
+        d = t.to_tree(share=f["rate_mbps"] / total, chunks=chunks, rate_mbps=f["rate_mbps"]).to_dict()
+        d.update({"flow": fi, "kind": t.kind, "stage": f["stage"], "elements": f["elements"],
+                  "edges": [list(e) for e in t.edges],
+                  "relays": sorted(t.nodes() - set(act))})
+        trees_meta.append(d)
+    return trees_meta

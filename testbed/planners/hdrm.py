@@ -65,6 +65,22 @@ def plan_hdrm(graph: nx.DiGraph, length: int, *, elem_bytes: int = 4, mapping: s
         done[ranks[2 * e]].append(sid)
         done[ranks[2 * e + 1]].append(rid)
     virt = [ranks[2 * e + 1] for e in range(extra)] + ranks[2 * extra:]  # the p ranks that halve and double
+    seg = _halve(b, virt, length, done)
+    _double(b, virt, seg, done)
+    for e in range(extra):  # unfold: the result back to rank 2e
+        b.transfer(ranks[2 * e + 1], ranks[2 * e], 0, length, reduce=False, send_deps=done[ranks[2 * e + 1]],
+                   recv_deps=done[ranks[2 * e]], phase="unfold")
+    return Plan("hdrm", nodes, length, b.programs, participants=partial(nodes, workers),
+                receivers=partial(nodes, workers),
+                meta={"ranks": ranks, "mapping": used, "power_of_two": p, "folded": extra,
+                      "steps": 2 * (p.bit_length() - 1) + (2 if extra else 0)})
+
+
+def _halve(b: ProgramBuilder, virt: list[str], length: int, done: dict[str, list[int]]) -> dict[int, tuple[int, int]]:
+    """Recursive halving reduce-scatter over the power-of-two ranks ``virt``: at distance d
+    (p/2, p/4, ..., 1) every rank keeps the half of its segment given by its bit d and adds
+    the other half into its partner's.  Returns each rank's reduced segment (offset, length)."""
+    p = len(virt)
     seg = {v: (0, length) for v in range(p)}  # virtual rank -> its current segment (offset, length)
     steps = []
     d = p >> 1
@@ -83,6 +99,15 @@ def plan_hdrm(graph: nx.DiGraph, length: int, *, elem_bytes: int = 4, mapping: s
             steps.append((virt[v], sid, virt[w], rid))
         _commit(done, steps)
         seg, d = new, d >> 1
+    return seg
+
+
+def _double(b: ProgramBuilder, virt: list[str], seg: dict[int, tuple[int, int]], done: dict[str, list[int]]
+            ) -> None:
+    """Recursive doubling all-gather: at distance d (1, 2, ..., p/2) partners exchange the
+    segments they own, each ending with their union."""
+    p = len(virt)
+    steps: list = []
     d = 1
     while d < p:  # recursive doubling: exchange the owned segments
         new = {}
@@ -97,13 +122,6 @@ def plan_hdrm(graph: nx.DiGraph, length: int, *, elem_bytes: int = 4, mapping: s
             new[v] = (min(a, c), la + lc)
         _commit(done, steps)
         seg, d = new, d << 1
-    for e in range(extra):  # unfold: the result back to rank 2e
-        b.transfer(ranks[2 * e + 1], ranks[2 * e], 0, length, reduce=False, send_deps=done[ranks[2 * e + 1]],
-                   recv_deps=done[ranks[2 * e]], phase="unfold")
-    return Plan("hdrm", nodes, length, b.programs, participants=partial(nodes, workers),
-                receivers=partial(nodes, workers),
-                meta={"ranks": ranks, "mapping": used, "power_of_two": p, "folded": extra,
-                      "steps": 2 * (p.bit_length() - 1) + (2 if extra else 0)})
 
 
 def _commit(done: dict[str, list[int]], steps: list) -> None:

@@ -270,7 +270,32 @@ def anneal_trees(graph: nx.DiGraph, S: float, k: int, iters: int, seed: int, t0_
     rng = np.random.default_rng(seed)
     nodes = sorted(graph.nodes)
     nbrs = {n: sorted(set(graph.successors(n)) & set(graph.predecessors(n))) for n in nodes}
+    cost = _fs_cost(graph, S)
+    cur = initial_trees(graph, k)
+    cur_c, cur_x = cost(cur)
+    best, best_c, best_x = [dict(p) for p in cur], cur_c, cur_x
+    T0 = t0_frac * cur_c if math.isfinite(cur_c) else 1.0
+    accepted = 0
+    for it in range(iters):
+        temp = T0 * (1e-3 ** (it / max(iters - 1, 1)))
+        move = _propose(cur, nodes, nbrs, rng)
+        if move is None:
+            continue
+        i, new = move
+        cand = cur[:i] + [new] + cur[i + 1:]
+        c, x = cost(cand)
+        if c <= cur_c or rng.random() < math.exp(-(c - cur_c) / max(temp, 1e-12)):
+            cur, cur_c, cur_x = cand, c, x
+            accepted += 1
+            if c < best_c:
+                best, best_c, best_x = [dict(p) for p in cand], c, x
+    return best, best_x, {"initial_cost_s": float(cost(initial_trees(graph, k))[0]),
+                          "best_cost_s": float(best_c), "accepted": accepted, "iters": iters}
 
+
+def _fs_cost(graph: nx.DiGraph, S: float):
+    """The annealing's cost of a state (a list of parent maps): the :func:`waterfill` time
+    and shares of :func:`fs_linear_model`, specialised to trees of WAN links."""
     delay = {(a, b): d.get("delay_ms", 0.0) / 1e3 for a, b, d in graph.edges(data=True)}
     rate = {(a, b): float(d["rate_mbps"]) for a, b, d in graph.edges(data=True)}
 
@@ -303,40 +328,33 @@ def anneal_trees(graph: nx.DiGraph, S: float, k: int, iters: int, seed: int, t0_
             C[i] = v[:, 1].max() + v[:, 3].max()
         return waterfill(A, C, S)
 
-    cur = initial_trees(graph, k)
-    cur_c, cur_x = cost(cur)
-    best, best_c, best_x = [dict(p) for p in cur], cur_c, cur_x
-    T0 = t0_frac * cur_c if math.isfinite(cur_c) else 1.0
-    accepted = 0
-    for it in range(iters):
-        temp = T0 * (1e-3 ** (it / max(iters - 1, 1)))
-        i = int(rng.integers(len(cur)))
-        par = cur[i]
-        if rng.random() < 0.15:  # move this aggregator to a node that is not one yet
-            roots = {next(n for n, p in t.items() if p is None) for t in cur}
-            free = [n for n in nodes if n not in roots]
-            if not free:
-                continue
-            new = _reroot(par, free[int(rng.integers(len(free)))])
-        else:
-            v = nodes[int(rng.integers(len(nodes)))]
-            if par[v] is None:
-                continue
-            sub = _subtree(par, v)
-            opts = [w for w in nbrs[v] if w not in sub and w != par[v]]
-            if not opts:
-                continue
-            new = dict(par)
-            new[v] = opts[int(rng.integers(len(opts)))]
-        cand = cur[:i] + [new] + cur[i + 1:]
-        c, x = cost(cand)
-        if c <= cur_c or rng.random() < math.exp(-(c - cur_c) / max(temp, 1e-12)):
-            cur, cur_c, cur_x = cand, c, x
-            accepted += 1
-            if c < best_c:
-                best, best_c, best_x = [dict(p) for p in cand], c, x
-    return best, best_x, {"initial_cost_s": float(cost(initial_trees(graph, k))[0]),
-                          "best_cost_s": float(best_c), "accepted": accepted, "iters": iters}
+    return cost
+
+
+def _propose(cur: list[dict], nodes: list[str], nbrs: dict[str, list[str]], rng: np.random.Generator
+             ) -> tuple[int, dict] | None:
+    """One annealing move on a random tree i: move its root to a node that is not a root yet
+    (probability 0.15), else re-parent a random non-root node to a neighbour outside its
+    subtree.  Returns (i, the new parent map), or None when the drawn move is impossible."""
+    i = int(rng.integers(len(cur)))
+    par = cur[i]
+    if rng.random() < 0.15:  # move this aggregator to a node that is not one yet
+        roots = {next(n for n, p in t.items() if p is None) for t in cur}
+        free = [n for n in nodes if n not in roots]
+        if not free:
+            return None
+        new = _reroot(par, free[int(rng.integers(len(free)))])
+    else:
+        v = nodes[int(rng.integers(len(nodes)))]
+        if par[v] is None:
+            return None
+        sub = _subtree(par, v)
+        opts = [w for w in nbrs[v] if w not in sub and w != par[v]]
+        if not opts:
+            return None
+        new = dict(par)
+        new[v] = opts[int(rng.integers(len(opts)))]
+    return i, new
 
 
 @planner(

@@ -149,7 +149,7 @@ class GostTree:
     diameter: float  # weighted (quantised) diameter when built
 
 
-def gbst(wv: WanView, H: float, r_min: float, L: np.ndarray, *, rate_rule: str = "bottleneck",  # noqa: PLR0915 -- Alg. 1 line by line, as its docstring cites the lines
+def gbst(wv: WanView, H: float, r_min: float, L: np.ndarray, *, rate_rule: str = "bottleneck",
          seed: int = 0, grth_fix: bool = False, max_trees: int = 200
          ) -> tuple[list[GostTree], list[float]]:
     """GBST, Alg. 1: generate basic spanning trees with weighted diameter <= d = 2H.
@@ -167,70 +167,86 @@ def gbst(wv: WanView, H: float, r_min: float, L: np.ndarray, *, rate_rule: str =
     diameter even with GRTH's quirk: each pairwise distance is recorded at the endpoint
     added later); ``D_*`` (for the root) follows :func:`grth`.
     """
-    n, m = wv.n, wv.m
+    n = wv.n
     if n <= 1:
         return [], []
     eu = np.array([e[0] for e in wv.edges], int)
     ev = np.array([e[1] for e in wv.edges], int)
     b = wv.cap.astype(float).copy()
     eps = 1e-9 * max(1.0, float(b.max(initial=0.0)))
-    d = 2.0 * H
     rng = np.random.default_rng([seed, int(round(H * 1000))])
     trees: list[GostTree] = []
     rates: list[float] = []
-    order_idx = np.arange(m)
     while len(trees) < max_trees:                                   # Line 2
         start = int(rng.integers(n))                                # Line 3
-        in_tree = np.zeros(n, bool)
-        in_tree[start] = True
-        dist = np.zeros((n, n))
-        ecc = np.zeros(n)
-        D_star = np.zeros(n)                                        # Line 6
-        diam = 0.0
-        E_s: list[int] = []
-        while True:                                                 # Line 7
-            cross = (in_tree[eu] ^ in_tree[ev]) & (b >= r_min - eps) & (b > eps)   # Line 5/18
-            if not cross.any():
-                break
-            ks = order_idx[cross]
-            us = np.where(in_tree[eu[ks]], eu[ks], ev[ks])
-            new_diam = np.maximum(diam, L[ks] + ecc[us])            # max_i D_j[i]
-            ok = new_diam <= d + 1e-9
-            if not ok.any():
-                return trees, rates                                 # Line 14
-            bk = b[ks]
-            bmax = bk[ok].max()
-            group = ok & (np.abs(bk - bmax) <= eps)                 # Lines 9-10
-            gd = np.where(group, new_diam, np.inf)
-            best = gd.min()
-            j = int(np.flatnonzero(gd <= best + 1e-9)[-1])          # '<=': last tie wins
-            k = int(ks[j])
-            u = int(us[j])
-            v = int(ev[k] if u == eu[k] else eu[k])                 # Line 15
-            D_star = grth(u, v, L[k], D_star, dist[u], in_tree, fix=grth_fix)   # Line 11/17
-            row = L[k] + dist[u]
-            dist[v, :] = np.where(in_tree, row, 0.0)
-            dist[:, v] = dist[v, :]
-            ecc = np.where(in_tree, np.maximum(ecc, dist[:, v]), ecc)
-            ecc[v] = float(dist[v][in_tree].max())
-            in_tree[v] = True                                       # Line 16
-            diam = max(diam, float(ecc[v]))
-            E_s.append(k)                                           # Line 17
-        if not in_tree.all():
-            return trees, rates                                     # Line 19
+        grown = _grow_tree(n, start, eu, ev, b, eps, 2.0 * H, r_min, L, grth_fix)
+        if grown is None:
+            return trees, rates                                     # Lines 14, 19
+        E_s, D_star, diam = grown
         root = int(np.argmin(D_star))                               # Line 20
-        if rate_rule == "global":
-            pos = b[b > eps]
-            r_star = float(pos.min())                               # Line 22 (literal)
-        elif rate_rule == "bottleneck":
-            r_star = float(b[E_s].min())
-        else:
-            raise ValueError(f"unknown rate_rule {rate_rule!r}")
+        r_star = _tree_rate(b, E_s, eps, rate_rule)                 # Line 22
         trees.append(GostTree(sorted(E_s), root, r_star, diam))     # Line 23
         rates.append(r_star)
         b[E_s] -= r_star                                            # Lines 24-25
         b[np.abs(b) <= eps] = 0.0
     return trees, rates
+
+
+def _grow_tree(n: int, start: int, eu: np.ndarray, ev: np.ndarray, b: np.ndarray, eps: float, d: float, r_min: float,
+               L: np.ndarray, grth_fix: bool) -> tuple[list[int], np.ndarray, float] | None:
+    """GBST's Prim-like construction of a tree over the ``n`` vertices from ``start`` (Alg. 1
+    Lines 4-19), over the links with residual ``b``, diameter bound ``d``: returns (tree
+    links E_s, D_*, weighted diameter), or None when no link qualifies (Line 14) or the
+    residual network no longer spans (Line 19)."""
+    in_tree = np.zeros(n, bool)
+    in_tree[start] = True
+    dist = np.zeros((n, n))
+    ecc = np.zeros(n)
+    D_star = np.zeros(n)                                            # Line 6
+    diam = 0.0
+    E_s: list[int] = []
+    order_idx = np.arange(len(eu))
+    while True:                                                     # Line 7
+        cross = (in_tree[eu] ^ in_tree[ev]) & (b >= r_min - eps) & (b > eps)   # Line 5/18
+        if not cross.any():
+            break
+        ks = order_idx[cross]
+        us = np.where(in_tree[eu[ks]], eu[ks], ev[ks])
+        new_diam = np.maximum(diam, L[ks] + ecc[us])                # max_i D_j[i]
+        ok = new_diam <= d + 1e-9
+        if not ok.any():
+            return None                                             # Line 14
+        bk = b[ks]
+        bmax = bk[ok].max()
+        group = ok & (np.abs(bk - bmax) <= eps)                     # Lines 9-10
+        gd = np.where(group, new_diam, np.inf)
+        best = gd.min()
+        j = int(np.flatnonzero(gd <= best + 1e-9)[-1])              # '<=': last tie wins
+        k = int(ks[j])
+        u = int(us[j])
+        v = int(ev[k] if u == eu[k] else eu[k])                     # Line 15
+        D_star = grth(u, v, L[k], D_star, dist[u], in_tree, fix=grth_fix)   # Line 11/17
+        row = L[k] + dist[u]
+        dist[v, :] = np.where(in_tree, row, 0.0)
+        dist[:, v] = dist[v, :]
+        ecc = np.where(in_tree, np.maximum(ecc, dist[:, v]), ecc)
+        ecc[v] = float(dist[v][in_tree].max())
+        in_tree[v] = True                                           # Line 16
+        diam = max(diam, float(ecc[v]))
+        E_s.append(k)                                               # Line 17
+    if not in_tree.all():
+        return None                                                 # Line 19
+    return E_s, D_star, diam
+
+
+def _tree_rate(b: np.ndarray, E_s: list[int], eps: float, rate_rule: str) -> float:
+    """GBST Line 22: the new tree's rate r_* by ``rate_rule`` (see the module docstring)."""
+    if rate_rule == "global":
+        pos = b[b > eps]
+        return float(pos.min())                                     # Line 22 (literal)
+    if rate_rule == "bottleneck":
+        return float(b[E_s].min())
+    raise ValueError(f"unknown rate_rule {rate_rule!r}")
 
 
 def ith(wv: WanView, H: float, r_min: float, rho: float, L: np.ndarray, **gbst_kw
@@ -469,28 +485,70 @@ def mtree(graph: nx.DiGraph, length: int, *, elem_bytes: int, K: int = 10, H: fl
     H_in = float(H) if H > 0 else float((wv.n - 1) * L.max())
     kw = dict(rate_rule=rate_rule, seed=seed, grth_fix=grth_fix, max_trees=max_gbst_trees)
     t0 = time.perf_counter()
-    if ith:
-        H_used, cand, gb_rates, trace = _ITH(wv, H_in, r_min, rho, L, **kw)
-    else:
-        cand, gb_rates = gbst(wv, H_in, r_min, L, **kw)
-        H_used, trace = H_in, [{"H": H_in, "trees": len(cand), "total_rate": float(sum(gb_rates))}]
+    H_used, cand, gb_rates, trace = _gost(wv, H_in, r_min, rho, L, ith, kw)
     gost_s = time.perf_counter() - t0
     if not cand:
         raise ParamError("H", f"mtree: GBST found no spanning tree with weighted height <= H={H_in:g} "
                               f"and rate >= r_bar={r_min:g} Mbit/s")
     merged = merge_duplicates(cand)
+    chosen, r, milp_info = _select(merged, wv, r_min, K, milp_time_limit)
+    total = float(sum(r[i] for i in chosen))
+    S = length * elem_bytes
+    beta_v = S * 8.0 / (total * 1e6)  # beta_i v_i = S / sum r (seconds), the same for all trees
+    trees, infos = _chunked_trees(graph, wv, L, merged, chosen, r, total, length, beta_v, chunk_path=chunk_path,
+                                  max_chunks=max_chunks, pipelined=pipelined, chunks=chunks, chunk_delta=chunk_delta)
+    simple = simple_bound(graph)
+    meta = {
+        "trees": infos,
+        "roots": [t.root for t in trees],
+        "rates_mbps": [t.rate_mbps for t in trees],
+        "shares": [t.share for t in trees],
+        "chunks": [t.chunks for t in trees],
+        "total_rate_mbps": total,
+        "simple_bound_mbps": simple,
+        "normalised_throughput": total / simple,
+        "H_input": H_in, "H_used": H_used, "r_bar_mbps": r_min,
+        "ith_trace": trace,
+        "gost": {"trees": len(cand), "distinct": len(merged),
+                 "rates_mbps": [float(x) for x in gb_rates], "total_rate_mbps": float(sum(gb_rates))},
+        "milp": milp_info,
+        **_model_summary(infos),
+        "timing_s": {"gost_s": gost_s, "milp_s": milp_info.get("solve_s", 0.0)},
+    }
+    return trees_plan("mtree", list(wv.nodes), length, trees, meta=meta, pace=tree_pacing(graph, trees, pace, pacing))
+
+
+def _gost(wv: WanView, H_in: float, r_min: float, rho: float, L: np.ndarray, use_ith: bool, kw: dict
+          ) -> tuple[float, list[GostTree], list[float], list[dict]]:
+    """GOST (Sec. III-A): ITH's search for the smallest sufficient H (Alg. 3), or one GBST
+    call at ``H_in`` (Alg. 1).  Returns (H used, trees, their GBST rates, the GBST calls)."""
+    if use_ith:
+        return _ITH(wv, H_in, r_min, rho, L, **kw)
+    cand, gb_rates = gbst(wv, H_in, r_min, L, **kw)
+    return H_in, cand, gb_rates, [{"H": H_in, "trees": len(cand), "total_rate": float(sum(gb_rates))}]
+
+
+def _select(merged: list[GostTree], wv: WanView, r_min: float, K: int, time_limit: float
+            ) -> tuple[list[int], np.ndarray, dict]:
+    """MILP (1) over the distinct GBST trees: the chosen ones, the rates and the solver's
+    info; GBST's own rates of the K fastest trees when the MILP found no solution."""
     A = np.zeros((wv.m, len(merged)))
     for i, t in enumerate(merged):
         A[t.edges, i] = 1.0
-    r, y, milp_info = select_trees(A, wv.cap, r_min, K, time_limit=milp_time_limit)
+    r, y, milp_info = select_trees(A, wv.cap, r_min, K, time_limit=time_limit)
     chosen = [i for i in range(len(merged)) if y[i] > 0.5 and r[i] > 1e-9]
     if not chosen:  # MILP failed (time limit without incumbent): fall back to GBST rates
         chosen = sorted(range(len(merged)), key=lambda i: -merged[i].rate)[: K or None]
         r = np.array([t.rate for t in merged], float)
         milp_info["fallback"] = "GBST rates"
-    total = float(sum(r[i] for i in chosen))
-    S = length * elem_bytes
-    beta_v = S * 8.0 / (total * 1e6)  # beta_i v_i = S / sum r (seconds), the same for all trees
+    return chosen, r, milp_info
+
+
+def _chunked_trees(graph: nx.DiGraph, wv: WanView, L: np.ndarray, merged: list[GostTree], chosen: list[int],
+                   r: np.ndarray, total: float, length: int, beta_v: float, *, chunk_path: str, max_chunks: int,
+                   pipelined: bool, chunks: int, chunk_delta: int) -> tuple[list[Tree], list[dict]]:
+    """The chosen trees with their shares r_i / sum r and chunk counts (Eqs. (2)-(8), or as
+    forced by ``pipelined``/``chunks``/``chunk_delta``), and each tree's ``meta`` record."""
     trees: list[Tree] = []
     infos = []
     sizes = split_lengths(length, [r[i] for i in chosen]) if length else [0] * len(chosen)
@@ -520,26 +578,15 @@ def mtree(graph: nx.DiGraph, length: int, *, elem_bytes: int, K: int = 10, H: fl
                                                         paths[:, 2], beta_v).max()),
                      "critical_path": model.get("critical_path")})
         infos.append(info)
-    simple = simple_bound(graph)
-    meta = {
-        "trees": infos,
-        "roots": [t.root for t in trees],
-        "rates_mbps": [t.rate_mbps for t in trees],
-        "shares": [t.share for t in trees],
-        "chunks": [t.chunks for t in trees],
-        "total_rate_mbps": total,
-        "simple_bound_mbps": simple,
-        "normalised_throughput": total / simple,
-        "H_input": H_in, "H_used": H_used, "r_bar_mbps": r_min,
-        "ith_trace": trace,
-        "gost": {"trees": len(cand), "distinct": len(merged),
-                 "rates_mbps": [float(x) for x in gb_rates], "total_rate_mbps": float(sum(gb_rates))},
-        "milp": milp_info,
+    return trees, infos
+
+
+def _model_summary(infos: list[dict]) -> dict:
+    """The chunk model's CCT (Eq. (4), worst tree) and the trees' average shape."""
+    return {
         "model_cct_s": max((i["model_t_used_s"] for i in infos), default=0.0),
         "model_cct_kind": "MTREE Eq. (4), worst tree, chunk_path critical paths, tree at rate r_i",
         "avg_height": float(np.mean([i["hop_height"] for i in infos])),
         "avg_max_fanout": float(np.mean([i["max_fanout"] for i in infos])),
-        "timing_s": {"gost_s": gost_s, "milp_s": milp_info.get("solve_s", 0.0)},
     }
-    return trees_plan("mtree", list(wv.nodes), length, trees, meta=meta, pace=tree_pacing(graph, trees, pace, pacing))
 

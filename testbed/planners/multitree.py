@@ -279,14 +279,11 @@ def build_trees(graph: nx.DiGraph, *, neighbour_order: str = "auto", dim_order: 
 
     Returns a :class:`MultiTreeSchedule`.
     """
-    if neighbour_order not in NEIGHBOUR_ORDERS:
-        raise ValueError(f"neighbour_order must be one of {NEIGHBOUR_ORDERS}")
-    if dim_order not in DIM_ORDERS:
-        raise ValueError(f"dim_order must be one of {DIM_ORDERS}")
-    if tree_order not in TREE_ORDERS:
-        raise ValueError(f"tree_order must be one of {TREE_ORDERS}")
-    if variant not in VARIANTS:
-        raise ValueError(f"variant must be one of {VARIANTS}")
+    for name, value, choices in (("neighbour_order", neighbour_order, NEIGHBOUR_ORDERS),
+                                 ("dim_order", dim_order, DIM_ORDERS), ("tree_order", tree_order, TREE_ORDERS),
+                                 ("variant", variant, VARIANTS)):
+        if value not in choices:
+            raise ValueError(f"{name} must be one of {choices}")
     ends = _endpoints(graph)
     endset = set(ends)
     if variant == "direct" and len(ends) != graph.number_of_nodes():
@@ -296,9 +293,17 @@ def build_trees(graph: nx.DiGraph, *, neighbour_order: str = "auto", dim_order: 
         neighbour_order = "yx" if _has_coords(graph, ends) else "id"
     key = neighbour_key(graph, ids, neighbour_order, dim_order)
     by_id = sorted(ends, key=ids.__getitem__)
-    n = len(by_id)
-
     cand = _candidates(graph, by_id, variant, key)
+    trees, t, alloc = _grow_trees(graph, by_id, cand, variant, endset, key, tree_order, rr_restart)
+    return MultiTreeSchedule(trees, t, ids, neighbour_order, variant, alloc)
+
+
+def _grow_trees(graph: nx.DiGraph, by_id: list[str], cand: dict, variant: str, endset: set[str], key,
+                tree_order: str, rr_restart: bool) -> tuple[list[TreeSchedule], int, list[tuple[int, str, str, int]]]:
+    """Algorithm 1 lines 1-15: T_i = {i} for every endpoint (in id order), then time steps
+    (:func:`_time_step`) until every tree spans all endpoints.  Returns the trees,
+    ``tot_t`` and the allocation sequence (tree, p, c, t)."""
+    n = len(by_id)
     trees = [TreeSchedule(r, {r: None}, {r: 0}, [r], {r: [r]}, {r: [r]}) for r in by_id]
     alloc: list[tuple[int, str, str, int]] = []
     members = [{r} for r in by_id]
@@ -309,34 +314,45 @@ def build_trees(graph: nx.DiGraph, *, neighbour_order: str = "auto", dim_order: 
         t += 1
         if t > n * max(1, len(links)):  # cannot happen on a strongly connected graph
             raise RuntimeError("MultiTree construction does not progress")
-        free_fwd = set(links)
-        free_rev = set(links)
-        parents = [list(tr.order) for tr in trees]  # nodes added by previous steps (line 9)
         if tree_order == "height":
             seq = sorted(range(n), key=lambda i: (-_remaining_height(graph, members[i], endset), i))
             pos = 0
         else:
             seq = list(range(n))
             pos = 0 if rr_restart else start
-        idle = 0
-        last = None
-        added_any = False
-        while idle < n:
-            ti = seq[pos % n]
-            pos += 1
-            edge = (_turn(graph, trees[ti], members[ti], parents[ti], cand, variant, endset, free_fwd, free_rev, key, t)
-                    if len(members[ti]) < n else None)
-            if edge:
-                alloc.append((ti, *edge, t))
-                idle = 0
-                last = ti
-                added_any = True
-            else:
-                idle += 1
-        if not added_any:
+        last = _time_step(graph, trees, members, cand, variant, endset, links, key, t, seq, pos, alloc)
+        if last is None:
             raise ValueError("the topology is not strongly connected: MultiTree cannot span it")
-        start = (seq.index(last) + 1) % n if last is not None else start
-    return MultiTreeSchedule(trees, t, ids, neighbour_order, variant, alloc)
+        start = (seq.index(last) + 1) % n
+    return trees, t, alloc
+
+
+def _time_step(graph: nx.DiGraph, trees: list[TreeSchedule], members: list[set[str]], cand: dict, variant: str,
+               endset: set[str], links: list, key, t: int, seq: list[int], pos: int,
+               alloc: list[tuple[int, str, str, int]]) -> int | None:
+    """Time step t of Algorithm 1 (lines 5-14): a fresh copy of the links (line 6), then the
+    trees take turns in ``seq`` from position ``pos`` (line 8), each attaching at most one
+    node per turn (:func:`_turn`), until a full round attaches none.  Appends every
+    attachment to ``alloc``; returns the index of the last tree that attached a node, or
+    None if none did."""
+    n = len(trees)
+    free_fwd = set(links)
+    free_rev = set(links)
+    parents = [list(tr.order) for tr in trees]  # nodes added by previous steps (line 9)
+    idle = 0
+    last = None
+    while idle < n:
+        ti = seq[pos % n]
+        pos += 1
+        edge = (_turn(graph, trees[ti], members[ti], parents[ti], cand, variant, endset, free_fwd, free_rev, key, t)
+                if len(members[ti]) < n else None)
+        if edge:
+            alloc.append((ti, *edge, t))
+            idle = 0
+            last = ti
+        else:
+            idle += 1
+    return last
 
 
 def _candidates(graph: nx.DiGraph, by_id: list[str], variant: str, key) -> dict[str, list[tuple[str, list[str], list[str]]]]:
@@ -490,10 +506,34 @@ def compile_plan(sched: MultiTreeSchedule, nodes: list[str], length: int, *, chu
     ``plan.meta["op_step"][node][op_id]`` is the MultiTree time step of every op.
     """
     b = ProgramBuilder(nodes)
-    n = len(sched.trees)
-    blocks = _blocks(length, n)
+    chunk_ranges = _chunk_ranges(_blocks(length, len(sched.trees)), chunks)
+    events = _step_events(sched)
+    deps = _Dependencies(lockstep, {v: defaultdict(list) for v in nodes})
+    for s, k in _slots(sched.tot_t, chunks, lockstep):
+        for phase, ti, src, dst, c in events.get(s, []):
+            if k >= len(chunk_ranges[ti]):
+                continue
+            off, size = chunk_ranges[ti][k]
+            if size == 0:
+                continue
+            label = dict(channel=ti if channels == "tree" else 0, flow=ti, chunk=k, phase=phase)
+            if paths and channels == "tree":  # a connection per tree edge and direction: one path each
+                t = sched.trees[ti]
+                label["path"] = t.rpath[c] if phase == "reduce-scatter" else t.path[c]
+            if phase == "reduce-scatter":
+                deps.reduce_scatter(b, (ti, k), src, dst, s, off, size, label)
+            else:
+                deps.all_gather(b, (ti, k), sched.trees[ti].root, src, dst, s, off, size, label)
+    return Plan(scheme, list(nodes), length, b.programs, participants=participants,
+                receivers=participants, meta={"op_step": deps.op_steps(b.programs)})
+
+
+def _step_events(sched: MultiTreeSchedule) -> dict[int, list[tuple[str, int, str, str, str]]]:
+    """The messages of every all-reduce step (Alg. 1 lines 16-18): step s -> list of
+    (phase, tree index, sender, receiver, child node); the edge p->c added in step t' is
+    the reduce-scatter message c->p in step ``tot_t - t' + 1`` and the all-gather message
+    p->c in step ``tot_t + t'``."""
     T = sched.tot_t
-    # events[s] = list of (phase, tree index, sender, receiver, child node)
     events: dict[int, list[tuple[str, int, str, str, str]]] = defaultdict(list)
     for ti, t in enumerate(sched.trees):
         for c in t.order:
@@ -502,6 +542,11 @@ def compile_plan(sched: MultiTreeSchedule, nodes: list[str], length: int, *, chu
                 continue
             events[T - t.added[c] + 1].append(("reduce-scatter", ti, c, p, c))
             events[T + t.added[c]].append(("all-gather", ti, p, c, c))
+    return events
+
+
+def _chunk_ranges(blocks: list[tuple[int, int]], chunks: int) -> list[list[tuple[int, int]]]:
+    """(offset, size) of every chunk of every tree's block."""
     chunk_ranges: list[list[tuple[int, int]]] = []
     for off, size in blocks:
         rs, o = [], off
@@ -509,59 +554,101 @@ def compile_plan(sched: MultiTreeSchedule, nodes: list[str], length: int, *, chu
             rs.append((o, cs))
             o += cs
         chunk_ranges.append(rs)
-    slots = [(s, k) for s in range(1, 2 * T + 1) for k in range(chunks)]
+    return chunk_ranges
+
+
+def _slots(tot_t: int, chunks: int, lockstep: bool) -> list[tuple[int, int]]:
+    """(step, chunk) in emission order: step by step in lockstep (Sec. IV-A), else along
+    the pipeline's diagonals (chunk k's step s with s + k)."""
+    slots = [(s, k) for s in range(1, 2 * tot_t + 1) for k in range(chunks)]
     slots.sort(key=(lambda sk: sk) if lockstep else (lambda sk: (sk[0] + sk[1], sk[0])))
+    return slots
 
-    rs_recv: dict[tuple[int, int], dict[str, list[int]]] = defaultdict(lambda: defaultdict(list))
-    rs_send: dict[tuple[int, int], dict[str, int]] = defaultdict(dict)
-    have: dict[tuple[int, int], dict[str, list[int]]] = defaultdict(dict)
-    step_ops: dict[str, dict[int, list[int]]] = {v: defaultdict(list) for v in nodes}
 
-    def barrier(v: str, s: int) -> list[int]:
-        if not lockstep:
+@dataclass
+class _Dependencies:
+    """What :func:`compile_plan`'s ops wait on, kept per (tree, chunk) ``key``: the
+    reduce-scatter receives of every node (its children's partial sums), its reduce-scatter
+    send, the all-gather receive that gave it the final block (``have``), and with
+    ``lockstep`` every node's ops per step (``step_ops``, also the plan's ``op_step``)."""
+
+    lockstep: bool
+    step_ops: dict[str, dict[int, list[int]]]
+    rs_recv: dict[tuple[int, int], dict[str, list[int]]] = field(
+        default_factory=lambda: defaultdict(lambda: defaultdict(list)))
+    rs_send: dict[tuple[int, int], dict[str, int]] = field(default_factory=lambda: defaultdict(dict))
+    have: dict[tuple[int, int], dict[str, list[int]]] = field(default_factory=lambda: defaultdict(dict))
+
+    def barrier(self, v: str, s: int) -> list[int]:
+        """Lockstep (Sec. IV-A): all of v's ops of its latest earlier step with any."""
+        if not self.lockstep:
             return []
-        prev = [q for q in step_ops[v] if q < s and step_ops[v][q]]
-        return list(step_ops[v][max(prev)]) if prev else []
+        prev = [q for q in self.step_ops[v] if q < s and self.step_ops[v][q]]
+        return list(self.step_ops[v][max(prev)]) if prev else []
 
-    for s, k in slots:
-        for phase, ti, src, dst, c in events.get(s, []):
-            if k >= len(chunk_ranges[ti]):
-                continue
-            off, size = chunk_ranges[ti][k]
-            if size == 0:
-                continue
-            key = (ti, k)
-            label = dict(channel=ti if channels == "tree" else 0, flow=ti, chunk=k, phase=phase)
-            if paths and channels == "tree":  # a connection per tree edge and direction: one path each
-                t = sched.trees[ti]
-                label["path"] = t.rpath[c] if phase == "reduce-scatter" else t.path[c]
-            if phase == "reduce-scatter":
-                sid, rid = b.transfer(src, dst, off, size, reduce=True,
-                                      send_deps=rs_recv[key][src] + barrier(src, s),
-                                      recv_deps=barrier(dst, s), **label)
-                rs_send[key][src] = sid
-                rs_recv[key][dst].append(rid)
-            else:
-                root = sched.trees[ti].root
-                src_have = have[key].get(src, rs_recv[key][root] if src == root else None)
-                sid, rid = b.transfer(src, dst, off, size, reduce=False,
-                                      send_deps=list(src_have) + barrier(src, s),
-                                      recv_deps=[rs_send[key][dst]] + barrier(dst, s), **label)
-                have[key][dst] = [rid]
-            step_ops[src][s].append(sid)
-            step_ops[dst][s].append(rid)
-    op_step = {v: [0] * len(b.programs[v]) for v in nodes}
-    for v in nodes:
-        for s, ids_ in step_ops[v].items():
-            for i in ids_:
-                op_step[v][i] = s
-    return Plan(scheme, list(nodes), length, b.programs, participants=participants,
-                receivers=participants, meta={"op_step": op_step})
+    def reduce_scatter(self, b: ProgramBuilder, key: tuple[int, int], src: str, dst: str, s: int, off: int,
+                       size: int, label: dict) -> None:
+        """src sends its partial sum once its children's have been added; dst adds it in."""
+        sid, rid = b.transfer(src, dst, off, size, reduce=True,
+                              send_deps=self.rs_recv[key][src] + self.barrier(src, s),
+                              recv_deps=self.barrier(dst, s), **label)
+        self.rs_send[key][src] = sid
+        self.rs_recv[key][dst].append(rid)
+        self.step_ops[src][s].append(sid)
+        self.step_ops[dst][s].append(rid)
+
+    def all_gather(self, b: ProgramBuilder, key: tuple[int, int], root: str, src: str, dst: str, s: int,
+                   off: int, size: int, label: dict) -> None:
+        """src sends the final block once it holds it; dst overwrites its copy after its own
+        reduce-scatter send has read it."""
+        src_have = self.have[key].get(src, self.rs_recv[key][root] if src == root else None)
+        sid, rid = b.transfer(src, dst, off, size, reduce=False,
+                              send_deps=list(src_have) + self.barrier(src, s),
+                              recv_deps=[self.rs_send[key][dst]] + self.barrier(dst, s), **label)
+        self.have[key][dst] = [rid]
+        self.step_ops[src][s].append(sid)
+        self.step_ops[dst][s].append(rid)
+
+    def op_steps(self, programs: dict[str, list]) -> dict[str, list[int]]:
+        """node -> the MultiTree time step of each of its ops, by op id."""
+        op_step = {v: [0] * len(programs[v]) for v in self.step_ops}
+        for v in self.step_ops:
+            for s, ids_ in self.step_ops[v].items():
+                for i in ids_:
+                    op_step[v][i] = s
+        return op_step
 
 
 # ---------------------------------------------------------------------------
 # Planner
 # ---------------------------------------------------------------------------
+#: ``plan.meta["routing_note"]`` of the bfs variant, by whether its sends name their paths.
+ROUTING_NOTES = {
+    True: "every send names its reserved path (Op.path); the emulator carries each connection on it",
+    False: "channels=link: one connection carries several trees' paths, so none is named; messages follow "
+           "the network's static routes, which may differ from the per-step BFS paths reserved here "
+           "(Sec. III-C 3)",
+}
+
+
+def _trees_meta(sched: MultiTreeSchedule, length: int, chunks: int, variant: str) -> list[dict]:
+    """``plan.meta["trees"]``: every tree with its block, construction steps, both
+    schedules (Alg. 1 lines 4-18) and, unless direct, the reserved paths."""
+    blocks = _blocks(length, len(sched.trees))
+    trees_meta = []
+    for ti, t in enumerate(sched.trees):
+        d = Tree(t.root, dict(t.parent), share=blocks[ti][1] / length if length else 0.0,
+                 chunks=chunks).to_dict()
+        d.update({"block": list(blocks[ti]), "added_step": dict(t.added),
+                  "construction": [list(x) for x in sched.construction(ti)],
+                  "reduce_scatter": [list(x) for x in sched.reduce_scatter(ti)],
+                  "all_gather": [list(x) for x in sched.allgather(ti)]})
+        if variant != "direct":
+            d["paths"] = {c: t.path[c] for c in t.order if t.parent[c] is not None}
+        trees_meta.append(d)
+    return trees_meta
+
+
 @planner(
     "multitree", REFERENCE,
     lockstep=Param(bool, False, "add the NI lockstep discipline (Sec. IV-A): a node starts step s only "
@@ -610,18 +697,6 @@ def plan_multitree(graph: nx.DiGraph, length: int, *, elem_bytes: int = 4, locks
     named = variant == "bfs" and channels == "tree"
     plan = compile_plan(sched, nodes, length, chunks=chunks, lockstep=lockstep, channels=channels,
                         participants=participants, paths=named)
-    blocks = _blocks(length, len(sched.trees))
-    trees_meta = []
-    for ti, t in enumerate(sched.trees):
-        d = Tree(t.root, dict(t.parent), share=blocks[ti][1] / length if length else 0.0,
-                 chunks=chunks).to_dict()
-        d.update({"block": list(blocks[ti]), "added_step": dict(t.added),
-                  "construction": [list(x) for x in sched.construction(ti)],
-                  "reduce_scatter": [list(x) for x in sched.reduce_scatter(ti)],
-                  "all_gather": [list(x) for x in sched.allgather(ti)]})
-        if variant != "direct":
-            d["paths"] = {c: t.path[c] for c in t.order if t.parent[c] is not None}
-        trees_meta.append(d)
     use = sched.link_use()
     plan.meta.update({
         "algorithm": "MultiTree Algorithm 1 (concurrent top-down spanning trees, one per node)",
@@ -630,7 +705,7 @@ def plan_multitree(graph: nx.DiGraph, length: int, *, elem_bytes: int = 4, locks
         "tot_t": sched.tot_t,
         "allocation_sequence": [[sched.trees[ti].root, p, c, t] for ti, p, c, t in sched.alloc],
         "steps": sched.steps,
-        "trees": trees_meta,
+        "trees": _trees_meta(sched, length, chunks, variant),
         "schedule_tables": schedule_tables(sched, length=length),
         "links_per_step": {s: len(d) for s, d in use.items()},
         "max_link_use_per_step": max((max(d.values()) for d in use.values()), default=0),
@@ -641,12 +716,7 @@ def plan_multitree(graph: nx.DiGraph, length: int, *, elem_bytes: int = 4, locks
         "tree_order": tree_order,
         "rr_restart": rr_restart,
         "variant": variant,
-        **({"routing_note": "every send names its reserved path (Op.path); the emulator carries each "
-                            "connection on it" if named else
-                            "channels=link: one connection carries several trees' paths, so none is named; "
-                            "messages follow the network's static routes, which may differ from the per-step "
-                            "BFS paths reserved here (Sec. III-C 3)"}
-           if variant == "bfs" else {}),
+        **({"routing_note": ROUTING_NOTES[named]} if variant == "bfs" else {}),
         "channels": channels,
         "build_s": t_build,
     })

@@ -68,46 +68,63 @@ def plan_ring2d(graph: nx.DiGraph, length: int, *, elem_bytes: int = 4, rows: in
     starts = [sum(blocks[:j]) for j in range(C)]
     for j in range(C):  # block j: owned by column j of every row
         parts = split_lengths(blocks[j], [1] * R)
-        row_done: dict[int, list[int]] = {}  # row -> [recv id completing block j at (row, j)]
-        row_sent: dict[tuple[int, int], int] = {}  # (row, col) -> its reduce-scatter send of block j
-        for r in range(R):  # reduce-scatter of block j along row r: (r, j+1) ... -> (r, j)
-            last: list[int] = []
-            for s in range(C - 1):
-                p, q = (j + 1 + s) % C, (j + 2 + s) % C
-                sid, rid = b.transfer(grid[r][p], grid[r][q], starts[j], blocks[j], reduce=True, send_deps=last,
-                                      phase="row reduce-scatter", flow=j, channel=0)
-                row_sent[(r, p)] = sid
-                last = [rid]
-            row_done[r] = last
+        row_done, row_sent = _row_reduce_scatter(b, grid, j, starts[j], blocks[j])
         off = starts[j]
         for k, size in enumerate(parts):  # part k of block j: owned by row k of column j
             if size == 0:
                 off += size
                 continue
-            have: dict[int, list[int]] = {}  # row -> ops after which (row, j) holds part k complete
-            col_sent: dict[int, int] = {}
-            last = []
-            for s in range(R - 1):  # column reduce-scatter: (k+1, j) ... -> (k, j)
-                p, q = (k + 1 + s) % R, (k + 2 + s) % R
-                sid, rid = b.transfer(grid[p][j], grid[q][j], off, size, reduce=True,
-                                      send_deps=last + row_done[p], recv_deps=row_done[q],
-                                      phase="column reduce-scatter", flow=C + j * R + k, channel=1)
-                col_sent[p] = sid
-                last = [rid]
-            have[k] = last or row_done[k]
-            for s in range(R - 1):  # column all-gather from (k, j)
-                p, q = (k + s) % R, (k + s + 1) % R
-                _, rid = b.transfer(grid[p][j], grid[q][j], off, size, reduce=False, send_deps=have[p],
-                                    recv_deps=[col_sent[q]], phase="column all-gather", flow=C + j * R + k,
-                                    channel=1)
-                have[q] = [rid]
-            for r in range(R):  # row all-gather of part k from (r, j)
-                last = have[r]
-                for s in range(C - 1):
-                    p, q = (j + s) % C, (j + s + 1) % C
-                    _, rid = b.transfer(grid[r][p], grid[r][q], off, size, reduce=False, send_deps=last,
-                                        recv_deps=[row_sent[(r, q)]], phase="row all-gather", flow=j, channel=0)
-                    last = [rid]
+            _part_of_block(b, grid, j, k, off, size, row_done, row_sent)
             off += size
     return Plan("ring2d", nodes, length, b.programs,
                 meta={"grid": grid, "rows": R, "cols": C, "first": first, "blocks": blocks})
+
+
+def _row_reduce_scatter(b: ProgramBuilder, grid: list[list[str]], j: int, start: int, size: int
+                        ) -> tuple[dict[int, list[int]], dict[tuple[int, int], int]]:
+    """Block j's reduce-scatter along every row r, (r, j+1) ... -> (r, j).  Returns per row
+    the receive completing the block at (r, j), and per (row, col) its send of the block."""
+    R, C = len(grid), len(grid[0])
+    row_done: dict[int, list[int]] = {}  # row -> [recv id completing block j at (row, j)]
+    row_sent: dict[tuple[int, int], int] = {}  # (row, col) -> its reduce-scatter send of block j
+    for r in range(R):  # reduce-scatter of block j along row r: (r, j+1) ... -> (r, j)
+        last: list[int] = []
+        for s in range(C - 1):
+            p, q = (j + 1 + s) % C, (j + 2 + s) % C
+            sid, rid = b.transfer(grid[r][p], grid[r][q], start, size, reduce=True, send_deps=last,
+                                  phase="row reduce-scatter", flow=j, channel=0)
+            row_sent[(r, p)] = sid
+            last = [rid]
+        row_done[r] = last
+    return row_done, row_sent
+
+
+def _part_of_block(b: ProgramBuilder, grid: list[list[str]], j: int, k: int, off: int, size: int,
+                   row_done: dict[int, list[int]], row_sent: dict[tuple[int, int], int]) -> None:
+    """Part k of block j (owned by row k of column j): reduce-scatter and all-gather along
+    column j once the rows have reduced block j, then all-gather along every row."""
+    R, C = len(grid), len(grid[0])
+    have: dict[int, list[int]] = {}  # row -> ops after which (row, j) holds part k complete
+    col_sent: dict[int, int] = {}
+    last: list[int] = []
+    for s in range(R - 1):  # column reduce-scatter: (k+1, j) ... -> (k, j)
+        p, q = (k + 1 + s) % R, (k + 2 + s) % R
+        sid, rid = b.transfer(grid[p][j], grid[q][j], off, size, reduce=True,
+                              send_deps=last + row_done[p], recv_deps=row_done[q],
+                              phase="column reduce-scatter", flow=C + j * R + k, channel=1)
+        col_sent[p] = sid
+        last = [rid]
+    have[k] = last or row_done[k]
+    for s in range(R - 1):  # column all-gather from (k, j)
+        p, q = (k + s) % R, (k + s + 1) % R
+        _, rid = b.transfer(grid[p][j], grid[q][j], off, size, reduce=False, send_deps=have[p],
+                            recv_deps=[col_sent[q]], phase="column all-gather", flow=C + j * R + k,
+                            channel=1)
+        have[q] = [rid]
+    for r in range(R):  # row all-gather of part k from (r, j)
+        last = have[r]
+        for s in range(C - 1):
+            p, q = (j + s) % C, (j + s + 1) % C
+            _, rid = b.transfer(grid[r][p], grid[r][q], off, size, reduce=False, send_deps=last,
+                                recv_deps=[row_sent[(r, q)]], phase="row all-gather", flow=j, channel=0)
+            last = [rid]
