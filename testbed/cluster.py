@@ -478,17 +478,10 @@ class ClusterNetwork(WanNetwork):
         self._procs.append((dc, p))
         return p
 
-    def stop_processes(self, grace_s: float = 5.0) -> None:
-        deadline = time.monotonic() + grace_s
-        for _, p in self._procs:
-            try:
-                p.wait(timeout=max(0.0, deadline - time.monotonic()))
-            except Exception:  # noqa: BLE001 -- a timeout: killed below
-                pass
-            if p.poll() is None:
-                p.kill()
-            p.close()
-        self._procs.clear()
+    def _reap(self, p: ssh.RemotePopen) -> None:
+        if p.poll() is None:
+            p.kill()
+        p.close()
 
     def health(self) -> str | None:
         return self._problem

@@ -542,8 +542,12 @@ class WanNetwork:
                 p.wait(timeout=max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 pass
-            _kill(p)
+            self._reap(p)
         self._procs.clear()
+
+    def _reap(self, p) -> None:
+        """End ``p`` if it still runs (its whole process group)."""
+        _kill(p)
 
     # -- live changes (dynamics and faults) --------------------------------------
     def _event(self, kind: str, **info) -> None:
