@@ -2,9 +2,11 @@
 # Build the testbed's Debian guest from Debian packages only (no downloaded image):
 #   bash testbed/vm/build.sh OUT_DIR CHECKOUT.tar
 # debootstrap (minbase) of Debian 12 with Debian's kernel and initrd and the Python stack as
-# Debian packages (pip cannot verify the mirror's certificate inside the guest), then the
-# project's own testbed/setup.sh run in the new root -- the same provisioning as a bare
-# machine, CI and the Vagrantfile.  Writes OUT_DIR/{vmlinuz,initrd.img,root.img}; the image
+# Debian packages, then the project's own testbed/setup.sh run in the new root -- the same
+# provisioning as a bare machine, CI and the Vagrantfile; setup.sh's pip installs what Debian
+# does not package (pymetis).  The root trusts what this host trusts: the host's local CAs
+# (/usr/local/share/ca-certificates) are added to it, so that pip works behind a
+# TLS-intercepting proxy (as testbed/vm/box.sh does for the Vagrant box).  Writes OUT_DIR/{vmlinuz,initrd.img,root.img}; the image
 # is never modified afterwards (the boot uses a throw-away overlay, qemu -snapshot).
 # Called by `python3 -m testbed.vm build` (testbed/vm/__init__.py), which caches OUT_DIR.
 set -euo pipefail
@@ -49,8 +51,13 @@ cp /etc/resolv.conf "$ROOT/etc/resolv.conf"
 # paramiko (deploy's SSH client) from Debian too, after debootstrap: as an --include its
 # dependencies (python3-bcrypt, ...) fail minbase's configure step.
 chroot "$ROOT" env DEBIAN_FRONTEND=noninteractive sh -c \
-  'apt-get update -qq && apt-get install -y -qq --no-install-recommends python3-paramiko' > "$WORK/paramiko.log" 2>&1 \
+  'apt-get update -qq && apt-get install -y -qq --no-install-recommends python3-paramiko ca-certificates' \
+  > "$WORK/paramiko.log" 2>&1 \
   || { tail -20 "$WORK/paramiko.log" >&2; echo "vm-build: installing python3-paramiko failed" >&2; exit 1; }
+if compgen -G "/usr/local/share/ca-certificates/*.crt" >/dev/null; then
+  cp /usr/local/share/ca-certificates/*.crt "$ROOT/usr/local/share/ca-certificates/"
+  chroot "$ROOT" update-ca-certificates >/dev/null 2>&1
+fi
 mkdir -p "$ROOT/opt/provision"
 tar xf "$CHECKOUT" -C "$ROOT/opt/provision"
 echo "vm-build: testbed/setup.sh inside the new root"
