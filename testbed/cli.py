@@ -462,11 +462,13 @@ def _check_bench_options(options: dict) -> None:
 
 
 def _print_table(rows: list[dict]) -> None:
-    """Rows of equal keys as an aligned text table (numbers to 3 significant digits)."""
+    """Rows as an aligned text table (numbers to 3 significant digits); a column for every key
+    of any row, in the order first seen, blank where a row lacks it."""
     if not rows:
         return
-    cols = list(rows[0])
-    fmt = [[(f"{v:.3g}" if isinstance(v, float) else "" if v is None else str(v)) for v in r.values()] for r in rows]
+    cols = list(dict.fromkeys(k for r in rows for k in r))
+    fmt = [[(f"{v:.3g}" if isinstance(v, float) else "" if v is None else str(v)) for v in map(r.get, cols)]
+           for r in rows]
     width = [max(len(c), *(len(f[i]) for f in fmt)) for i, c in enumerate(cols)]
     print("  ".join(c.ljust(w) for c, w in zip(cols, width)))
     for f in fmt:

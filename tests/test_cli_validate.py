@@ -128,3 +128,14 @@ def test_help_on_every_verb():
     for verb in ("run", "deploy", "validate", "plan", "doctor", "clean", "linkcheck", "bench"):
         res = _cli(verb, "--help")
         assert res.returncode == 0 and "usage" in res.stdout.lower(), verb
+
+
+def test_bench_table_takes_every_rows_keys(capsys):
+    """bench dataplane's rows differ (loopback rows carry CPU columns, link rows `correct`):
+    one column per key of any row, blank where a row lacks it."""
+    from testbed.cli import _print_table
+
+    _print_table([{"link": "loopback", "cpu_ms": 0.0631}, {"link": "100 Mbit/s", "correct": True}])
+    head, first, second = capsys.readouterr().out.splitlines()
+    assert head.split() == ["link", "cpu_ms", "correct"]
+    assert first.split() == ["loopback", "0.0631"] and second.split() == ["100", "Mbit/s", "True"]
