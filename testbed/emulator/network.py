@@ -194,10 +194,40 @@ class WanNetwork:
         self.stop()
 
     def start(self) -> None:
+        """Check the machine, build the hosts and links, shape them, start the relays."""
         from mininet.log import setLogLevel
         from mininet.net import Mininet
-        from mininet.nodelib import LinuxBridge
 
+        route = self._preflight()
+        self._allow_tcp_cc()
+        self.run_id = cleanup.claim()  # inherited by every process of this network (clean spares live runs)
+        setLogLevel("error")
+        self._owns_bridge = True  # from here on, stop() removes what this run made
+        self.memory_hold = memory.hold(log=self.log)
+        if self.memory_hold and not self.memory_hold["full"]:
+            self.log(f"warning: {self.memory_hold['note']}: the emulator may stall (docs/guides/link-fidelity.md)")
+        self.log(f"building {len(self.topo.nodes)} datacenters, {len(self.topo.links)} links "
+                 f"(shaping: {self.method})")
+        net = self.net = Mininet(build=False, controller=None, topo=None, autoSetMacs=False,
+                                 waitConnected=False)
+        wan, relay_pairs = self._add_hosts_and_links(net)
+        net.build()
+        net.start()
+        _check(subprocess.run(["ip", "addr", "replace", f"{CONTROL_IP}/32", "dev", CONTROL_BRIDGE],
+                              capture_output=True, text=True), "control bridge address")
+        _check(subprocess.run(["ip", "route", "replace", str(route), "dev", CONTROL_BRIDGE, "src", CONTROL_IP],
+                              capture_output=True, text=True), "control route")
+        _check(subprocess.run(["ip", "link", "set", "dev", CONTROL_BRIDGE, "alias",
+                               cleanup.ALIAS_PREFIX + self.run_id], capture_output=True, text=True), "bridge alias")
+        self._configure_hosts()
+        if wan is not None:
+            self._start_relays(wan, relay_pairs)
+        self.log("network up")
+
+    def _preflight(self) -> ipaddress.IPv4Network:
+        """RunError unless this machine can emulate with the method asked for (``auto``: its
+        best, set in ``self.method``), no other run's control bridge is up, and the control
+        route hides nothing of the machine's; that route."""
         caps = self.caps or probe()
         problems = caps.problems()
         if problems:
@@ -217,20 +247,17 @@ class WanNetwork:
         if hidden:
             raise RunError(f"the control network's route {route} would hide this machine's "
                            f"{', '.join(hidden)}: the emulator's control addresses are 10.255.0.0/16")
-        self._allow_tcp_cc()
-        self.run_id = cleanup.claim()  # inherited by every process of this network (clean spares live runs)
-        setLogLevel("error")
-        self._owns_bridge = True  # from here on, stop() removes what this run made
-        self.memory_hold = memory.hold(log=self.log)
-        if self.memory_hold and not self.memory_hold["full"]:
-            self.log(f"warning: {self.memory_hold['note']}: the emulator may stall (docs/guides/link-fidelity.md)")
-        self.log(f"building {len(self.topo.nodes)} datacenters, {len(self.topo.links)} links "
-                 f"(shaping: {method})")
-        net = self.net = Mininet(build=False, controller=None, topo=None, autoSetMacs=False,
-                                 waitConnected=False)
+        return route
+
+    def _add_hosts_and_links(self, net) -> tuple:
+        """A host per datacenter, a link per WAN link (through the relay host ``wan`` where the
+        link's method relays), each direction recorded, and every host on the control bridge:
+        (``wan`` or None, the relayed links' (index, interface towards a, towards b))."""
+        from mininet.nodelib import LinuxBridge
+
         for dc, i in self.index.items():
             self.hosts[dc] = net.addHost(f"{HOST_PREFIX}{i}", ip=None)
-        link_methods = [shaping.link_method(method, (link.ab, link.ba)) for link in self.topo.links]
+        link_methods = [shaping.link_method(self.method, (link.ab, link.ba)) for link in self.topo.links]
         relayed = {j for j, m in enumerate(link_methods) if shaping.METHODS[m].relay}
         wan = net.addHost("wan", ip=None) if relayed else None
         bridge = net.addSwitch(CONTROL_BRIDGE, cls=LinuxBridge)
@@ -255,18 +282,7 @@ class WanNetwork:
             self.directions[(link.b, link.a)] = Direction(link.b, link.a, j, ib, link.ba, m)
         for dc, h in self.hosts.items():
             net.addLink(h, bridge, intfName1=f"{h.name}-ctl", intfName2=f"{CONTROL_BRIDGE}-{h.name}")
-        net.build()
-        net.start()
-        _check(subprocess.run(["ip", "addr", "replace", f"{CONTROL_IP}/32", "dev", CONTROL_BRIDGE],
-                              capture_output=True, text=True), "control bridge address")
-        _check(subprocess.run(["ip", "route", "replace", str(route), "dev", CONTROL_BRIDGE, "src", CONTROL_IP],
-                              capture_output=True, text=True), "control route")
-        _check(subprocess.run(["ip", "link", "set", "dev", CONTROL_BRIDGE, "alias",
-                               cleanup.ALIAS_PREFIX + self.run_id], capture_output=True, text=True), "bridge alias")
-        self._configure_hosts()
-        if wan is not None:
-            self._start_relays(wan, relay_pairs)
-        self.log("network up")
+        return wan, relay_pairs
 
     def stop(self) -> None:
         """Tear everything down; safe to call twice and on a half-built network."""
