@@ -7,6 +7,7 @@ Exit codes: 0 success, 1 run failure (wrong result, agent error, emulator proble
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import signal
 import sys
@@ -40,12 +41,49 @@ def cmd_run(args) -> int:
         return _run_sweep(exp, out, progress, report=not args.no_report)
     progress(f"experiment {exp.name!r}: scheme {exp.scheme['name']} on {exp.topology.name}, "
              f"{exp.repetitions} repetition(s); results -> {out}")
-    results = run_experiment(exp, out, progress, save=lambda r: write_json_atomic(out / "results.json", r))
+    if args.servers:
+        results = _run_on_servers(exp, args.servers, out, progress)
+    else:
+        results = run_experiment(exp, out, progress, save=lambda r: write_json_atomic(out / "results.json", r))
     write_json_atomic(out / "results.json", results)  # complete: with the emulation's health and events
     code = _report(results, out)
     if not args.no_report:
         _write_report([out], out)
     return code
+
+
+def _cluster(exp, servers: str, progress, planned=()):
+    """The checked servers file and the placement of ``exp`` on it (printed); ``planned``:
+    its variants' plans, checked as well (``check_placement``)."""
+    from testbed.cluster import check_placement, load_servers
+
+    sf = load_servers(servers)
+    placement = check_placement(exp, sf, planned)
+    for line in placement.describe(exp.topology):
+        progress(line)
+    return sf, placement
+
+
+def _run_on_servers(exp, servers: str, out: Path, progress) -> dict:
+    """``run --servers``: the experiment on the servers' network; results.json gets
+    ``cluster`` (placement, every server's health, the underlay)."""
+    from testbed.cluster import ClusterNetwork
+    from testbed.experiment import plan_variants, run_experiment
+    from testbed.results import write_json_atomic
+
+    planned = plan_variants(exp, progress, source=exp.source)  # what cannot run on servers, before any is built
+    sf, placement = _cluster(exp, servers, progress, planned)
+    em = exp.emulator
+    with ClusterNetwork(exp.topology, sf, placement, method=em.method, relay_procs=em.relay_procs, seed=exp.seed,
+                        log=progress, tcp_cc=em.tcp_cc) as net:
+        results = run_experiment(exp, out, progress, net=net, planned=planned, save=lambda r: write_json_atomic(
+            out / "results.json", {**r, "cluster": {"placement": placement.to_dict()}}))
+        results["cluster"] = net.report(em.max_late_ms)
+    late = [w for s in results["cluster"]["servers"].values() for w in s["warnings"]]
+    if late:  # a server that did not keep up marks the run, naming the server
+        results["emulation"]["warnings"] += late
+        results["emulation"]["kept_up"] = False
+    return results
 
 
 def _write_report(folders: list[Path], out: Path) -> None:
@@ -93,8 +131,21 @@ def cmd_exec(args) -> int:
 
     exp = config.load_experiment(args.experiment, args.overrides)
     out = Path(args.out) if args.out else new_run_dir(exp.output_dir, f"{exp.name}-exec")
-    results = exec_command(exp, args.command, out, on=args.on.split(",") if args.on else None, master_port=args.master_port,
-                           timeout_s=args.timeout, progress=Progress(quiet=args.quiet))
+    progress = Progress(quiet=args.quiet)
+    with contextlib.ExitStack() as stack:
+        net = None
+        if args.servers:
+            from testbed.cluster import ClusterNetwork
+
+            sf, placement = _cluster(exp, args.servers, progress)
+            em = exp.emulator
+            net = stack.enter_context(ClusterNetwork(exp.topology, sf, placement, method=em.method,
+                                                     relay_procs=em.relay_procs, seed=exp.seed, log=progress,
+                                                     tcp_cc=em.tcp_cc))
+        results = exec_command(exp, args.command, out, on=args.on.split(",") if args.on else None,
+                               master_port=args.master_port, timeout_s=args.timeout, progress=progress, net=net)
+        if net is not None:
+            results["cluster"] = net.report(exp.emulator.max_late_ms)
     write_json_atomic(out / "results.json", results)
     for dc, p in results["processes"].items():
         wall = f"{p['wall_s']:.3f}s" if p["wall_s"] is not None else "timed out"
@@ -179,12 +230,19 @@ def cmd_validate(args) -> int:
 
     exp = config.load_experiment(args.experiment, args.overrides)
     for point in [p["experiment"] for p in exp.sweep["points"]] if exp.sweep else [exp]:
-        plan_variants(point, lambda m: None, source=args.experiment)  # what planning rejects, before any run
+        planned = plan_variants(point, lambda m: None, source=args.experiment)  # what planning rejects, before any run
+    placed: list[str] = []
+    if args.servers:  # a sweep is refused there, before its plans would count
+        sf, _ = _cluster(exp, args.servers, placed.append, planned)
     t = exp.topology
     print(f"{args.experiment}: ok — scheme {exp.scheme['name']}, topology {t.name} "
           f"({len(t.nodes)} datacenters, {len(t.links)} links), "
           f"{exp.workload.bytes} bytes, {exp.repetitions} repetition(s)"
           + (f", a sweep of {len(exp.sweep['points'])} points" if exp.sweep else ""))
+    if args.servers:
+        print("\n".join(placed))
+        print(f"{args.servers}: ok -- {len(sf.servers)} servers" + (" on this machine (namespaces)" if sf.local is not None
+                                                                     else "") + " (no connection tried)")
     if args.hosts:
         from testbed.deploy import check_deployable
 
@@ -211,6 +269,33 @@ def cmd_plan(args) -> int:
     for v in chosen:
         _print_plan(exp, v, args)
     return 0
+
+
+def _doctor_servers(args) -> int:
+    """``doctor --servers``: every server's capabilities, VXLAN and clock; the underlay."""
+    from testbed.cluster import doctor_servers, load_servers
+
+    d = doctor_servers(load_servers(args.servers), log=lambda m: None if args.json else print(m))
+    if args.json:
+        print(json.dumps(d, indent=1, default=str))
+        return 0
+    bad = []
+    for name, s in d["servers"].items():
+        caps = s["capabilities"]
+        method = caps.get("shaping_method")
+        print(f"server {name} ({s['ssh']}, kernel {s['kernel']}): shaping {method or 'NONE'}; netem "
+              f"{caps.get('netem')}, HTB {caps.get('htb')}; VXLAN {'yes' if s['vxlan'] else 'NO: ' + s.get('vxlan_error', '')}; "
+              f"clock offset {s['clock_offset_ms']:+.3f} ms (round trip {s['clock_rtt_ms']:.3f} ms)")
+        if not method or not s["vxlan"]:
+            bad.append(name)
+    for p in d["underlay"]["pairs"]:
+        print(f"underlay {p['from']} -> {p['to']}: round trip {p['rtt_ms']:.3f} ms, MTU {p['mtu']}"
+              + (f", TCP {p['mbps']:.0f} Mbit/s" if "mbps" in p else ""))
+    print(f"WAN links get MTU {d['underlay']['link_mtu']}"
+          + ("" if d["underlay"]["link_mtu"] == 1500 else " (an underlay MTU of 1550 keeps 1500)"))
+    if bad:
+        print(f"error: server(s) {', '.join(bad)} cannot emulate (see above)", file=sys.stderr)
+    return 1 if bad else 0
 
 
 def _print_plan(exp: Experiment, variant: Variant, args) -> None:
@@ -274,6 +359,9 @@ def cmd_reproduce(args) -> int:
 def cmd_doctor(args) -> int:
     from testbed.emulator.capabilities import probe
 
+    if args.servers:
+        return _doctor_servers(args)
+
     caps = probe()
     d = caps.to_dict()
     if args.json:
@@ -303,6 +391,11 @@ def cmd_doctor(args) -> int:
 def cmd_clean(args) -> int:
     from testbed.emulator.cleanup import clean
 
+    if args.servers:
+        from testbed.cluster import clean_servers, load_servers
+
+        clean_servers(load_servers(args.servers))
+        return 0
     clean(everything=args.all)
     return 0
 
@@ -315,9 +408,16 @@ def cmd_linkcheck(args) -> int:
 
     topo = load_topology(args.topology, source=args.topology).scaled(args.scale)
     phases = ("concurrent",) if args.concurrent else ("single",) if args.single else ("single", "concurrent")
+    network = None
+    if args.servers:
+        from testbed.cluster import load_servers, network_on
+
+        if args.load == "udp":
+            raise ConfigError("--load udp reads the receivers' interface counters on this machine: not with --servers")
+        network = network_on(load_servers(args.servers), topo, log=Progress())
     out = Path(args.out) if args.out else new_run_dir("results", f"linkcheck-{topo.name}")
     result = run_linkcheck(topo, seconds=args.seconds, phases=phases, method=args.method, tcp_cc=args.tcp_cc,
-                           parallel=args.parallel, load=args.load, progress=Progress())
+                           parallel=args.parallel, load=args.load, progress=Progress(), network=network)
     result["environment"] = environment()
     write_json_atomic(Path(out) / "linkcheck.json", result)
     print(format_table(result))
@@ -442,6 +542,12 @@ def _print_bench(name: str, result: dict) -> None:
               f"ratio {g(result['ratio'])}")
 
 
+def _servers_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--servers", metavar="SERVERS.yaml",
+                   help="spread the emulated WAN over these servers (format: testbed/cluster.py; "
+                        "experiments/servers-local-2.yaml stands up two on this machine)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python3 -m testbed",
                                 description="Emulated inter-datacenter WANs for geo-distributed ML synchronisation.")
@@ -459,6 +565,7 @@ def _verb_run(sub) -> None:
     r.add_argument("--out", help="output folder (default: a new timestamped folder under output.dir, i.e. results/)")
     r.add_argument("--quiet", action="store_true", help="no progress lines")
     r.add_argument("--no-report", action="store_true", help="do not write figures, CSV and report.html")
+    _servers_arg(r)
     r.set_defaults(func=cmd_run)
 
 
@@ -483,6 +590,7 @@ def _verb_exec(sub) -> None:
     ex.add_argument("--master-port", type=int, default=29500, help="MASTER_PORT (default 29500)")
     ex.add_argument("--timeout", type=float, help="seconds before the processes are killed (default agents.timeout_s)")
     ex.add_argument("--quiet", action="store_true", help="no progress lines")
+    _servers_arg(ex)
     ex.add_argument("command", nargs="*", metavar="-- CMD ARGS", help="the program and its arguments, after --")
     ex.set_defaults(func=cmd_exec)
 
@@ -510,6 +618,8 @@ def _verb_validate(sub) -> None:
     v = sub.add_parser("validate", help="check an experiment (and its topology) without running anything")
     _experiment_args(v)
     v.add_argument("--hosts", metavar="HOSTS.yaml", help="also check a `deploy` hosts file against the topology")
+    v.add_argument("--servers", metavar="SERVERS.yaml",
+                   help="also check a servers file and print the placement on it (nothing is contacted)")
     v.set_defaults(func=cmd_validate)
 
 
@@ -534,7 +644,7 @@ def _verb_reproduce(sub) -> None:
                                     "spread), a verdict (reproduced / not reproduced / not comparable / not run) and "
                                     "why: DIR/table.txt, claims.csv, reproducing.md, report.html.")
     rd.add_argument("papers", nargs="*", metavar="PAPER", help="papers (default: all)")
-    rd.add_argument("--quick", action="store_true", help="reduced sizes and fewer runs: about 15 minutes on 2 cores")
+    rd.add_argument("--quick", action="store_true", help="reduced sizes and fewer runs: about 25 minutes on 2 cores")
     rd.add_argument("--smoke", action="store_true", help="tiny sizes, a few runs (a few minutes): checks the command, "
                                                          "judges no emulated claim")
     rd.add_argument("--out", help="output folder (default: a new folder under results/)")
@@ -546,6 +656,8 @@ def _verb_reproduce(sub) -> None:
 def _verb_doctor(sub) -> None:
     d = sub.add_parser("doctor", help="report what this machine can do and which link shaping run will use")
     d.add_argument("--json", action="store_true", help="print the capabilities as JSON")
+    d.add_argument("--servers", metavar="SERVERS.yaml",
+                   help="report every server of this servers file instead, and the underlay between them")
     d.set_defaults(func=cmd_doctor)
 
 
@@ -553,6 +665,8 @@ def _verb_clean(sub) -> None:
     c = sub.add_parser("clean", help="remove namespaces, interfaces, bridges and processes a crashed run left")
     c.add_argument("--all", action="store_true", help="also those of runs still going (default: only runs whose "
                                                       "owner process is gone)")
+    c.add_argument("--servers", metavar="SERVERS.yaml",
+                   help="clean every server of this servers file instead (local servers: remove them too)")
     c.set_defaults(func=cmd_clean)
 
 
@@ -577,6 +691,7 @@ def _verb_linkcheck(sub) -> None:
     lc.add_argument("--tcp-cc", default=DEFAULT_TCP_CC,
                     help=f"TCP congestion control of the hosts (as emulator.tcp_cc; default {DEFAULT_TCP_CC}): "
                          "the informative TCP goodput column, and the concurrent rate on lossless links")
+    _servers_arg(lc)
     lc.set_defaults(func=cmd_linkcheck)
 
 

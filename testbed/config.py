@@ -39,6 +39,8 @@ Format (YAML; every key but ``name``, ``topology`` and ``scheme.name`` is option
                                  # schemes compared see the same rates and faults at the same
                                  # point of their run
     faults: []                   # link down/up, datacenter crash/restart
+    placement: {}                # with --servers: {dc: server} pins datacenters to servers (the
+                                 # rest are placed by testbed/placement.py)
     variants:                    # optional: more schemes run on the SAME network, compared
       - {label: ps, scheme: {name: ps}}     # in one results.json (the main scheme runs first)
     output: {dir: results}
@@ -76,6 +78,7 @@ DEFAULTS: dict[str, Any] = {
     "dynamics": [],
     "dynamics_per_run": False,
     "faults": [],
+    "placement": {},
     "variants": [],
     "output": {"dir": "results"},
     "sweep": None,
@@ -188,6 +191,7 @@ class Experiment:
     output_dir: str
     sweep: dict | None  # {"keys": [key paths], "points": [{"values": {key: value}, "experiment": Experiment}]}
     resolved: dict = field(repr=False)
+    placement: dict = field(default_factory=dict)  # dc -> server pinned (with --servers)
 
     @property
     def scheme(self) -> dict:
@@ -201,6 +205,12 @@ class Experiment:
                           "points": [{"values": p["values"], "experiment": p["experiment"].to_dict()}
                                      for p in self.sweep["points"]]}
         return d
+
+
+def shipped_experiments() -> list[Path]:
+    """The experiment files of ``experiments/`` (not the servers files beside them, which
+    have a top-level ``servers``: ``--servers``, testbed/cluster.py)."""
+    return [f for f in sorted(EXPERIMENT_DIR.glob("*.yaml")) if "servers" not in load_yaml(f)]
 
 
 def load_yaml(path: str | Path, what: str = "experiment") -> dict:
@@ -289,7 +299,8 @@ def validate(data: dict, source: str = "<experiment>") -> Experiment:
         dynamics=tuple(scaled(exp["dynamics"], exp["scale"])),
         dynamics_per_run=exp["dynamics_per_run"], faults=tuple(exp["faults"]),
         emulator=EmulatorSettings(**exp["emulator"]), agents=AgentSettings(**exp["agents"]),
-        output_dir=exp["output"]["dir"], sweep=sweep, resolved=copy.deepcopy({**exp, "sweep": None}))
+        output_dir=exp["output"]["dir"], sweep=sweep, placement=dict(exp["placement"]),
+        resolved=copy.deepcopy({**exp, "sweep": None}))
 
 
 def _top_level(c: Checker, data: dict) -> dict:
@@ -369,7 +380,7 @@ def _workload(c: Checker, w: dict, scale: float, nodes: list[str]) -> None:
 
 
 def _settings(c: Checker, exp: dict, nodes: list[str]) -> None:
-    """``emulator``, ``agents``, ``dynamics_per_run`` and ``output`` checked."""
+    """``emulator``, ``agents``, ``dynamics_per_run``, ``output`` and ``placement`` checked."""
     e = exp["emulator"]
     c.choice(e["method"], "emulator.method", SHAPING_CHOICES)
     c.number(e["relay_procs"], "emulator.relay_procs", integer=True, minimum=0)
@@ -388,6 +399,11 @@ def _settings(c: Checker, exp: dict, nodes: list[str]) -> None:
         c.number(ms, f"agents.clock_offset_ms.{dc}")
     if not isinstance(exp["output"]["dir"], str):
         c.fail("output.dir", "expected a path string")
+    c.mapping(exp["placement"], "placement")
+    for dc, server in exp["placement"].items():
+        c.node(dc, "placement", nodes)
+        if not isinstance(server, str) or not server:
+            c.fail(f"placement.{dc}", f"expected a server name of the servers file, got {server!r}")
 
 
 SWEEP_FIXED = {"name", "sweep", "output"}  # keys a sweep point may not change

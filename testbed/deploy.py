@@ -84,7 +84,7 @@ class HostsFile:
     ssh: ssh.SshOptions
 
 
-def _ssh_options(data: dict, c: Checker):
+def ssh_options(data: dict, c: Checker):
     """The hosts file's SSH keys, checked (files named must exist; the config must parse)."""
     def path(key: str, default: str | None = None) -> str | None:
         value = data.get(key, default)
@@ -147,7 +147,7 @@ def load_hosts(path: str | Path, nodes: list[str]) -> HostsFile:
     host, _, port = str(data["coordinator"]).rpartition(":")
     if not host or not port.isdigit() or int(port) > 65535:
         c.fail("coordinator", f"expected ADDRESS:PORT (port 0: any free), got {data['coordinator']!r}")
-    options = _ssh_options(data, c)
+    options = ssh_options(data, c)
     c.mapping(data["hosts"], "hosts")
     missing = [n for n in nodes if n not in data["hosts"]]
     if missing:
@@ -182,6 +182,24 @@ def load_hosts(path: str | Path, nodes: list[str]) -> HostsFile:
 def code_files() -> dict[str, bytes]:
     """The files an agent needs: path relative to the repository -> content."""
     return {str(f.relative_to(REPO)): f.read_bytes() for pattern in CODE for f in sorted(REPO.glob(pattern))}
+
+
+def echo_offset(conn: ssh.Connection, chan, reader) -> clock.Offset:
+    """A host's clock minus this machine's, NTP-style over a clock echo (``agents.clock``)
+    running in ``chan``: CLOCK_EXCHANGES exchanges, the least round trip's estimate."""
+    chan.settimeout(conn.options.command_timeout_s)
+    exchanges = []
+    try:
+        for _ in range(CLOCK_EXCHANGES):
+            t0 = time.time_ns()
+            chan.sendall(b"\n")
+            line = reader.readline()
+            t3 = time.time_ns()
+            t1, t2 = map(int, line.split())
+            exchanges.append((t0, t1, t2, t3))
+    except (OSError, ValueError) as e:
+        raise conn.error(f"clock exchange failed: {e or 'no answer'}") from None
+    return clock.estimate(exchanges)
 
 
 class SshHosts(Hosts):
@@ -245,23 +263,7 @@ class SshHosts(Hosts):
 
     def clock_offsets(self) -> dict[str, clock.Offset]:
         """Each host's clock minus this machine's, estimated now (NTP-style, over the echo)."""
-        def one(dc: str, h: Host) -> clock.Offset:
-            chan, reader = self._echo[dc]
-            chan.settimeout(self.conns[dc].options.command_timeout_s)
-            exchanges = []
-            try:
-                for _ in range(CLOCK_EXCHANGES):
-                    t0 = time.time_ns()
-                    chan.sendall(b"\n")
-                    line = reader.readline()
-                    t3 = time.time_ns()
-                    t1, t2 = map(int, line.split())
-                    exchanges.append((t0, t1, t2, t3))
-            except (OSError, ValueError) as e:
-                raise self.conns[dc].error(f"clock exchange failed: {e or 'no answer'}") from None
-            return clock.estimate(exchanges)
-
-        return self._each(one)
+        return self._each(lambda dc, h: echo_offset(self.conns[dc], *self._echo[dc]))
 
     def start_agent(self, dc: str, cfg: dict, out_dir: Path, secret_file: Path) -> None:
         h, conn = self.hosts[dc], self.conns[dc]

@@ -169,6 +169,8 @@ KEY_DOCS: dict[str, str] = {
                 "`{redraw: {lo, hi, every_s, seed}}` ([below](#dynamics-and-faults))",
     "dynamics_per_run": "`true`: every run (variant x repetition) replays dynamics and faults from its own "
                         "start on the healthy network, so compared schemes see the same conditions",
+    "placement": "`{dc: server}`: with `--servers`, pin datacenters to servers of the servers file; the rest "
+                 "are placed to cut the least rate ([multi-server guide](../guides/multi-server.md))",
     "faults": "`{at_s, link_down: [a, b]}`, `{at_s, link_up: [a, b]}`, `{at_s, crash: dc}`, `{at_s, restart: dc}`",
     "variants": "more schemes run on the same network and compared in one results.json",
     "variants[].label": "the variant's name in tables and figures (default: the scheme's name; unique)",
@@ -213,7 +215,7 @@ KEY_DOCS: dict[str, str] = {
 }
 
 #: Keys whose value is a mapping of user names (not sub-keys).
-FREE_MAPPINGS = {"agents.clock_offset_ms"}
+FREE_MAPPINGS = {"agents.clock_offset_ms", "placement"}
 SCHEME_NAME = "the scheme's name"
 _PROBE_BASE = {"name": "probe", "topology": "small-3", "scheme": {"name": "ring"}}
 _PROBE_VALUES = ("zz", -1, 0, 0.5, 10 ** 9)
@@ -401,7 +403,7 @@ def section_experiments() -> str:
     from testbed import config
 
     rows = []
-    for f in sorted(config.EXPERIMENT_DIR.glob("*.yaml")):
+    for f in config.shipped_experiments():
         head = []
         for line in f.read_text().splitlines():
             if not line.startswith("#"):

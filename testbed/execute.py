@@ -19,7 +19,9 @@ the host) carrying the node address.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import subprocess
 import time
 from pathlib import Path
 from typing import Callable
@@ -34,9 +36,11 @@ OUTPUT_KEEP = 64 * 1024  # bytes of each stream kept in results.json (the files 
 def _add_node_interface(net, dc: str) -> None:
     addr = net.node_address(dc)
     # a veth pair inside the host (kernels without the dummy module have veth: Mininet needs it)
-    out = net.host(dc).cmd(f"ip link add {NODE_IFNAME} type veth peer name {NODE_IFNAME}-peer && "
-                           f"ip addr add {addr}/32 dev {NODE_IFNAME} && ip link set {NODE_IFNAME}-peer up && "
-                           f"ip link set {NODE_IFNAME} up && echo ok")
+    p = net.popen(dc, ["sh", "-c", f"ip link add {NODE_IFNAME} type veth peer name {NODE_IFNAME}-peer && "
+                                   f"ip addr add {addr}/32 dev {NODE_IFNAME} && ip link set {NODE_IFNAME}-peer up && "
+                                   f"ip link set {NODE_IFNAME} up && echo ok"],
+                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    out, _ = p.communicate(timeout=30)
     if "ok" not in out:
         raise RunError(f"{dc}: cannot add interface {NODE_IFNAME} for the node address: {out.strip()}")
 
@@ -66,9 +70,10 @@ def substitute(argv: list[str], dc: str, rank: int) -> list[str]:
 
 def exec_command(exp: Experiment, argv: list[str], out_dir: Path, *, on: list[str] | None = None,
                  master_port: int = 29500, timeout_s: float | None = None,
-                 progress: Callable[[str], None] = lambda m: None) -> dict:
-    """Run ``argv`` in the chosen datacenters of ``exp``'s network; return the results
-    record (``processes``: per datacenter rank, argv, exit code, wall time, output)."""
+                 progress: Callable[[str], None] = lambda m: None, net=None) -> dict:
+    """Run ``argv`` in the chosen datacenters of ``exp``'s network (``net``: one already
+    open, e.g. on several servers); return the results record (``processes``: per
+    datacenter rank, argv, exit code, wall time, output)."""
     from testbed.emulator.dynamics import Scheduler
     from testbed.experiment import open_network
     from testbed.results import environment
@@ -80,7 +85,7 @@ def exec_command(exp: Experiment, argv: list[str], out_dir: Path, *, on: list[st
     logs = out_dir / "exec"
     logs.mkdir(parents=True, exist_ok=True)
     results: dict = {"experiment": exp.to_dict(), "environment": environment(), "command": argv, "processes": {}}
-    with open_network(exp, progress) as net:
+    with (open_network(exp, progress) if net is None else contextlib.nullcontext(net)) as net:
         results["links"] = net.link_report()
         results["events_t0_s"] = net.t0
         addrs = {dc: net.node_address(dc) for dc in dcs}

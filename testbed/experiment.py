@@ -186,15 +186,15 @@ def open_network(exp: Experiment, progress: Callable[[str], None], caps=None):
 
 
 def run_experiment(exp: Experiment, out_dir: Path, progress: Callable[[str], None], net=None,
-                   save: Callable[[dict], None] | None = None) -> dict:
-    """Plan every variant, build the WAN once (or use ``net``, an open network of the same
-    topology: a sweep reuses one), run every variant ``repetitions`` times on it, tear down
-    what it built, return results.  ``save(results so far)`` after every run, and with
-    ``error`` set when a run fails (the error is raised after it), so a later failure keeps
-    what finished."""
+                   save: Callable[[dict], None] | None = None, planned: list[Planned] | None = None) -> dict:
+    """Plan every variant (unless ``planned`` already), build the WAN once (or use ``net``, an
+    open network of the same topology: a sweep reuses one), run every variant ``repetitions``
+    times on it, tear down what it built, return results.  ``save(results so far)`` after every
+    run, and with ``error`` set when a run fails (the error is raised after it), so a later
+    failure keeps what finished."""
     from testbed.emulator.capabilities import probe
 
-    planned = plan_variants(exp, progress)
+    planned = plan_variants(exp, progress) if planned is None else planned
     caps = probe()
     results: dict = {"experiment": exp.to_dict(), "environment": environment(caps), "runs": []}
 
@@ -219,7 +219,6 @@ def run_experiment(exp: Experiment, out_dir: Path, progress: Callable[[str], Non
 def _run_on_network(exp: Experiment, planned: list[Planned], results: dict, out_dir: Path, progress, caps, net,
                     checkpoint: Callable[[list], None], failed: Callable[[FailedRun], None]) -> None:
     from testbed.emulator.dynamics import Scheduler, restore_network
-    from testbed.emulator.hosts import EmulatedHosts
 
     with (open_network(exp, progress, caps) if net is None else contextlib.nullcontext(net)) as net:
         results["links"] = net.link_report()
@@ -238,7 +237,7 @@ def _run_on_network(exp: Experiment, planned: list[Planned], results: dict, out_
         net.reset_relay_window()  # judge the emulator on the measured phase only
         cpu = CpuMeter().start()
         try:
-            run_variants(exp, planned, EmulatedHosts(net), out_dir, progress, on_run=checkpoint,
+            run_variants(exp, planned, net.agent_hosts(), out_dir, progress, on_run=checkpoint,
                          before_run=replay_dynamics if per_run else None, on_failure=failed)
         finally:
             for sched in scheds:

@@ -36,7 +36,7 @@ from testbed.results import REPO, CpuMeter, environment, write_json_atomic
 CLAIMS_FILE = REPO / "experiments" / "reproduce" / "claims.yaml"
 MODES = ("full", "quick", "smoke")
 MODE_TEXT = {"full": "the sizes of the claims file (full)",
-             "quick": "--quick: reduced sizes and fewer runs, about 15 minutes on a 2-core machine",
+             "quick": "--quick: reduced sizes and fewer runs, about 25 minutes on a 2-core machine",
              "smoke": "--smoke: tiny sizes, a few runs; checks the command, judges no emulated claim"}
 VERDICTS = ("reproduced", "not reproduced", "not comparable", "not run")
 QUANTITIES = ("cct", "rounds", "predicted", "plan")

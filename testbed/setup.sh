@@ -33,15 +33,15 @@ fi
 if ! "$PY" - <<'PYEOF' 2>/dev/null
 import importlib.metadata as m, sys
 need = {"numpy": "1.24", "networkx": "2.8", "scipy": "1.10", "PyYAML": "6.0", "pytest": "7.0", "mininet": "2.3",
-        "matplotlib": "3.5", "paramiko": "3.2"}
+        "matplotlib": "3.5", "paramiko": "3.2", "pymetis": "2023.1"}
 for name in need:
     m.version(name)
-import mininet.nodelib, numpy, networkx, scipy.optimize, yaml, matplotlib, paramiko  # noqa
+import mininet.nodelib, numpy, networkx, scipy.optimize, yaml, matplotlib, paramiko, pymetis  # noqa
 PYEOF
 then
   echo "setup: installing Python packages for $("$PY" -c 'import sys; print(sys.executable)')"
   PIP=("$PY" -m pip install -q --disable-pip-version-check --root-user-action=ignore)
-  REQS=(numpy networkx scipy pyyaml pytest mininet matplotlib "paramiko>=3.2")
+  REQS=(numpy networkx scipy pyyaml pytest mininet matplotlib "paramiko>=3.2" pymetis)
   # Debian/Ubuntu mark the system interpreter "externally managed" (PEP 668); this is a
   # root tool on a dedicated machine/VM, so install beside apt's packages there.
   "${PIP[@]}" "${REQS[@]}" 2>/dev/null || "${PIP[@]}" --break-system-packages "${REQS[@]}"

@@ -377,3 +377,150 @@ class Connection:
         changed = [n for n in names if there.get(n) != hashlib.sha256(files[n]).hexdigest()]
         self.put(folder, {n: files[n] for n in changed})
         return changed
+
+
+class RemotePopen:
+    """A command on a host as a :class:`subprocess.Popen` look-alike, for code written for
+    local processes (the emulator's link checks, ``exec``): ``stdin``/``stdout``/``stderr``
+    are real pipe files here when asked for with ``subprocess.PIPE`` (so ``select`` works),
+    ``subprocess.DEVNULL`` is redirected on the host, a file object receives the output;
+    ``poll``, ``wait``, ``communicate``, ``kill``, ``returncode``.  The command runs in its
+    own process group (the session sshd makes), which :meth:`kill` signals."""
+
+    def __init__(self, conn: "Connection", command: str, *, cwd: str | None = None, stdin=None, stdout=None,
+                 stderr=None, text: bool = False, universal_newlines: bool = False):
+        import subprocess
+
+        self.conn, self.args, self.returncode, self.pid = conn, command, None, None
+        text = text or universal_newlines
+        redirect = ("" if stdout not in (None, subprocess.DEVNULL) else " >/dev/null") + (
+            " 2>&1" if stderr == subprocess.STDOUT else "" if stderr not in (None, subprocess.DEVNULL) else " 2>/dev/null")
+        cd = f"cd {shlex.quote(cwd)} && " if cwd else ""
+        self.chan = conn.channel(f"{cd}echo $$ && exec {command}{redirect}")
+        self._threads: list[threading.Thread] = []
+        self.stdin = self.stdout = self.stderr = None
+        self._pid_ready = threading.Event()
+        if stdin == subprocess.PIPE:
+            r, w = os.pipe()
+            self.stdin = os.fdopen(w, "w" if text else "wb")
+            self._thread(self._feed, r)
+        else:
+            self.chan.shutdown_write()
+        self.stdout = self._sink(stdout, self.chan.recv, text, first_line=True)
+        self.stderr = self._sink(stderr if stderr != subprocess.STDOUT else subprocess.DEVNULL,
+                                 self.chan.recv_stderr, text)
+        if not self._pid_ready.wait(conn.options.command_timeout_s):
+            raise conn.error(f"starting {command[:60]!r}: no answer")
+
+    def _thread(self, fn, *args) -> None:
+        t = threading.Thread(target=fn, args=args, daemon=True, name=f"rp-{self.conn.name}")
+        t.start()
+        self._threads.append(t)
+
+    def _feed(self, fd: int) -> None:
+        try:
+            while data := os.read(fd, 65536):
+                self.chan.sendall(data)
+            self.chan.shutdown_write()
+        except (OSError, EOFError, paramiko.SSHException):
+            pass
+        finally:
+            os.close(fd)
+
+    def _sink(self, where, recv, text: bool, first_line: bool = False):
+        """Copy ``recv``'s bytes to ``where``: a new pipe (returned as a file) for PIPE, a file
+        object's descriptor, or nowhere.  The first line of stdout is the remote pid."""
+        import subprocess
+
+        out, fd = None, None
+        if where == subprocess.PIPE:
+            r, fd = os.pipe()
+            out = os.fdopen(r, "r" if text else "rb")
+        elif where not in (None, subprocess.DEVNULL):
+            fd = os.dup(where.fileno())
+
+        def copy() -> None:
+            head = b""
+            try:
+                while data := recv(65536):
+                    if first_line and self.pid is None:
+                        head += data
+                        if b"\n" not in head:
+                            continue
+                        line, _, data = head.partition(b"\n")
+                        self.pid = int(line)
+                        self._pid_ready.set()
+                    if fd is not None and data:
+                        os.write(fd, data)
+            except (OSError, EOFError, ValueError, paramiko.SSHException):
+                pass
+            finally:
+                self._pid_ready.set()
+                if fd is not None:
+                    os.close(fd)
+        self._thread(copy)
+        return out
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            if self.chan.exit_status_ready():
+                self.returncode = self.chan.recv_exit_status()
+            elif self.chan.closed or not self.chan.get_transport().is_active():
+                self.returncode = -1  # the connection is gone
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        import subprocess
+
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(self.args, timeout)
+            self.chan.status_event.wait(0.1)
+        for t in self._threads:
+            t.join(timeout=2.0)
+        return self.returncode
+
+    def communicate(self, input=None, timeout: float | None = None):
+        import subprocess
+
+        if input is not None and self.stdin:
+            self.stdin.write(input)
+        if self.stdin and not self.stdin.closed:
+            try:
+                self.stdin.close()
+            except OSError:
+                pass
+        got: dict[str, object] = {}
+
+        def read(name: str, f) -> None:
+            got[name] = f.read()
+        readers = [threading.Thread(target=read, args=(n, f), daemon=True)
+                   for n, f in (("out", self.stdout), ("err", self.stderr)) if f is not None and not f.closed]
+        for r in readers:
+            r.start()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for r in readers:
+            r.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+            if r.is_alive():
+                raise subprocess.TimeoutExpired(self.args, timeout)
+        self.wait(None if deadline is None else max(0.1, deadline - time.monotonic()))
+        return got.get("out"), got.get("err")
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is not None or self.pid is None:
+            return
+        try:
+            self.conn.run(f"kill -{int(sig)} -- -{self.pid} {self.pid} 2>/dev/null; true", "signalling a process",
+                          timeout=15)
+        except SshError:
+            pass
+
+    def terminate(self) -> None:
+        self.send_signal(15)
+
+    def kill(self) -> None:
+        self.send_signal(9)
+
+    def close(self) -> None:
+        self.chan.close()

@@ -4,7 +4,7 @@ run that is still going.
 Left-overs are recognised by name, never by guessing: Mininet host shells of our hosts
 (``mininet:d<i>``, ``mininet:wan``), agent/coordinator/relay processes, iperf3/ping started
 inside a non-root network namespace, root-namespace interfaces of our naming scheme
-(``d<i>-*``, ``r<j>a``/``r<j>b``, ``tbc0*``), ``ip netns`` namespaces named ``tb*``, and the
+(``d<i>-*``, ``r<j>a``/``r<j>b``, ``tbc0*``, tunnels ``tbx<j>``, the local servers' ``tbu*``), ``ip netns`` namespaces named ``tb*``, and the
 relays' configuration directories (``$TMPDIR/tbrelay-<run id>-*``).
 
 Ownership: a run records its id (:func:`claim`: the owner's pid and start time) in the
@@ -26,9 +26,10 @@ import subprocess
 import tempfile
 import time
 
-OUR_CMDLINE = re.compile(r"(mininet:(d\d+|wan|tbc0)\b|agents\.agent|agents\.coordinator|tbrelay)")
+OUR_CMDLINE = re.compile(r"(mininet:(d\d+|wan|tbc0)\b|agents\.agent|agents\.coordinator|tbrelay|"
+                         r"testbed\.emulator\.serve)")
 NS_TOOLS = re.compile(r"^(iperf3|ping)\b")
-OUR_INTF = re.compile(r"^(d\d+-\S+|r\d+[ab]|tbc0\S*)$")
+OUR_INTF = re.compile(r"^(d\d+-\S+|r\d+[ab]|tbc0\S*|tbx\d+|tbu\S*)$")
 RUN_ENV = "TESTBED_RUN"
 ALIAS_PREFIX = "testbed-run="
 BRIDGE = "tbc0"
@@ -75,6 +76,22 @@ def _stale_process(pid: str) -> bool:
     except (OSError, ValueError, IndexError):
         return True
     return ppid <= 1  # an orphan: whoever started it is gone
+
+
+def kill_run(rid: str) -> int:
+    """SIGKILL every process of run ``rid`` (its environment's run id), remove its relays'
+    directories; how many processes."""
+    n = 0
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        if int(pid) != os.getpid() and _environ_run(pid) == rid:
+            try:
+                os.kill(int(pid), signal.SIGKILL)
+                n += 1
+            except OSError:
+                pass
+    for d in glob.glob(os.path.join(tempfile.gettempdir(), f"tbrelay-{rid}-*")):
+        shutil.rmtree(d, ignore_errors=True)
+    return n
 
 
 def bridge_owner() -> str | None:

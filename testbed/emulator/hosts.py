@@ -6,7 +6,6 @@ import os
 import sys
 from pathlib import Path
 
-from testbed.emulator.network import CONTROL_IP
 from testbed.hosts import DATA_PORT, Hosts
 from testbed.results import REPO, write_json_atomic
 
@@ -18,8 +17,8 @@ class EmulatedHosts(Hosts):
 
     def __init__(self, net):
         self.net, self._procs = net, {}
-        self.coordinator_host = CONTROL_IP  # agents connect here; the coordinator binds it, any port
-        self.coordinator_bind = (CONTROL_IP, 0)
+        self.coordinator_host = net.control_gateway  # agents connect here; the coordinator binds it, any port
+        self.coordinator_bind = (net.control_gateway, 0)
 
     def addresses(self) -> dict:
         return self.net.address_map()

@@ -699,10 +699,11 @@ def _udp_concurrent(net, directions, seconds: float) -> list[dict]:
 
 def run_linkcheck(topo, *, seconds: float = 6.0, phases=("single", "concurrent"), method: str = "auto",
                   max_late_ms: float = 2.0, tcp_cc: str = DEFAULT_TCP_CC, parallel: int = 0, load: str = "tcp",
-                  progress=print) -> dict:
+                  progress=print, network=None) -> dict:
     """``parallel``: directions checked at once link by link (0: :func:`single_parallel`);
     ``load``: what loads every direction at once, "tcp" (:func:`_concurrent`) or "udp"
-    (:func:`_udp_concurrent`)."""
+    (:func:`_udp_concurrent`); ``network``: what builds the network (default
+    :class:`~.network.WanNetwork`; the same keywords), e.g. one spread over several servers."""
     from testbed.emulator.network import WanNetwork
 
     before = tcp_memory()
@@ -713,7 +714,7 @@ def run_linkcheck(topo, *, seconds: float = 6.0, phases=("single", "concurrent")
     if before["mem_mb"] > 0.1 * before["marks_mb"][1]:
         progress(f"warning: TCP already holds {before['mem_mb']:g} MB ({before['orphans']} orphaned sockets), "
                  f"against memory pressure at {before['marks_mb'][1]:g} MB: long-RTT links may read short")
-    with WanNetwork(topo, method=method, log=progress, icmp_priority=True, tcp_cc=tcp_cc) as net:
+    with (network or WanNetwork)(topo, method=method, log=progress, icmp_priority=True, tcp_cc=tcp_cc) as net:
         result["method"], result["memory_hold"] = net.method, net.memory_hold
         all_dirs = list(net.directions)
         whole = CpuMeter().start()

@@ -30,6 +30,19 @@ every hop can route on it (a socket mark does not leave the sending host, a port
 agents to pick ports and rules that match ports), the agents' only part is binding a data
 socket to an address before connecting, and the acknowledgements, addressed to it, can be
 routed back along the same path.
+
+On several servers (``share``, :class:`Share`; ``--servers``): each server builds this for its
+share of the datacenters with the full topology's addresses and routes, so a flow takes the
+same path through the same links as on one machine.  A link whose ends are on two servers is
+one VXLAN tunnel (one VNI per link) between the servers' underlay addresses: its device is
+created here, where the underlay is, and moved into the datacenter's namespace (or, where the
+link needs the delay relay and the relay runs on this server, into the relay namespace, the
+relay then sitting between the datacenter's veth and the tunnel).  Either way the sender's
+interface is shaped by the same ``shaping`` commands as a local link's.  VXLAN, not GRE: the
+kernels met have VXLAN built in and some lack GRE (``ip_gre``), and VXLAN's UDP crosses
+NAT-free clouds and firewalls as one port.  MTU: every WAN interface gets ``Share.mtu``
+(1500 where the underlay carries 1550, else the underlay's less the 50 bytes of VXLAN headers),
+so every path has one MTU.
 """
 
 from __future__ import annotations
@@ -149,6 +162,32 @@ class Direction:
                 **({} if self.segment_loss is None else {"segment_loss": self.segment_loss})}
 
 
+@dataclass(frozen=True)
+class Tunnel:
+    """The VXLAN tunnel of one link whose other end is on another server."""
+
+    vni: int
+    local: str  # this server's underlay address
+    remote: str  # the other end's server's underlay address
+    relay_here: bool = False  # the link's delay relay (if it needs one) runs on this server
+    underlay_delay_ms: float = 0.0  # one-way delay of the underlay, taken off the relay's delay
+
+
+@dataclass(frozen=True)
+class Share:
+    """What one server of several builds: its datacenters and the tunnels of its cut links."""
+
+    nodes: tuple[str, ...]
+    tunnels: dict[int, Tunnel]  # link index -> tunnel
+    port: int = 4789  # VXLAN UDP port
+    mtu: int = 1500  # of every WAN interface
+
+
+def tunnel_name(j: int) -> str:
+    """A tunnel device's name until it is moved (and renamed) into its namespace."""
+    return f"tbx{j}"
+
+
 @dataclass
 class WanNetwork:
     """Build, run and tear down the emulated WAN of ``topo``.  Use as a context manager:
@@ -164,6 +203,7 @@ class WanNetwork:
     icmp_priority: bool = False  # linkcheck only: see shaping.shape_commands
     tcp_cc: str = DEFAULT_TCP_CC  # TCP congestion control of every datacenter host
     directions: dict[tuple[str, str], Direction] = field(default_factory=dict)
+    share: Share | None = None  # on several servers: this server's part (None: everything here)
 
     def __post_init__(self):
         self.index = {dc: i for i, dc in enumerate(self.topo.nodes)}
@@ -197,8 +237,10 @@ class WanNetwork:
         """Check the machine, build the hosts and links, shape them, start the relays."""
         from mininet.log import setLogLevel
         from mininet.net import Mininet
+        from mininet.nodelib import LinuxBridge
 
         route = self._preflight()
+        method = self.method
         self._allow_tcp_cc()
         self.run_id = cleanup.claim()  # inherited by every process of this network (clean spares live runs)
         setLogLevel("error")
@@ -207,12 +249,20 @@ class WanNetwork:
         if self.memory_hold and not self.memory_hold["full"]:
             self.log(f"warning: {self.memory_hold['note']}: the emulator may stall (docs/guides/link-fidelity.md)")
         self.log(f"building {len(self.topo.nodes)} datacenters, {len(self.topo.links)} links "
-                 f"(shaping: {self.method})")
+                 f"(shaping: {method})")
         net = self.net = Mininet(build=False, controller=None, topo=None, autoSetMacs=False,
                                  waitConnected=False)
-        wan, relay_pairs = self._add_hosts_and_links(net)
+        local = set(self.share.nodes) if self.share else set(self.topo.nodes)
+        for dc, i in self.index.items():
+            if dc in local:
+                self.hosts[dc] = net.addHost(f"{HOST_PREFIX}{i}", ip=None)
+        bridge = net.addSwitch(CONTROL_BRIDGE, cls=LinuxBridge)
+        wan, relay_pairs = self._add_links(net, method, local)
+        for dc, h in self.hosts.items():
+            net.addLink(h, bridge, intfName1=f"{h.name}-ctl", intfName2=f"{CONTROL_BRIDGE}-{h.name}")
         net.build()
         net.start()
+        self._make_tunnels()
         _check(subprocess.run(["ip", "addr", "replace", f"{CONTROL_IP}/32", "dev", CONTROL_BRIDGE],
                               capture_output=True, text=True), "control bridge address")
         _check(subprocess.run(["ip", "route", "replace", str(route), "dev", CONTROL_BRIDGE, "src", CONTROL_IP],
@@ -249,18 +299,22 @@ class WanNetwork:
                            f"{', '.join(hidden)}: the emulator's control addresses are 10.255.0.0/16")
         return route
 
-    def _add_hosts_and_links(self, net) -> tuple:
-        """A host per datacenter, a link per WAN link (through the relay host ``wan`` where the
-        link's method relays), each direction recorded, and every host on the control bridge:
-        (``wan`` or None, the relayed links' (index, interface towards a, towards b))."""
-        from mininet.nodelib import LinuxBridge
+    def _add_links(self, net, method: str, local: set[str]) -> tuple:
+        """Every WAN link with an end in ``local``: a veth (through the relay namespace
+        ``wan`` where its method relays), or, on several servers, a cut link's local end whose
+        tunnel :meth:`_make_tunnels` makes; ``directions`` filled.  Returns (the relay
+        namespace or None, the relay's (link, interface a, interface b))."""
+        link_methods = [shaping.link_method(method, (link.ab, link.ba)) for link in self.topo.links]
+        tunnels = self.share.tunnels if self.share else {}
 
-        for dc, i in self.index.items():
-            self.hosts[dc] = net.addHost(f"{HOST_PREFIX}{i}", ip=None)
-        link_methods = [shaping.link_method(self.method, (link.ab, link.ba)) for link in self.topo.links]
-        relayed = {j for j, m in enumerate(link_methods) if shaping.METHODS[m].relay}
+        def relay_here(j: int) -> bool:  # a cut link's relay runs on the server its tunnel says
+            if not shaping.METHODS[link_methods[j]].relay:
+                return False
+            link = self.topo.links[j]
+            return tunnels[j].relay_here if j in tunnels else {link.a, link.b} <= local
+        relayed = {j for j in range(len(self.topo.links)) if relay_here(j)}
         wan = net.addHost("wan", ip=None) if relayed else None
-        bridge = net.addSwitch(CONTROL_BRIDGE, cls=LinuxBridge)
+        self._tunnel_ends: list[tuple[int, object, str]] = []  # (link, host it goes in, name there)
         self._link_intf: dict[tuple[str, int], str] = {}  # (dc, link index) -> interface
         port = {dc: 0 for dc in self.topo.nodes}
         relay_pairs = []
@@ -268,21 +322,47 @@ class WanNetwork:
             ia, ib = (f"{HOST_PREFIX}{self.index[dc]}-eth{port[dc]}" for dc in (link.a, link.b))
             port[link.a] += 1
             port[link.b] += 1
-            ha, hb = self.hosts[link.a], self.hosts[link.b]
-            if j not in relayed:
+            ends = [dc for dc in (link.a, link.b) if dc in local]
+            if not ends:
+                continue
+            ha, hb = self.hosts.get(link.a), self.hosts.get(link.b)
+            if len(ends) == 2 and j not in relayed:
                 net.addLink(ha, hb, intfName1=ia, intfName2=ib)
-            else:
+            elif len(ends) == 2:
                 net.addLink(ha, wan, intfName1=ia, intfName2=f"r{j}a")
                 net.addLink(wan, hb, intfName1=f"r{j}b", intfName2=ib)
                 relay_pairs.append((j, f"r{j}a", f"r{j}b"))
-            self._link_intf[(link.a, j)] = ia
-            self._link_intf[(link.b, j)] = ib
+            elif j in relayed:  # the datacenter's veth to the relay; the tunnel is the relay's far side
+                if ha is not None:
+                    net.addLink(ha, wan, intfName1=ia, intfName2=f"r{j}a")
+                    self._tunnel_ends.append((j, wan, f"r{j}b"))
+                else:
+                    net.addLink(wan, hb, intfName1=f"r{j}b", intfName2=ib)
+                    self._tunnel_ends.append((j, wan, f"r{j}a"))
+                relay_pairs.append((j, f"r{j}a", f"r{j}b"))
+            else:  # the tunnel is the datacenter's own interface
+                self._tunnel_ends.append((j, ha or hb, ia if ha is not None else ib))
             m = link_methods[j]
-            self.directions[(link.a, link.b)] = Direction(link.a, link.b, j, ia, link.ab, m)
-            self.directions[(link.b, link.a)] = Direction(link.b, link.a, j, ib, link.ba, m)
-        for dc, h in self.hosts.items():
-            net.addLink(h, bridge, intfName1=f"{h.name}-ctl", intfName2=f"{CONTROL_BRIDGE}-{h.name}")
+            for dc, intf, other, spec in ((link.a, ia, link.b, link.ab), (link.b, ib, link.a, link.ba)):
+                if dc in local:
+                    self._link_intf[(dc, j)] = intf
+                    self.directions[(dc, other)] = Direction(dc, other, j, intf, spec, m)
         return wan, relay_pairs
+
+    def _make_tunnels(self) -> None:
+        """Each cut link's VXLAN device: made here, on the underlay, then moved (and renamed)
+        into the namespace it serves; the kernel keeps its UDP socket on the underlay."""
+        for j, host, name in self._tunnel_ends:
+            t = self.share.tunnels[j]
+            dev = tunnel_name(j)
+            for argv in (["ip", "link", "add", dev, "type", "vxlan", "id", str(t.vni), "local", t.local,
+                          "remote", t.remote, "dstport", str(self.share.port), "nolearning"],
+                         ["ip", "link", "set", dev, "mtu", str(self.share.mtu)],
+                         ["ip", "link", "set", dev, "netns", str(host.pid), "name", name]):
+                res = subprocess.run(argv, capture_output=True, text=True)
+                if res.returncode != 0:
+                    subprocess.run(["ip", "link", "del", dev], capture_output=True)
+                    _check(res, f"tunnel of link {j} ({' '.join(argv[:5])})")
 
     def stop(self) -> None:
         """Tear everything down; safe to call twice and on a half-built network."""
@@ -323,7 +403,7 @@ class WanNetwork:
 
     def _configure_hosts(self) -> None:
         # socket buffers: 4x the largest bandwidth x round-trip product, so one flow can fill any link
-        bdp = max((d.spec.rate_mbps * 1e6 / 8 * (d.spec.delay_ms + self.directions[(d.dst, d.src)].spec.delay_ms
+        bdp = max((d.spec.rate_mbps * 1e6 / 8 * (d.spec.delay_ms + self.topo.linkdir(d.dst, d.src).delay_ms
                                                   + 6 * d.spec.jitter_ms) / 1e3
                    for d in self.directions.values()), default=0)
         buf = int(max(16 << 20, 4 * bdp))
@@ -347,7 +427,7 @@ class WanNetwork:
             for (owner, j), intf in self._link_intf.items():
                 if owner == dc:
                     end = 0 if self.topo.links[j].a == dc else 1
-                    cmds += [f"addr add {link_ip(j, end)}/24 dev {intf}", f"link set {intf} up"]
+                    cmds += [f"addr add {link_ip(j, end)}/24 dev {intf}", f"link set {intf} up{self._mtu_arg()}"]
                     _exec(h, ["sysctl", "-q", "-w", f"net.ipv4.conf.{intf}.rp_filter=0"])
             _batch(h, "ip", cmds + self._route_lines(dc, paths))
         tc_lines: dict[str, list[str]] = {}
@@ -390,12 +470,16 @@ class WanNetwork:
         links = []
         for j, ra, rb in pairs:
             for intf in (ra, rb):
-                _exec(wan, ["ip", "link", "set", intf, "up"])
+                _exec(wan, ["ip", "link", "set", intf, "up", *self._mtu_arg().split()])
             link = self.topo.links[j]
+            t = self.share.tunnels.get(j) if self.share else None
+            under = t.underlay_delay_ms if t else 0.0  # a tunnel's own delay is part of the link's
             links.append(relay_mod.RelayLink(
                 iface_ab_in=ra, iface_ba_in=rb,
-                ab=relay_mod.RelayDirection(link.ab.delay_ms, link.ab.jitter_ms, link.ab.loss, link.ab.distribution),
-                ba=relay_mod.RelayDirection(link.ba.delay_ms, link.ba.jitter_ms, link.ba.loss, link.ba.distribution),
+                ab=relay_mod.RelayDirection(max(0.0, link.ab.delay_ms - under), link.ab.jitter_ms, link.ab.loss,
+                                            link.ab.distribution),
+                ba=relay_mod.RelayDirection(max(0.0, link.ba.delay_ms - under), link.ba.jitter_ms, link.ba.loss,
+                                            link.ba.distribution),
                 rate_mbps_max=max(link.ab.rate_mbps, link.ba.rate_mbps)))
         lay = relay_mod.layout(links, os.cpu_count() or 1, self.relay_procs)
         self.relay_layout = {k: v for k, v in lay.items() if k != "groups"}
@@ -406,6 +490,9 @@ class WanNetwork:
             self.relays.append(r)
             r.start(wan.popen)
         self.log(f"user-space delay relay: {len(groups)} process(es) for {len(pairs)} links")
+
+    def _mtu_arg(self) -> str:
+        return f" mtu {self.share.mtu}" if self.share and self.share.mtu != shaping.MTU else ""
 
     def health(self) -> str | None:
         """Why the network cannot carry a run any more (a relay or a host's shell, which holds
@@ -440,6 +527,14 @@ class WanNetwork:
         return {s: {d: self.peer_address(s, d) for d in self.topo.nodes if d != s} for s in self.topo.nodes}
 
     # -- processes ---------------------------------------------------------------
+    control_gateway = CONTROL_IP  # the control network's address here: where agents reach the coordinator
+
+    def agent_hosts(self):
+        """The :class:`~testbed.hosts.Hosts` that runs agents in this network's datacenters."""
+        from testbed.emulator.hosts import EmulatedHosts
+
+        return EmulatedHosts(self)
+
     def popen(self, dc: str, argv: list[str], **kw) -> subprocess.Popen:
         """Start ``argv`` inside datacenter ``dc``; killed (whole process group) at stop()."""
         kw.setdefault("stdout", subprocess.DEVNULL)
@@ -472,6 +567,8 @@ class WanNetwork:
 
     def set_link(self, a: str, b: str, up: bool) -> None:
         for src, dst in ((a, b), (b, a)):
+            if self.share and src not in self.share.nodes:
+                continue  # its server sets that direction
             d = self._direction(src, dst)
             _exec(self.hosts[src], ["ip", "link", "set", d.intf, "up" if up else "down"])
             d.up = up
