@@ -318,6 +318,18 @@ class Executor:
         self.subblock = max(int(subblock_bytes), self.dtype.itemsize)
         self.bufs = {"x": np.zeros(length, self.dtype)}
         self.bufs.update({b: np.zeros(n, self.dtype) for b, n in (scratch or {}).items()})
+        self._init_graph()
+        self._init_state()
+        self._gate = gate
+        self._tickets: dict[int, int] = {}  # send op -> its LinkGate ticket (while queued)
+        self.withdraw = None  # op -> bool: send it withdrawn (no payload), asked as it is written
+        self.on_withdrawn = None  # recv op -> the payload this node holds for a withdrawn transfer, or None
+        self._reset_run(-1)
+        self._init_aux(nodes or [], aux or {}, connect, on_missing)
+
+    def _init_graph(self) -> None:
+        """The program's dependency graph by op index, each op's view of its buffer, and a
+        receive buffer per recv op (which transfer on which connection it expects)."""
         pos = {op.id: i for i, op in enumerate(self.prog)}
         self._ndeps = [len(set(op.deps)) for op in self.prog]
         self._deps = [sorted({pos[d] for d in op.deps}) for op in self.prog]
@@ -340,6 +352,9 @@ class Executor:
                 self._expect[(op.peer, op.channel)][op.xfer] = i
             elif op.kind == SEND:
                 self._out_keys.add((op.peer, op.channel))
+
+    def _init_state(self) -> None:
+        """Connections, the event queue and the lock, and every op's state (guarded by the lock)."""
         n = len(self.prog)
         self._got = [-1] * n  # iteration whose data last arrived whole, per recv op
         self._senders: dict[tuple[str, int], tuple[socket.socket, _Outbox]] = {}
@@ -362,12 +377,6 @@ class Executor:
         self._run_it = -1  # the iteration being run
         self._queued: set[int] = set()
         self.iteration = 0  # the iteration whose data receivers accept
-        self._gate = gate
-        self._tickets: dict[int, int] = {}  # send op -> its LinkGate ticket (while queued)
-        self.withdraw = None  # op -> bool: send it withdrawn (no payload), asked as it is written
-        self.on_withdrawn = None  # recv op -> the payload this node holds for a withdrawn transfer, or None
-        self._reset_run(-1)
-        self._init_aux(nodes or [], aux or {}, connect, on_missing)
 
     def _reset_run(self, iteration: int) -> None:
         """Per-run state (under the lock)."""
@@ -517,56 +526,17 @@ class Executor:
                 self._tx_bytes[i] = sent
                 self._progress = time.monotonic()
 
-    def _send_loop(self, key: tuple[str, int], sock: socket.socket, box: _Outbox) -> None:  # noqa: PLR0915 -- one connection's sender thread: every error path must close the socket it owns
+    def _send_loop(self, key: tuple[str, int], sock: socket.socket, box: _Outbox) -> None:
+        """One connection's sender thread: :meth:`_send_items` until closing; every way it can
+        fail becomes the run's error (an auxiliary path is given up instead), and the socket it
+        owns is closed and the link turns of the sends it will not make are passed on."""
         peer, ch = key
-        hbuf = bytearray(64)
-        flags = FLAG_ACK_REQ if self.stop_and_wait else 0
         broken = (OSError, Truncated) if is_aux(ch) else ()  # an auxiliary path is given up, not fatal
-        item = None
+        current = [None]  # the item being sent, for the error paths
         try:
-            while True:
-                with self._lock:
-                    item = None
-                    while not self._closing and (item := self._pick(box)) is None:
-                        box.cv.wait(POLL_S)
-                if item is None:
-                    return
-                i, it, route, payload = item
-                start = time.time_ns()
-                if i is None:  # a relayed or re-sent chunk: ``it`` is its header, stamped per hop
-                    if isinstance(payload, Relayed):
-                        payload.send(sock, it._replace(send_ts_ns=start), self.timeout_s, self._tick)
-                    else:
-                        send_frame(sock, it._replace(send_ts_ns=start), payload, self._tick)
-                    continue
-                op, view = self.prog[i], self._views[i] if payload is None else payload
-                self._tx_bytes[i] = 0
-                t = self._tickets.get(i)
-                if not route and self.withdraw is not None and self.withdraw(op):
-                    if t is not None:  # no payload: it needs no turn on the link
-                        self._gate(peer).release(self._tickets.pop(i))
-                    send_frame(sock, Header(DATA, phase_code(op.phase), flags | FLAG_WITHDRAWN, it, op.xfer,
-                                            op.flow, op.chunk, 0, start))
-                    self._await_ack(sock, hbuf, op, it)
-                    self._sent(box, i, it, start, True)
-                    continue
-                if t is not None:  # FL-FCFS: this link's turn among every task's flows
-                    self._gate(peer).acquire(t, sock, self.timeout_s, lambda: self._tick() or self._closing)
-                    start = time.time_ns()
-                header = Header(DATA, phase_code(op.phase), flags | (FLAG_AUX if route else 0), it,
-                                op.xfer, op.flow, op.chunk, view.nbytes, start, route)
-                try:
-                    if payload is None and self._wait[i]:
-                        self._stream(sock, box, i, it, header)
-                    else:
-                        send_frame(sock, header, view, self._count(self._tx_bytes, i))
-                finally:
-                    if t is not None:
-                        self._gate(peer).release(self._tickets.pop(i), sock)
-                self._await_ack(sock, hbuf, op, it)
-                self._sent(box, i, it, start, False)
+            self._send_items(key, sock, box, current)
         except broken as e:
-            self._give_up(key, sock, box, item, e)
+            self._give_up(key, sock, box, current[0], e)
         except Closed:
             self._fail(ExecError(f"data connection to {peer} (channel {ch}) closed by peer"))
         except ProtocolError as e:
@@ -583,11 +553,61 @@ class Executor:
             self._close_own(sock)
             if self._gate:  # the sends still queued here will not happen: their turns pass
                 with self._lock:
-                    rest = list(box.items) + ([item] if item is not None else [])
+                    rest = list(box.items) + ([current[0]] if current[0] is not None else [])
                     box.items.clear()
                 for r in rest:
                     if r[0] is not None and r[0] in self._tickets:
                         self._gate(peer).release(self._tickets.pop(r[0]))
+
+    def _send_items(self, key: tuple[str, int], sock: socket.socket, box: _Outbox, current: list) -> None:
+        """Send the items queued in ``box`` as they come (``current[0]``: the one being sent)
+        until the executor closes: a relayed or re-sent chunk as it is, a send withdrawn (no
+        payload), streamed (cut-through) or whole, each in its link turn under FL-FCFS."""
+        peer = key[0]
+        hbuf = bytearray(64)
+        flags = FLAG_ACK_REQ if self.stop_and_wait else 0
+        while True:
+            with self._lock:
+                current[0] = item = None
+                while not self._closing and (item := self._pick(box)) is None:
+                    box.cv.wait(POLL_S)
+                current[0] = item
+            if item is None:
+                return
+            i, it, route, payload = item
+            start = time.time_ns()
+            if i is None:  # a relayed or re-sent chunk: ``it`` is its header, stamped per hop
+                if isinstance(payload, Relayed):
+                    payload.send(sock, it._replace(send_ts_ns=start), self.timeout_s, self._tick)
+                else:
+                    send_frame(sock, it._replace(send_ts_ns=start), payload, self._tick)
+                continue
+            op, view = self.prog[i], self._views[i] if payload is None else payload
+            self._tx_bytes[i] = 0
+            t = self._tickets.get(i)
+            if not route and self.withdraw is not None and self.withdraw(op):
+                if t is not None:  # no payload: it needs no turn on the link
+                    self._gate(peer).release(self._tickets.pop(i))
+                send_frame(sock, Header(DATA, phase_code(op.phase), flags | FLAG_WITHDRAWN, it, op.xfer,
+                                        op.flow, op.chunk, 0, start))
+                self._await_ack(sock, hbuf, op, it)
+                self._sent(box, i, it, start, True)
+                continue
+            if t is not None:  # FL-FCFS: this link's turn among every task's flows
+                self._gate(peer).acquire(t, sock, self.timeout_s, lambda: self._tick() or self._closing)
+                start = time.time_ns()
+            header = Header(DATA, phase_code(op.phase), flags | (FLAG_AUX if route else 0), it,
+                            op.xfer, op.flow, op.chunk, view.nbytes, start, route)
+            try:
+                if payload is None and self._wait[i]:
+                    self._stream(sock, box, i, it, header)
+                else:
+                    send_frame(sock, header, view, self._count(self._tx_bytes, i))
+            finally:
+                if t is not None:
+                    self._gate(peer).release(self._tickets.pop(i), sock)
+            self._await_ack(sock, hbuf, op, it)
+            self._sent(box, i, it, start, False)
 
     def _sent(self, box: _Outbox, i: int, it: int, start: int, without: bool) -> None:
         """Send ``i`` of iteration ``it`` is written: it completes once its deps have (a
@@ -615,60 +635,14 @@ class Executor:
                 raise ProtocolError(f"expected ACK of transfer {op.xfer}, got {TYPE_NAMES[a.type]} "
                                     f"of transfer {a.xfer}")
 
-    def _recv_loop(self, key: tuple[str, int], sock: socket.socket) -> None:  # noqa: C901, PLR0915 -- one connection's receiver thread: every error path must close the socket it owns
+    def _recv_loop(self, key: tuple[str, int], sock: socket.socket) -> None:
+        """One connection's receiver thread: :meth:`_recv_frames` until the connection ends;
+        every way it can end becomes the run's error (an auxiliary connection's loss is only
+        logged: its chunks are asked for again), and the socket it owns is closed."""
         peer, ch = key
-        aux = is_aux(ch)
-        expect = self._expect.get(key, {})
-        limit = self._frame_max if aux else max(self._rbuf[i].nbytes for i in expect.values())
-        lost = (Closed, Truncated, OSError) if aux else ()  # an auxiliary connection's chunks are asked for again
-        hbuf = bytearray(64)
+        lost = (Closed, Truncated, OSError) if is_aux(ch) else ()  # an auxiliary connection's chunks are asked for again
         try:
-            while True:
-                h = recv_header(sock, hbuf, limit)
-                first = time.time_ns()
-                if h.type != DATA:
-                    raise ProtocolError(f"unexpected {TYPE_NAMES[h.type]} frame")
-                self._rx_at = time.monotonic()
-                if aux:
-                    src, nxt = self._hop(h, peer)
-                    if nxt is not None:  # cut-through: queued for the next hop before its bytes arrive
-                        payload = Relayed(h.payload_len)
-                        self._forward(nxt, aux_lane(self._index[peer]), h, payload)
-                        try:
-                            self._read(sock, h, memoryview(payload.buf), lambda n: self._tick() or payload.progress(n),
-                                       peer, ch, first)
-                        except BaseException as e:
-                            payload.fail(e)
-                            raise
-                        continue
-                    i = self._by_src.get((src, h.xfer))
-                elif h.route:
-                    raise ProtocolError(f"transfer {h.xfer}: an auxiliary chunk on a direct connection")
-                else:
-                    i = expect.get(h.xfer)
-                if i is None:
-                    raise ProtocolError(f"unknown transfer {h.xfer}")
-                if h.flags & FLAG_WITHDRAWN:  # no payload: the receiver has the chunk
-                    self._check(h, i)
-                    if h.flags & FLAG_ACK_REQ:
-                        send_frame(sock, Header(ACK, op_id=h.op_id, xfer=h.xfer, send_ts_ns=first))
-                    self._arrived(i, h.op_id, 0, (h.send_ts_ns, first, first, True))
-                    continue
-                if aux or (i, h.op_id) in self._asked:  # a copy may also come the other way: commit once
-                    self._receive_copy(sock, h, i, peer, ch, first)
-                    continue
-                self._check(h, i)
-                it = h.op_id
-                with self._lock:
-                    self._rx_iter[i], self._rx_bytes[i] = it, 0
-                    if self._active[i] == it:  # a send streaming from it may start its frame
-                        self._work.extend(u for u in self._users[i] if self._is_send[u])
-                        self._drain(it)
-                last = self._read(sock, h, memoryview(self._rbuf[i]).cast("B"), self._progress_fn(i, it),
-                                  peer, ch, first)
-                if h.flags & FLAG_ACK_REQ:
-                    send_frame(sock, Header(ACK, op_id=h.op_id, xfer=h.xfer, send_ts_ns=last))
-                self._arrived(i, it, h.payload_len, (h.send_ts_ns, first, last, False))
+            self._recv_frames(key, sock)
         except lost:
             if not self._closing:
                 log.warning("auxiliary connection from %s closed or failed", peer)
@@ -687,6 +661,68 @@ class Executor:
             self._fail(ExecError(f"receiver from {peer} (channel {ch}) failed: {type(e).__name__}: {e}"))
         finally:
             self._close_own(sock)
+
+    def _recv_frames(self, key: tuple[str, int], sock: socket.socket) -> None:  # -- the per-frame hot loop
+        """Read DATA frames from ``sock`` until it ends: on an auxiliary connection a chunk for
+        another node is relayed as it arrives (cut-through); a withdrawn chunk carries no
+        payload; a copy that may also come the other way is committed once; else the payload
+        is read into its receive buffer, applied as it arrives once its op is active.  The
+        steps of a frame stay inline: one taken out would cost a function call per frame."""
+        peer, ch = key
+        aux = is_aux(ch)
+        expect = self._expect.get(key, {})
+        limit = self._frame_max if aux else max(self._rbuf[i].nbytes for i in expect.values())
+        hbuf = bytearray(64)
+        while True:
+            h = recv_header(sock, hbuf, limit)
+            first = time.time_ns()
+            if h.type != DATA:
+                raise ProtocolError(f"unexpected {TYPE_NAMES[h.type]} frame")
+            self._rx_at = time.monotonic()
+            if aux:
+                src, nxt = self._hop(h, peer)
+                if nxt is not None:  # cut-through: queued for the next hop before its bytes arrive
+                    payload = Relayed(h.payload_len)
+                    self._forward(nxt, aux_lane(self._index[peer]), h, payload)
+                    try:
+                        self._read(sock, h, memoryview(payload.buf), lambda n: self._tick() or payload.progress(n),
+                                   peer, ch, first)
+                    except BaseException as e:
+                        payload.fail(e)
+                        raise
+                    continue
+                i = self._by_src.get((src, h.xfer))
+            elif h.route:
+                raise ProtocolError(f"transfer {h.xfer}: an auxiliary chunk on a direct connection")
+            else:
+                i = expect.get(h.xfer)
+            if i is None:
+                raise ProtocolError(f"unknown transfer {h.xfer}")
+            if h.flags & FLAG_WITHDRAWN:  # no payload: the receiver has the chunk
+                self._withdrawn_arrived(sock, h, i, first)
+                continue
+            if aux or (i, h.op_id) in self._asked:  # a copy may also come the other way: commit once
+                self._receive_copy(sock, h, i, peer, ch, first)
+                continue
+            self._check(h, i)
+            it = h.op_id
+            with self._lock:
+                self._rx_iter[i], self._rx_bytes[i] = it, 0
+                if self._active[i] == it:  # a send streaming from it may start its frame
+                    self._work.extend(u for u in self._users[i] if self._is_send[u])
+                    self._drain(it)
+            last = self._read(sock, h, memoryview(self._rbuf[i]).cast("B"), self._progress_fn(i, it),
+                              peer, ch, first)
+            if h.flags & FLAG_ACK_REQ:
+                send_frame(sock, Header(ACK, op_id=h.op_id, xfer=h.xfer, send_ts_ns=last))
+            self._arrived(i, it, h.payload_len, (h.send_ts_ns, first, last, False))
+
+    def _withdrawn_arrived(self, sock: socket.socket, h: Header, i: int, first: int) -> None:
+        """A withdrawn chunk of recv ``i`` (no payload: the receiver has it) arrived at ``first``."""
+        self._check(h, i)
+        if h.flags & FLAG_ACK_REQ:
+            send_frame(sock, Header(ACK, op_id=h.op_id, xfer=h.xfer, send_ts_ns=first))
+        self._arrived(i, h.op_id, 0, (h.send_ts_ns, first, first, True))
 
     def _progress_fn(self, i: int, it: int):
         """Called with the bytes of recv ``i``'s payload arrived so far: applies them a

@@ -71,57 +71,77 @@ def bench_dataplane(out: Path, progress, sizes: tuple[str, ...] = DATAPLANE_CHUN
     then per rate in ``rates`` (Mbit/s) one emulated link (``delay`` ms): iperf3's goodput for
     ``link_mb`` MB, and the agents' for the same bytes as one transfer and in chunks of each
     size (transfers/s, goodput, ratio to iperf3)."""
-    from testbed.dataplane import iperf3_loopback, loopback_chain
     from testbed.emulator.network import WanNetwork
-    from testbed.workloads import parse_size
 
-    rows = []
-    if loopback:
-        lo_mbps = iperf3_loopback(DATAPLANE_LOOPBACK_BYTES)
-        progress(f"loopback: iperf3 {lo_mbps:.0f} Mbit/s")
-        for size in sizes:
-            chunk = int(parse_size(size))
-            chunks = max(2, min(2000, DATAPLANE_LOOPBACK_BYTES // chunk))
-            r = {ct: loopback_chain(chunk, chunks, 3, cut_through=ct) for ct in (True, False)}
-            b, sf = r[True]["b"], r[False]["b"]
-            rows.append({"link": "loopback", "chunk": size, "chunks": chunks, "transfers_per_s": r[True]["c"]["transfers_per_s"],
-                         "goodput_mbps": r[True]["c"]["goodput_mbps"], "iperf3_mbps": lo_mbps,
-                         "ratio": r[True]["c"]["goodput_mbps"] / lo_mbps,
-                         "interior_cpu_ms": b["cpu_per_chunk_ms"], "leaf_cpu_ms": r[True]["c"]["cpu_per_chunk_ms"],
-                         "store_forward_goodput_mbps": r[False]["c"]["goodput_mbps"],
-                         "store_forward_interior_cpu_ms": sf["cpu_per_chunk_ms"],
-                         "correct": r[True]["exact"] and r[False]["exact"]})
-            progress(f"loopback {size} x {chunks}: {rows[-1]['goodput_mbps']:.0f} Mbit/s, "
-                     f"{rows[-1]['transfers_per_s']:.0f} transfers/s, interior CPU {b['cpu_per_chunk_ms']:.3f} ms/chunk")
+    rows = _loopback_rows(sizes, progress) if loopback else []
     links = []
     for rate in rates:
         topo = _topology([{"between": ["a", "b"], "rate_mbps": rate, "delay_ms": delay}], f"bench-link-{rate:g}")
         nbytes = int(link_mb * 1e6) // 4 * 4
         with WanNetwork(topo, log=progress) as net:
             progress(f"iperf3: {link_mb:g} MB over {rate:g} Mbit/s, {delay:g} ms")
-            srv = net.popen("b", ["iperf3", "-s", "-1", "-p", "5299"])
-            time.sleep(0.5)
-            cli = net.popen("a", ["iperf3", "-c", net.peer_address("a", "b"), "-p", "5299", "-n", str(nbytes), "-J"],
-                            stdout=subprocess.PIPE, text=True)
-            out_c, _ = cli.communicate(timeout=600)
-            srv.wait(timeout=10)
-            iperf_mbps = json.loads(out_c)["end"]["sum_received"]["bits_per_second"] / 1e6
+            iperf_mbps = _iperf3_link(net, nbytes)
             links.append({"rate_mbps": rate, "delay_ms": delay, "method": net.method, "iperf3_mbps": iperf_mbps})
             for size in ("whole",) + tuple(sizes):
-                chunk = nbytes if size == "whole" else int(parse_size(size))
-                plan = _link_plan(nbytes, chunk)
-                progress(f"agents: the same {link_mb:g} MB in {len(plan.programs['a'])} transfers of {size}")
-                res = run_agents(EmulatedHosts(net), plan, out / f"link-{rate:g}-{size}", progress=progress,
-                                 timeout_s=600)
-                tr = transfer_rows(res["transfers"])
-                secs = (max(r.recv_end_ns for r in tr) - min(r.send_start_ns for r in tr)) / 1e9
-                mbps = nbytes * 8 / secs / 1e6
-                rows.append({"link": f"{rate:g} Mbit/s, {delay:g} ms", "chunk": size, "chunks": len(tr),
-                             "transfers_per_s": len(tr) / secs, "goodput_mbps": mbps,
-                             "iperf3_mbps": iperf_mbps, "ratio": mbps / iperf_mbps,
-                             "correct": all(it["correct"] for it in res["iterations"])})
-                progress(f"agents: {mbps:.1f} Mbit/s ({mbps / iperf_mbps:.3f} of iperf3)")
+                rows.append(_link_row(net, out / f"link-{rate:g}-{size}", nbytes, size, progress,
+                                      link=f"{rate:g} Mbit/s, {delay:g} ms", link_mb=link_mb, iperf_mbps=iperf_mbps))
     return {"table": rows, "links": links, "bytes_per_link_run": int(link_mb * 1e6) // 4 * 4}
+
+
+def _loopback_rows(sizes: tuple[str, ...], progress) -> list[dict]:
+    """Per chunk size, the loopback chain a -> b -> c, cut-through and store-and-forward,
+    against iperf3 on the same loopback."""
+    from testbed.dataplane import iperf3_loopback, loopback_chain
+    from testbed.workloads import parse_size
+
+    rows = []
+    lo_mbps = iperf3_loopback(DATAPLANE_LOOPBACK_BYTES)
+    progress(f"loopback: iperf3 {lo_mbps:.0f} Mbit/s")
+    for size in sizes:
+        chunk = int(parse_size(size))
+        chunks = max(2, min(2000, DATAPLANE_LOOPBACK_BYTES // chunk))
+        r = {ct: loopback_chain(chunk, chunks, 3, cut_through=ct) for ct in (True, False)}
+        b, sf = r[True]["b"], r[False]["b"]
+        rows.append({"link": "loopback", "chunk": size, "chunks": chunks, "transfers_per_s": r[True]["c"]["transfers_per_s"],
+                     "goodput_mbps": r[True]["c"]["goodput_mbps"], "iperf3_mbps": lo_mbps,
+                     "ratio": r[True]["c"]["goodput_mbps"] / lo_mbps,
+                     "interior_cpu_ms": b["cpu_per_chunk_ms"], "leaf_cpu_ms": r[True]["c"]["cpu_per_chunk_ms"],
+                     "store_forward_goodput_mbps": r[False]["c"]["goodput_mbps"],
+                     "store_forward_interior_cpu_ms": sf["cpu_per_chunk_ms"],
+                     "correct": r[True]["exact"] and r[False]["exact"]})
+        progress(f"loopback {size} x {chunks}: {rows[-1]['goodput_mbps']:.0f} Mbit/s, "
+                 f"{rows[-1]['transfers_per_s']:.0f} transfers/s, interior CPU {b['cpu_per_chunk_ms']:.3f} ms/chunk")
+    return rows
+
+
+def _iperf3_link(net, nbytes: int) -> float:
+    """iperf3's goodput (Mbit/s) sending ``nbytes`` from a to b over the emulated link."""
+    srv = net.popen("b", ["iperf3", "-s", "-1", "-p", "5299"])
+    time.sleep(0.5)
+    cli = net.popen("a", ["iperf3", "-c", net.peer_address("a", "b"), "-p", "5299", "-n", str(nbytes), "-J"],
+                    stdout=subprocess.PIPE, text=True)
+    out_c, _ = cli.communicate(timeout=600)
+    srv.wait(timeout=10)
+    return json.loads(out_c)["end"]["sum_received"]["bits_per_second"] / 1e6
+
+
+def _link_row(net, run_dir: Path, nbytes: int, size: str, progress, link: str, link_mb: float,
+              iperf_mbps: float) -> dict:
+    """The agents sending the same ``nbytes`` from a to b in transfers of ``size`` ("whole":
+    one transfer): transfers/s and goodput against iperf3's."""
+    from testbed.workloads import parse_size
+
+    chunk = nbytes if size == "whole" else int(parse_size(size))
+    plan = _link_plan(nbytes, chunk)
+    progress(f"agents: the same {link_mb:g} MB in {len(plan.programs['a'])} transfers of {size}")
+    res = run_agents(EmulatedHosts(net), plan, run_dir, progress=progress, timeout_s=600)
+    tr = transfer_rows(res["transfers"])
+    secs = (max(r.recv_end_ns for r in tr) - min(r.send_start_ns for r in tr)) / 1e9
+    mbps = nbytes * 8 / secs / 1e6
+    progress(f"agents: {mbps:.1f} Mbit/s ({mbps / iperf_mbps:.3f} of iperf3)")
+    return {"link": link, "chunk": size, "chunks": len(tr), "transfers_per_s": len(tr) / secs, "goodput_mbps": mbps,
+            "iperf3_mbps": iperf_mbps, "ratio": mbps / iperf_mbps,
+            "correct": all(it["correct"] for it in res["iterations"])}
 
 
 def bench_ring(out: Path, progress, size_mb: float = 24.0) -> dict:
@@ -328,9 +348,6 @@ def bench_efficiency(out: Path, progress, sizes: tuple[str, ...] | None = None,
     scale; every scheme a variant on one network, 1 warm-up + 1 measured iteration), one row
     per scheme, ``efficiency.csv`` and one figure per topology.  ``sizes`` (default: each
     topology's own, :data:`EFFICIENCY_CASES`) applies to every topology."""
-    from testbed import config
-    from testbed.costmodel import TCP_LINK_SHARE
-    from testbed.efficiency import analyse_run, breakdown
     from testbed.experiment import run_experiment
     from testbed.report import write_csv
     from testbed.results import write_json_atomic
@@ -340,35 +357,12 @@ def bench_efficiency(out: Path, progress, sizes: tuple[str, ...] | None = None,
         if topologies and topo not in topologies:
             continue
         for size in sizes or default_sizes:
-            variants = [{"label": s, "scheme": {"name": s, **({"adaptive": False} if s == "netstorm" else {})}}
-                        for s in schemes]
-            exp = config.validate({"name": f"efficiency-{topo}-{size}", "topology": topo, "scale": scale, "seed": 1,
-                                   "scheme": variants[0]["scheme"], "variants": variants[1:], "repetitions": 1,
-                                   "workload": {"size": size, "warmup": 1, "iterations": 1},
-                                   "agents": {"timeout_s": 300}, "emulator": {"tcp_cc": cc}}, "<bench efficiency>")
+            exp = _schemes_experiment("efficiency", topo, scale, cc, size, schemes)
             progress(f"efficiency: {topo} (scale {scale:g}, {cc}), {size}: {', '.join(schemes)}")
             res = run_experiment(exp, out / f"{topo}-{size}", progress)
             write_json_atomic(out / f"{topo}-{size}" / "results.json", res)  # `testbed report` reads it
-            graph = exp.topology.graph()
             kept.append(res["emulation"]["kept_up"])
-            for v in res["variants"]:
-                sm = v["summary"]
-                run = next(r for r in res["runs"] if r["variant"] == v["label"])
-                a = analyse_run(run, graph)
-                bd = breakdown(sm["cct_s"]["mean"], sm["bound_s"], a)
-                hot = a.get("bottleneck") or {}
-                rows.append({"topology": topo, "size": size, "scheme": v["label"], "cct_s": sm["cct_s"]["mean"],
-                             "bound_s": sm["bound_s"], "predicted_s": sm["predicted_cct_s"],
-                             "efficiency": sm["efficiency"], "measured_over_predicted": sm["prediction_ratio"],
-                             "plan_factor": bd.get("plan_factor"), "execution_factor": bd.get("execution_factor"),
-                             "bottleneck": hot.get("link"), "bottleneck_busy": hot.get("busy_share"),
-                             "mean_utilisation": a.get("mean_utilisation"), "longest_idle_s": hot.get("longest_idle_s"),
-                             "startup_s": hot.get("startup_s"), "tail_s": hot.get("tail_s"),
-                             "bottleneck_busy_mbps": hot.get("busy_mbps"),
-                             "bottleneck_tcp_mbps": hot["rate_mbps"] * TCP_LINK_SHARE if hot else None,
-                             "start_skew_s": a.get("start_skew_s"), "trees": a.get("trees"),
-                             "first_tree_done_share": a.get("first_tree_done_share"), "correct": run["correct"],
-                             "_analysis": a})
+            rows += _efficiency_rows(res, exp.topology.graph(), topo, size)
     write_csv(out / "efficiency.csv", rows, EFFICIENCY_COLUMNS)
     figures = [str(efficiency_figure([r for r in rows if r["topology"] == t], out / f"efficiency-{t}.png"))
                for t in dict.fromkeys(r["topology"] for r in rows)]
@@ -376,6 +370,47 @@ def bench_efficiency(out: Path, progress, sizes: tuple[str, ...] | None = None,
             "analysis": [{"topology": r["topology"], "size": r["size"], "scheme": r["scheme"], **r["_analysis"]}
                          for r in rows],
             "kept_up": all(kept), "csv": str(out / "efficiency.csv")}
+
+
+def _schemes_experiment(bench: str, topo: str, scale: float, cc: str, size: str, schemes: tuple[str, ...]):
+    """The experiment ``bench`` (efficiency, peers) runs on ``topo``: every scheme a variant
+    (NetStorm static), one repetition of 1 warm-up + 1 measured iteration of ``size``."""
+    from testbed import config
+
+    variants = [{"label": s, "scheme": {"name": s, **({"adaptive": False} if s == "netstorm" else {})}}
+                for s in schemes]
+    return config.validate({"name": f"{bench}-{topo}-{size}", "topology": topo, "scale": scale, "seed": 1,
+                            "scheme": variants[0]["scheme"], "variants": variants[1:], "repetitions": 1,
+                            "workload": {"size": size, "warmup": 1, "iterations": 1},
+                            "agents": {"timeout_s": 300}, "emulator": {"tcp_cc": cc}}, f"<bench {bench}>")
+
+
+def _efficiency_rows(res: dict, graph, topo: str, size: str) -> list[dict]:
+    """One row per variant of ``res``: CCT against bound and prediction, and where the time
+    went (its analysis kept under ``_analysis`` for the figure and bench.json)."""
+    from testbed.costmodel import TCP_LINK_SHARE
+    from testbed.efficiency import analyse_run, breakdown
+
+    rows = []
+    for v in res["variants"]:
+        sm = v["summary"]
+        run = next(r for r in res["runs"] if r["variant"] == v["label"])
+        a = analyse_run(run, graph)
+        bd = breakdown(sm["cct_s"]["mean"], sm["bound_s"], a)
+        hot = a.get("bottleneck") or {}
+        rows.append({"topology": topo, "size": size, "scheme": v["label"], "cct_s": sm["cct_s"]["mean"],
+                     "bound_s": sm["bound_s"], "predicted_s": sm["predicted_cct_s"],
+                     "efficiency": sm["efficiency"], "measured_over_predicted": sm["prediction_ratio"],
+                     "plan_factor": bd.get("plan_factor"), "execution_factor": bd.get("execution_factor"),
+                     "bottleneck": hot.get("link"), "bottleneck_busy": hot.get("busy_share"),
+                     "mean_utilisation": a.get("mean_utilisation"), "longest_idle_s": hot.get("longest_idle_s"),
+                     "startup_s": hot.get("startup_s"), "tail_s": hot.get("tail_s"),
+                     "bottleneck_busy_mbps": hot.get("busy_mbps"),
+                     "bottleneck_tcp_mbps": hot["rate_mbps"] * TCP_LINK_SHARE if hot else None,
+                     "start_skew_s": a.get("start_skew_s"), "trees": a.get("trees"),
+                     "first_tree_done_share": a.get("first_tree_done_share"), "correct": run["correct"],
+                     "_analysis": a})
+    return rows
 
 
 def efficiency_figure(rows: list[dict], path: Path) -> Path:
@@ -445,11 +480,8 @@ def bench_peers(out: Path, progress, sizes: tuple[str, ...] = ("16MB",), schemes
     schemes on the same WAN (same topology, scale, congestion control; one warm-up and one
     measured iteration each): every scheme's speed-up = gloo CCT / scheme CCT.  Skipped,
     saying why, when torch is not importable (it is not a dependency)."""
-    from testbed import config
-    from testbed.execute import exec_command
     from testbed.experiment import run_experiment
     from testbed.results import write_json_atomic
-    from testbed.workloads import parse_size
 
     why = torch_missing()
     if why:
@@ -460,20 +492,9 @@ def bench_peers(out: Path, progress, sizes: tuple[str, ...] = ("16MB",), schemes
         if topologies and topo not in topologies:
             continue
         for size in sizes:
-            variants = [{"label": s, "scheme": {"name": s, **({"adaptive": False} if s == "netstorm" else {})}}
-                        for s in schemes]
-            exp = config.validate({"name": f"peers-{topo}-{size}", "topology": topo, "scale": scale, "seed": 1,
-                                   "scheme": variants[0]["scheme"], "variants": variants[1:], "repetitions": 1,
-                                   "workload": {"size": size, "warmup": 1, "iterations": 1},
-                                   "agents": {"timeout_s": 300}, "emulator": {"tcp_cc": cc}}, "<bench peers>")
-            mb = parse_size(size) * scale / 1e6
-            progress(f"peers: {topo} (scale {scale:g}, {cc}), {size}: gloo all_reduce of {mb:g} MB")
+            exp = _schemes_experiment("peers", topo, scale, cc, size, schemes)
             run_dir = out / f"{topo}-{size}"
-            argv = ["env", "GLOO_SOCKET_IFNAME=tbnode", "python3", str(GLOO_SCRIPT), "--size-mb", f"{mb:g}",
-                    "--warmup", "1", "--iterations", "1"]
-            ex = exec_command(exp, argv, run_dir / "gloo", progress=progress)
-            write_json_atomic(run_dir / "gloo" / "results.json", ex)
-            gloo = _gloo_cct(ex)
+            gloo = _gloo_run(exp, run_dir / "gloo", topo, scale, cc, size, progress)
             progress(f"peers: gloo CCT {gloo['cct_s']}; the schemes on the same WAN: {', '.join(schemes)}")
             res = run_experiment(exp, run_dir / "schemes", progress)
             write_json_atomic(run_dir / "schemes" / "results.json", res)
@@ -489,6 +510,22 @@ def bench_peers(out: Path, progress, sizes: tuple[str, ...] = ("16MB",), schemes
                              "speedup_over_gloo": gloo["cct_s"] / cct if gloo["cct_s"] and cct else None,
                              "efficiency": sm["efficiency"], "correct": sm["correct"]})
     return {"table": rows, "torch": __import__("torch").__version__, "kept_up": all(kept)}
+
+
+def _gloo_run(exp, run_dir: Path, topo: str, scale: float, cc: str, size: str, progress) -> dict:
+    """gloo's all_reduce of ``size`` (times ``scale``) in every datacenter of ``exp``'s WAN, run
+    with ``exec`` into ``run_dir``: its CCT and whether every rank summed right."""
+    from testbed.execute import exec_command
+    from testbed.results import write_json_atomic
+    from testbed.workloads import parse_size
+
+    mb = parse_size(size) * scale / 1e6
+    progress(f"peers: {topo} (scale {scale:g}, {cc}), {size}: gloo all_reduce of {mb:g} MB")
+    argv = ["env", "GLOO_SOCKET_IFNAME=tbnode", "python3", str(GLOO_SCRIPT), "--size-mb", f"{mb:g}",
+            "--warmup", "1", "--iterations", "1"]
+    ex = exec_command(exp, argv, run_dir, progress=progress)
+    write_json_atomic(run_dir / "results.json", ex)
+    return _gloo_cct(ex)
 
 
 def _gloo_cct(ex: dict) -> dict:

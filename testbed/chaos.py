@@ -53,7 +53,7 @@ def _dead_within(p: subprocess.Popen, seconds: float) -> bool:
         return False
 
 
-def trial(seed: int, tmp: Path, iterations: int = 40, compute_s: float = 0.04) -> dict:  # noqa: C901, PLR0915 -- one trial: its processes, the fault and the verdict share the trial's state
+def trial(seed: int, tmp: Path, iterations: int = 40, compute_s: float = 0.04) -> dict:
     """Run one seeded trial in ``tmp``; return what happened (``ok`` and ``problems``)."""
     rng = random.Random(seed)
     plan = ring()
@@ -62,6 +62,34 @@ def trial(seed: int, tmp: Path, iterations: int = 40, compute_s: float = 0.04) -
     sig = rng.choice([signal.SIGSTOP, signal.SIGKILL])
     early = rng.random() < 0.2  # while processes start and register; else during the iterations
     at = rng.uniform(0.0, 1.0) if early else rng.uniform(0.0, 1.5)
+    out = tmp / "results.json"
+    procs = _start_trial(tmp, plan, iterations, compute_s, out)
+    if not early:  # count from the moment every agent registered
+        deadline = time.monotonic() + 20
+        while "agents registered" not in (tmp / "coordinator.log").read_text(errors="replace"):
+            if time.monotonic() > deadline or procs["coordinator"].poll() is not None:
+                break
+            time.sleep(0.02)
+    time.sleep(at)
+    t_sig = time.monotonic()
+    procs[target].send_signal(sig)
+    problems = _await_ends(procs, target, sig, t_sig)
+    rc = {n: p.returncode for n, p in procs.items()}
+    finished = rc["coordinator"] == 0  # the signal came after the run was over
+    log = (tmp / "coordinator.log").read_text(errors="replace")
+    error = next((l for l in log.splitlines() if l.startswith("error:")), "")
+    if not finished:
+        problems += _wrong_ends(tmp, nodes, target, sig, rc, error, out)
+    return {"seed": seed, "target": target, "signal": signal.Signals(sig).name, "at_s": round(at, 3),
+            "from": "start" if early else "registration",
+            "finished_first": finished, "rc": rc, "error": error[:300], "problems": problems,
+            "ok": not problems, "seconds": round(time.monotonic() - t_sig, 2)}
+
+
+def _start_trial(tmp: Path, plan: Plan, iterations: int, compute_s: float, out: Path) -> dict[str, subprocess.Popen]:
+    """The trial's files in ``tmp`` and its processes, by name: the coordinator (writing
+    ``out``) and an agent per node of ``plan``, each logging to ``tmp/NAME.log``."""
+    nodes = list(plan.nodes)
     tmp.mkdir(parents=True, exist_ok=True)
     (tmp / "plan.json").write_text(plan.to_json())
     (tmp / "addresses.json").write_text(json.dumps({n: local_address(i) for i, n in enumerate(nodes)}))
@@ -69,7 +97,7 @@ def trial(seed: int, tmp: Path, iterations: int = 40, compute_s: float = 0.04) -
     secret = tmp / "secret"
     secret.touch(mode=0o600)
     secret.write_text(secrets.token_hex(16))
-    port, out = _free_port(), tmp / "results.json"
+    port = _free_port()
     env = dict(os.environ, PYTHONPATH=str(REPO))
     py = [sys.executable, "-m"]
     procs = {"coordinator": subprocess.Popen(
@@ -87,15 +115,12 @@ def trial(seed: int, tmp: Path, iterations: int = 40, compute_s: float = 0.04) -
         procs[n] = subprocess.Popen(py + ["agents.agent", "--config", str(cfg)], cwd=REPO, env=env,
                                     stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                     stderr=open(tmp / f"{n}.log", "wb"))
-    if not early:  # count from the moment every agent registered
-        deadline = time.monotonic() + 20
-        while "agents registered" not in (tmp / "coordinator.log").read_text(errors="replace"):
-            if time.monotonic() > deadline or procs["coordinator"].poll() is not None:
-                break
-            time.sleep(0.02)
-    time.sleep(at)
-    t_sig = time.monotonic()
-    procs[target].send_signal(sig)
+    return procs
+
+
+def _await_ends(procs: dict[str, subprocess.Popen], target: str, sig: int, t_sig: float) -> list[str]:
+    """Wait for every process to end within its deadline (a stopped target is continued
+    first); what did not.  None is left running."""
     problems = []
     others = [n for n in procs if n != target]
     try:
@@ -111,37 +136,36 @@ def trial(seed: int, tmp: Path, iterations: int = 40, compute_s: float = 0.04) -
             if p.poll() is None:
                 p.kill()
                 p.wait()
-    rc = {n: p.returncode for n, p in procs.items()}
-    finished = rc["coordinator"] == 0  # the signal came after the run was over
-    log = (tmp / "coordinator.log").read_text(errors="replace")
-    error = next((l for l in log.splitlines() if l.startswith("error:")), "")
-    if not finished:
+    return problems
+
+
+def _wrong_ends(tmp: Path, nodes: list[str], target: str, sig: int, rc: dict, error: str, out: Path) -> list[str]:
+    """For a run the signal cut short: each way the processes' ends, the coordinator's error and
+    ``results.json`` differ from what that fault must give."""
+    problems = []
+    for n in nodes:
+        if rc[n] != 1 and not (n == target and sig == signal.SIGKILL):
+            problems.append(f"{n} exited with {rc[n]}, expected 1")
+    if target != "coordinator" or sig == signal.SIGSTOP:
+        if rc["coordinator"] != 1:
+            problems.append(f"coordinator exited with {rc['coordinator']}, expected 1")
+        if not error.startswith(f"error: {target}:"):
+            problems.append(f"coordinator blamed the wrong node: {error!r}")
+        try:
+            res = json.loads(out.read_text())
+            if res["failure"]["culprit"] != target:
+                problems.append(f"results.json names {res['failure']['culprit']}")
+            if not all(it["correct"] for it in res["iterations"]):
+                problems.append("a completed iteration is not correct")
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            problems.append(f"results.json missing or invalid: {e}")
+    else:  # a killed coordinator writes nothing; its agents notice at once
+        if out.exists():
+            problems.append("a killed coordinator left results.json")
         for n in nodes:
-            if rc[n] != 1 and not (n == target and sig == signal.SIGKILL):
-                problems.append(f"{n} exited with {rc[n]}, expected 1")
-        if target != "coordinator" or sig == signal.SIGSTOP:
-            if rc["coordinator"] != 1:
-                problems.append(f"coordinator exited with {rc['coordinator']}, expected 1")
-            if not error.startswith(f"error: {target}:"):
-                problems.append(f"coordinator blamed the wrong node: {error!r}")
-            try:
-                res = json.loads(out.read_text())
-                if res["failure"]["culprit"] != target:
-                    problems.append(f"results.json names {res['failure']['culprit']}")
-                if not all(it["correct"] for it in res["iterations"]):
-                    problems.append("a completed iteration is not correct")
-            except (OSError, ValueError, KeyError, TypeError) as e:
-                problems.append(f"results.json missing or invalid: {e}")
-        else:  # a killed coordinator writes nothing; its agents notice at once
-            if out.exists():
-                problems.append("a killed coordinator left results.json")
-            for n in nodes:
-                if "coordinator" not in (tmp / f"{n}.log").read_text(errors="replace"):
-                    problems.append(f"{n}'s log does not name the coordinator")
-    return {"seed": seed, "target": target, "signal": signal.Signals(sig).name, "at_s": round(at, 3),
-            "from": "start" if early else "registration",
-            "finished_first": finished, "rc": rc, "error": error[:300], "problems": problems,
-            "ok": not problems, "seconds": round(time.monotonic() - t_sig, 2)}
+            if "coordinator" not in (tmp / f"{n}.log").read_text(errors="replace"):
+                problems.append(f"{n}'s log does not name the coordinator")
+    return problems
 
 
 # -- the wire fuzzer -------------------------------------------------------------------
@@ -179,13 +203,12 @@ def fuzz_wire(frames: int, seed: int = 0, length: int = 16) -> dict:
         agents_log.setLevel(level)
 
 
-def _fuzz(frames: int, seed: int, length: int) -> dict:  # noqa: PLR0915 -- the fuzzer's one loop over mutated frames and what the executor said of each
+def _fuzz(frames: int, seed: int, length: int) -> dict:
     import threading
 
     import numpy as np
 
     from agents import wire
-    from agents.executor import ExecError, Executor
     from testbed.plan import ProgramBuilder
 
     rng = random.Random(seed)
@@ -204,51 +227,66 @@ def _fuzz(frames: int, seed: int, length: int) -> dict:  # noqa: PLR0915 -- the 
                           + payload.tobytes())
         kind = kinds[k % len(kinds)]
         counts[kind] += 1
-        if kind == "truncated":
-            frame = frame[:rng.randrange(1, len(frame))]
-        else:
-            lo, hi = (64, len(frame)) if kind == "payload" else next((a, e) for n, a, e in FIELDS if n == kind)
-            while True:  # 1-3 random bytes of the field changed (at least one really)
-                new = bytearray(frame)
-                for _ in range(rng.randint(1, min(3, hi - lo))):
-                    i = rng.randrange(lo, hi)
-                    new[i] = rng.choice([0, 0xFF, 0x80, 1, rng.randrange(256)])
-                if new != frame:
-                    frame = new
-                    break
-        ex = Executor("me", [op], length=length, timeout_s=2.0)
-        sa, sb = socket.socketpair()
-        try:
-            ex.attach_incoming("p", 0, sb)
-            try:
-                sa.sendall(frame)
-                if kind == "truncated":
-                    sa.shutdown(socket.SHUT_WR)
-            except OSError:
-                pass  # the receiver refused the frame before reading all of it
-            why = "accepted"
-            try:
-                ex.run(0)
-                caught = ex.bufs["x"].tobytes() != payload.tobytes()
-            except wire.ProtocolError:
-                caught = True
-            except ExecError as e:
-                caught, why = kind == "truncated" and "closed" in str(e), str(e)
-                if "no progress" in str(e):
-                    hangs.append((k, kind))
-            if caught:
-                detected[kind] += 1
-            elif kind not in UNCHECKABLE:
-                missed.append((k, kind, bytes(frame[:64]).hex(), why))
-        finally:
-            ex.close()
-            sa.close()
+        frame = _mutated(frame, kind, rng)
+        caught, why, hang = _feed(op, length, frame, kind, payload)
+        if hang:
+            hangs.append((k, kind))
+        if caught:
+            detected[kind] += 1
+        elif kind not in UNCHECKABLE:
+            missed.append((k, kind, bytes(frame[:64]).hex(), why))
     deadline = time.monotonic() + 5
     while threading.active_count() > threads0 and time.monotonic() < deadline:
         time.sleep(0.01)
     return {"frames": frames, "seed": seed, "per_field": counts, "detected": detected, "missed": missed[:20],
             "n_missed": len(missed), "hangs": hangs[:20], "threads": [threads0, threading.active_count()],
             "rss_kb": [rss0, _rss_kb()]}
+
+
+def _mutated(frame: bytearray, kind: str, rng: random.Random) -> bytearray:
+    """``frame`` cut short (``truncated``), or with 1-3 random bytes of field ``kind`` (or of
+    the payload) changed, at least one really."""
+    if kind == "truncated":
+        return frame[:rng.randrange(1, len(frame))]
+    lo, hi = (64, len(frame)) if kind == "payload" else next((a, e) for n, a, e in FIELDS if n == kind)
+    while True:
+        new = bytearray(frame)
+        for _ in range(rng.randint(1, min(3, hi - lo))):
+            i = rng.randrange(lo, hi)
+            new[i] = rng.choice([0, 0xFF, 0x80, 1, rng.randrange(256)])
+        if new != frame:
+            return new
+
+
+def _feed(op, length: int, frame: bytearray, kind: str, payload) -> tuple[bool, str, bool]:
+    """``frame`` sent to a fresh executor receiving ``op`` over a socket pair: (caught, what
+    the executor said, whether it hung)."""
+    from agents import wire
+    from agents.executor import ExecError, Executor
+
+    ex = Executor("me", [op], length=length, timeout_s=2.0)
+    sa, sb = socket.socketpair()
+    try:
+        ex.attach_incoming("p", 0, sb)
+        try:
+            sa.sendall(frame)
+            if kind == "truncated":
+                sa.shutdown(socket.SHUT_WR)
+        except OSError:
+            pass  # the receiver refused the frame before reading all of it
+        why, hang = "accepted", False
+        try:
+            ex.run(0)
+            caught = ex.bufs["x"].tobytes() != payload.tobytes()
+        except wire.ProtocolError:
+            caught = True
+        except ExecError as e:
+            caught, why = kind == "truncated" and "closed" in str(e), str(e)
+            hang = "no progress" in str(e)
+        return caught, why, hang
+    finally:
+        ex.close()
+        sa.close()
 
 
 # -- benchmarks (python3 -m testbed bench chaos|fuzz) -----------------------------------------

@@ -476,16 +476,30 @@ def _print_table(rows: list[dict]) -> None:
 
 
 def cmd_bench(args) -> int:
+    """``bench NAME``: run one benchmark into ``--out``, write bench.json, print its results."""
     from testbed.bench import run_bench
     from testbed.progress import Progress
     from testbed.results import new_run_dir, write_json_atomic
 
+    options, error = _bench_options(args)
+    if error:
+        print(f"error: bench {args.name}: {error}", file=sys.stderr)
+        return 2
+    out = Path(args.out) if args.out else new_run_dir("results", f"bench-{args.name}")
+    result = run_bench(args.name, out, Progress(), **options)
+    write_json_atomic(out / "bench.json", result)
+    _print_bench(args.name, result)
+    print(f"bench: {out / 'bench.json'}")
+    return 0
+
+
+def _bench_options(args) -> tuple[dict, str | None]:
+    """The options ``args`` give ``bench NAME``, and what is wrong with them if anything (the
+    line after ``error: bench NAME:``); an unknown --topology raises its ConfigError."""
     options = {k: v for k, v in (("topology", args.topology), ("tcp_cc", args.tcp_cc),
                                  ("seconds", args.seconds)) if v is not None}
     if options and args.name != "emulator":
-        print(f"error: bench {args.name}: --topology, --tcp-cc and --seconds apply to 'bench emulator' only",
-              file=sys.stderr)
-        return 2
+        return options, "--topology, --tcp-cc and --seconds apply to 'bench emulator' only"
     if "topology" in options:
         from testbed.topology import load_topology
 
@@ -494,34 +508,33 @@ def cmd_bench(args) -> int:
         val = getattr(args, key, None)
         if val:
             if args.name not in ("efficiency", "peers") and not (key == "sizes" and args.name == "dataplane"):
-                print(f"error: bench {args.name}: --{key} applies to bench efficiency and peers only", file=sys.stderr)
-                return 2
+                return options, f"--{key} applies to bench efficiency and peers only"
             options[key] = tuple(x for x in val.split(",") if x)
     if args.rates:
         if args.name != "dataplane":
-            print(f"error: bench {args.name}: --rates applies to bench dataplane only", file=sys.stderr)
-            return 2
+            return options, "--rates applies to bench dataplane only"
         try:
             options["rates"] = tuple(float(x) for x in args.rates.split(",") if x)
             if not options["rates"] or min(options["rates"]) <= 0:
                 raise ValueError
         except ValueError:
-            print(f"error: bench dataplane: --rates {args.rates!r}: not a list of rates in Mbit/s > 0", file=sys.stderr)
-            return 2
+            return options, f"--rates {args.rates!r}: not a list of rates in Mbit/s > 0"
     try:
         _check_bench_options(options)
     except ConfigError as e:
-        print(f"error: bench {args.name}: {e}", file=sys.stderr)
-        return 2
-    out = Path(args.out) if args.out else new_run_dir("results", f"bench-{args.name}")
-    result = run_bench(args.name, out, Progress(), **options)
-    write_json_atomic(out / "bench.json", result)
+        return options, str(e)
+    return options, None
+
+
+def _print_bench(name: str, result: dict) -> None:
+    """A benchmark's results on stdout: its table and its other results, and for ``emulator``
+    one line of headroom."""
     for k, v in result.items():
         if k == "table":
             _print_table(v)
-        elif k not in ("environment", "analysis") and not (args.name == "emulator" and isinstance(v, dict)):
+        elif k not in ("environment", "analysis") and not (name == "emulator" and isinstance(v, dict)):
             print(f"{k}: {v}")  # emulator: each search's runs are in bench.json, its result in the line below
-    if args.name == "emulator":
+    if name == "emulator":
         def g(x):
             return "none passed" if x is None else f"{x:.3g}"
 
@@ -529,8 +542,6 @@ def cmd_bench(args) -> int:
               f"({result['tcp_cc']}) {g(result['relay-tcp']['max_scale'])}; under UDP through the relay "
               f"{g(result['relay-udp']['max_scale'])}, HTB alone {g(result['htb-udp']['max_scale'])}, "
               f"ratio {g(result['ratio'])}")
-    print(f"bench: {out / 'bench.json'}")
-    return 0
 
 
 def _servers_arg(p: argparse.ArgumentParser) -> None:

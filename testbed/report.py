@@ -250,6 +250,8 @@ def _configured(links: list[dict], events: list[dict], t_end: float) -> dict[tup
 
 
 def links_figure(results: dict, path: Path) -> Path | None:
+    """Goodput per link direction over all runs against its configured rate, with rate
+    changes, faults and each run's start marked; None without transfers or links."""
     from testbed.routing import data_paths
 
     transfers = [t for r in results.get("runs", []) for t in _transfers(r)]
@@ -264,19 +266,7 @@ def links_figure(results: dict, path: Path) -> Path | None:
     end = max(t["recv_end_ns"] for t in transfers) / 1e9 - origin
     nbins = 200
     width = max(end, 1e-3) / nbins
-    paths = data_paths(g)
-    load: dict[tuple, list[float]] = {}
-    for t in transfers:
-        a, b = t["recv_start_ns"] / 1e9 - origin, t["recv_end_ns"] / 1e9 - origin
-        route = paths.get((t["src"], t["dst"]), [t["src"], t["dst"]])
-        for hop in zip(route, route[1:]):
-            bins = load.setdefault(hop, [0.0] * nbins)
-            dur = max(b - a, 1e-9)
-            i0, i1 = int(a // width), min(nbins - 1, int(b // width))
-            for i in range(max(0, i0), i1 + 1):
-                overlap = min(b, (i + 1) * width) - max(a, i * width)
-                if overlap > 0:
-                    bins[i] += t["bytes"] * overlap / dur
+    load = _binned_load(transfers, data_paths(g), origin, nbins, width)
     starts = [(min(t["send_start_ns"] for t in _transfers(r)) / 1e9 - origin, r) for r in results.get("runs", [])
               if _transfers(r)]
     hops = sorted(load, key=lambda h: -sum(load[h]))[:MAX_LINK_PANELS]
@@ -290,19 +280,7 @@ def links_figure(results: dict, path: Path) -> Path | None:
     axes = fig.subplots(nrows, ncols, squeeze=False, sharex=True)
     xs = [(i + 0.5) * width for i in range(nbins)]
     for ax, hop in zip(axes.flat, hops):
-        ax.plot(xs, [b * 8 / width / 1e6 for b in load[hop]], color="#1f77b4", lw=0.8, label="goodput")
-        if hop in steps:
-            st = steps[hop]
-            ax.step([s[0] for s in st], [s[1] for s in st], where="post", color="#d62728", ls="--", lw=1,
-                    label="configured")
-        for e in events:
-            fault = e["event"] != "rate"
-            if fault or hop in ((e.get("src"), e.get("dst")),):
-                ax.axvline(e["t_s"], color="red" if fault else "grey", lw=0.8, ls=":" if not fault else "-")
-        for x, _ in starts:
-            ax.axvline(x, color="#bbbbbb", lw=0.6)
-        ax.set_title(f"{hop[0]}->{hop[1]}", fontsize=8)
-        ax.tick_params(labelsize=7)
+        _link_panel(ax, hop, xs, [b * 8 / width / 1e6 for b in load[hop]], steps, events, starts)
     for x, r in starts:  # which variant ran when, on the first row
         for ax in axes[0]:
             ax.text(x, 0.98, f"{r['variant']}#{r['repetition']}", transform=ax.get_xaxis_transform(), fontsize=6,
@@ -317,6 +295,45 @@ def links_figure(results: dict, path: Path) -> Path | None:
     fig.suptitle(f"Goodput per link direction over all runs vs configured rate{more}; "
                  "grey: rate change, red: fault", fontsize=10)
     return _save(fig, path)
+
+
+def _binned_load(transfers: list[dict], paths: dict, origin: float, nbins: int,
+                 width: float) -> dict[tuple, list[float]]:
+    """Per link direction: bytes received in each of ``nbins`` time bins of ``width``
+    seconds from ``origin``, each transfer spread evenly over its receiving time on every
+    hop of its route."""
+    load: dict[tuple, list[float]] = {}
+    for t in transfers:
+        a, b = t["recv_start_ns"] / 1e9 - origin, t["recv_end_ns"] / 1e9 - origin
+        route = paths.get((t["src"], t["dst"]), [t["src"], t["dst"]])
+        for hop in zip(route, route[1:]):
+            bins = load.setdefault(hop, [0.0] * nbins)
+            dur = max(b - a, 1e-9)
+            i0, i1 = int(a // width), min(nbins - 1, int(b // width))
+            for i in range(max(0, i0), i1 + 1):
+                overlap = min(b, (i + 1) * width) - max(a, i * width)
+                if overlap > 0:
+                    bins[i] += t["bytes"] * overlap / dur
+    return load
+
+
+def _link_panel(ax, hop: tuple, xs: list[float], mbps: list[float], steps: dict, events: list[dict],
+                starts: list[tuple]) -> None:
+    """One direction's panel: goodput, the configured rate's steps, the events that touch
+    it (faults everywhere, rate changes on their own link) and each run's start."""
+    ax.plot(xs, mbps, color="#1f77b4", lw=0.8, label="goodput")
+    if hop in steps:
+        st = steps[hop]
+        ax.step([s[0] for s in st], [s[1] for s in st], where="post", color="#d62728", ls="--", lw=1,
+                label="configured")
+    for e in events:
+        fault = e["event"] != "rate"
+        if fault or hop in ((e.get("src"), e.get("dst")),):
+            ax.axvline(e["t_s"], color="red" if fault else "grey", lw=0.8, ls=":" if not fault else "-")
+    for x, _ in starts:
+        ax.axvline(x, color="#bbbbbb", lw=0.6)
+    ax.set_title(f"{hop[0]}->{hop[1]}", fontsize=8)
+    ax.tick_params(labelsize=7)
 
 
 def _numeric(values) -> bool:
@@ -424,13 +441,7 @@ def _run_section(entry: dict, out: Path, n: int, table: bool = True) -> tuple[st
     figs["rounds"] = rounds_figure(res, out / f"rounds-{n}.png")
     parts = [f"<h2>{html.escape(exp['name'])} <small>({html.escape(str(entry['dir']))})</small></h2>"]
     parts += [f"<div class='warn'>WARNING: {html.escape(w)}</div>" for w in _warnings(res)]
-    topo = exp.get("topology", {})
-    parts.append(f"<p>topology {html.escape(str(topo.get('name')))} ({len(topo.get('datacenters', []))} datacenters, "
-                 f"{len(topo.get('links', []))} links), scale {exp.get('scale')}, "
-                 f"{exp['workload'].get('bytes')} bytes, {exp.get('repetitions')} repetition(s), "
-                 + (f"groups of p = {g['p']} from the ready queue in a window T = {g['window_s']:g} s</p>"
-                    if (g := (exp.get("scheme") or {}).get("groups")) else
-                    f"{exp['workload'].get('iterations')} iteration(s) + {exp['workload'].get('warmup')} warm-up</p>"))
+    parts.append(_setup_line(exp))
     if table and res.get("variants"):
         parts.append(_table(variant_rows(res), VARIANT_COLUMNS))
     if res.get("processes"):  # an `exec` run
@@ -444,22 +455,47 @@ def _run_section(entry: dict, out: Path, n: int, table: bool = True) -> tuple[st
                      _table(cold, ["variant", "repetition", "warmup_cct_s"]))
     if figs["rounds"]:  # a groups run has no iterations (no timeline of one)
         parts.append(_img(figs["rounds"], "Rounds per worker in the window T"))
-        faults = [{"variant": r["variant"], "repetition": r["repetition"],
-                   "fault": f"worker {f['node']} lost" if f.get("node") else "controller lost" if f.get("controller")
-                   else f"link {'-'.join(f['link'])} broken",
-                   "why": f.get("why", f"down {f['down_s']:g} s, {len(f.get('rejoined', {}))} workers rejoined"
-                                if f.get("controller") else f"reported by {f.get('reported_by')}"),
-                   "back_after_s": (f["back_ns"] - f["t_ns"]) / 1e9 if f.get("back_ns") else None,
-                   "tasks": ", ".join(f"{t['pid']} {t['outcome']}" + (f" to {t['replacement']}" if t.get("replacement")
-                                                                     else f" ({t['why']})" if t.get("why") else "")
-                                     for t in f.get("tasks", []))}
-                  for r in res.get("runs", []) for f in (r.get("groups") or {}).get("faults", [])]
+        faults = _group_faults(res)
         if faults:
             parts.append("<h3>Faults during the groups runs (§IV-B failover)</h3>" +
                          _table(faults, ["variant", "repetition", "fault", "why", "back_after_s", "tasks"]))
     else:
         parts.append(_img(figs["gantt"], "Timeline of one iteration"))
     parts.append(_img(figs["links"], "Goodput per link vs configured rate"))
+    parts += _details(res)
+    return "\n".join(parts), figs
+
+
+def _setup_line(exp: dict) -> str:
+    """The paragraph naming the experiment's topology, scale, size and rounds."""
+    topo = exp.get("topology", {})
+    return (f"<p>topology {html.escape(str(topo.get('name')))} ({len(topo.get('datacenters', []))} datacenters, "
+            f"{len(topo.get('links', []))} links), scale {exp.get('scale')}, "
+            f"{exp['workload'].get('bytes')} bytes, {exp.get('repetitions')} repetition(s), "
+            + (f"groups of p = {g['p']} from the ready queue in a window T = {g['window_s']:g} s</p>"
+               if (g := (exp.get("scheme") or {}).get("groups")) else
+               f"{exp['workload'].get('iterations')} iteration(s) + {exp['workload'].get('warmup')} warm-up</p>"))
+
+
+def _group_faults(res: dict) -> list[dict]:
+    """One row per fault of the groups runs: what was lost, why, when it was back, and what
+    became of the tasks it held."""
+    return [{"variant": r["variant"], "repetition": r["repetition"],
+             "fault": f"worker {f['node']} lost" if f.get("node") else "controller lost" if f.get("controller")
+             else f"link {'-'.join(f['link'])} broken",
+             "why": f.get("why", f"down {f['down_s']:g} s, {len(f.get('rejoined', {}))} workers rejoined"
+                          if f.get("controller") else f"reported by {f.get('reported_by')}"),
+             "back_after_s": (f["back_ns"] - f["t_ns"]) / 1e9 if f.get("back_ns") else None,
+             "tasks": ", ".join(f"{t['pid']} {t['outcome']}" + (f" to {t['replacement']}" if t.get("replacement")
+                                                               else f" ({t['why']})" if t.get("why") else "")
+                               for t in f.get("tasks", []))}
+            for r in res.get("runs", []) for f in (r.get("groups") or {}).get("faults", [])]
+
+
+def _details(res: dict) -> list[str]:
+    """The folded-away parts: the events table, the links as shaped, the resolved
+    experiment and the environment."""
+    parts = []
     if res.get("events"):
         parts.append("<h3>Dynamics and faults</h3>" + _table(
             res["events"], sorted({k for e in res["events"] for k in e}, key=lambda k: (k != "t_s", k))))
@@ -467,13 +503,13 @@ def _run_section(entry: dict, out: Path, n: int, table: bool = True) -> tuple[st
         parts.append("<details><summary>Links as shaped</summary>" +
                      _table(res["links"], list(res["links"][0].keys())) + "</details>")
     parts.append("<details><summary>Experiment (fully resolved)</summary><pre>" +
-                 html.escape(json.dumps(exp, indent=1, default=str)) + "</pre></details>")
+                 html.escape(json.dumps(res["experiment"], indent=1, default=str)) + "</pre></details>")
     env = {k: v for k, v in res.get("environment", {}).items() if k != "capabilities"}
     parts.append("<details><summary>Environment</summary><pre>" +
                  html.escape(json.dumps({**env, "emulation": {k: v for k, v in res.get("emulation", {}).items()
                                                               if k != "relay"}}, indent=1, default=str))
                  + "</pre></details>")
-    return "\n".join(parts), figs
+    return parts
 
 
 def write_report(folders: list[Path], out: Path | None = None, claims: str | None = None) -> Path:

@@ -82,62 +82,74 @@ def load_claims(path: str | Path = CLAIMS_FILE) -> tuple[dict, dict[str, Run], l
     c.mapping(papers, "papers")
     for k, v in papers.items():
         c.mapping(v, f"papers.{k}", {"title", "seed", "notes"})
-    runs: dict[str, Run] = {}
-    for rid, spec in (data.get("runs") or {}).items():
-        key = f"runs.{rid}"
-        c.mapping(spec, key, {"experiment", "kind", "set", "full", "quick", "smoke", "minutes", "validate_within_s"})
-        if not isinstance(spec.get("experiment"), str):
-            c.fail(f"{key}.experiment", "expected an experiment file name")
-        kind = spec.get("kind", "emulate")
-        if kind not in ("emulate", "plan"):
-            c.fail(f"{key}.kind", f"expected emulate or plan, got {kind!r}")
-        common = _overrides(c, spec.get("set", []), f"{key}.set")
-        per_mode = {}
-        for m in MODES:
-            extra = spec.get(m, [])
-            per_mode[m] = None if extra == "skip" else common + _overrides(c, extra, f"{key}.{m}")
-        minutes = spec.get("minutes") or {}
-        c.mapping(minutes, f"{key}.minutes", set(MODES))
-        for m, v in minutes.items():
-            if not isinstance(v, (int, float)) or v < 0:
-                c.fail(f"{key}.minutes.{m}", f"expected minutes >= 0, got {v!r}")
-        vw = spec.get("validate_within_s")
-        if vw is not None and (not isinstance(vw, (int, float)) or vw <= 0):
-            c.fail(f"{key}.validate_within_s", f"expected seconds > 0, got {vw!r}")
-        runs[rid] = Run(rid, spec["experiment"], kind, per_mode, {m: float(minutes.get(m, 1.0)) for m in MODES}, vw)
-    claims = []
-    for i, spec in enumerate(data.get("claims") or []):
-        key = f"claims[{i}]"
-        c.mapping(spec, key, {"paper", "figure", "claim", "run", "value", "expect", "tolerance", "unit", "needs",
-                              "comparable", "why"})
-        for k in ("paper", "figure", "claim", "run", "value"):
-            if not isinstance(spec.get(k), str) or not spec[k]:
-                c.fail(f"{key}.{k}", "expected a non-empty string")
-        if spec["paper"] not in papers:
-            c.fail(f"{key}.paper", f"unknown paper {spec['paper']!r} (known: {', '.join(papers)})")
-        if spec["run"] not in runs:
-            c.fail(f"{key}.run", f"unknown run {spec['run']!r}")
-        exp = spec.get("expect")
-        if (not isinstance(exp, list) or len(exp) != 2 or not all(x is None or isinstance(x, (int, float)) for x in exp)
-                or exp == [None, None] or (None not in exp and exp[0] > exp[1])):
-            c.fail(f"{key}.expect", f"expected [low, high] (numbers, low <= high, one may be null), got {exp!r}")
-        tol = spec.get("tolerance", 0.0)
-        if not isinstance(tol, (int, float)) or not 0 <= tol < 1:
-            c.fail(f"{key}.tolerance", f"expected a relative tolerance in [0, 1), got {tol!r}")
-        needs = spec.get("needs", [])
-        if not isinstance(needs, list) or not all(isinstance(n, str) and n for n in needs):
-            c.fail(f"{key}.needs", "expected a list of strings")
-        try:
-            reads = referenced_runs(spec["value"], spec["run"])
-        except ValueError as e:
-            c.fail(f"{key}.value", str(e))
-        for r in reads:
-            if r not in runs:
-                c.fail(f"{key}.value", f"unknown run {r!r}")
-        claims.append(Claim(spec["paper"], spec["figure"], spec["claim"], spec["run"], spec["value"],
-                            tuple(exp), float(tol), str(spec.get("unit", "")), tuple(needs), spec.get("comparable"),
-                            spec.get("why"), tuple(reads)))
+    runs = {rid: _load_run(c, rid, spec) for rid, spec in (data.get("runs") or {}).items()}
+    claims = [_load_claim(c, i, spec, papers, runs) for i, spec in enumerate(data.get("claims") or [])]
     return papers, runs, claims
+
+
+def _load_run(c: Checker, rid: str, spec) -> Run:
+    """One entry of ``runs``: its experiment, kind, overrides per mode, minutes."""
+    key = f"runs.{rid}"
+    c.mapping(spec, key, {"experiment", "kind", "set", "full", "quick", "smoke", "minutes", "validate_within_s"})
+    if not isinstance(spec.get("experiment"), str):
+        c.fail(f"{key}.experiment", "expected an experiment file name")
+    kind = spec.get("kind", "emulate")
+    if kind not in ("emulate", "plan"):
+        c.fail(f"{key}.kind", f"expected emulate or plan, got {kind!r}")
+    common = _overrides(c, spec.get("set", []), f"{key}.set")
+    per_mode = {}
+    for m in MODES:
+        extra = spec.get(m, [])
+        per_mode[m] = None if extra == "skip" else common + _overrides(c, extra, f"{key}.{m}")
+    minutes = spec.get("minutes") or {}
+    c.mapping(minutes, f"{key}.minutes", set(MODES))
+    for m, v in minutes.items():
+        if not isinstance(v, (int, float)) or v < 0:
+            c.fail(f"{key}.minutes.{m}", f"expected minutes >= 0, got {v!r}")
+    vw = spec.get("validate_within_s")
+    if vw is not None and (not isinstance(vw, (int, float)) or vw <= 0):
+        c.fail(f"{key}.validate_within_s", f"expected seconds > 0, got {vw!r}")
+    return Run(rid, spec["experiment"], kind, per_mode, {m: float(minutes.get(m, 1.0)) for m in MODES}, vw)
+
+
+def _load_claim(c: Checker, i: int, spec, papers: dict, runs: dict[str, Run]) -> Claim:
+    """The ``i``-th entry of ``claims``, checked against the papers and runs already read."""
+    key = f"claims[{i}]"
+    c.mapping(spec, key, {"paper", "figure", "claim", "run", "value", "expect", "tolerance", "unit", "needs",
+                          "comparable", "why"})
+    for k in ("paper", "figure", "claim", "run", "value"):
+        if not isinstance(spec.get(k), str) or not spec[k]:
+            c.fail(f"{key}.{k}", "expected a non-empty string")
+    if spec["paper"] not in papers:
+        c.fail(f"{key}.paper", f"unknown paper {spec['paper']!r} (known: {', '.join(papers)})")
+    if spec["run"] not in runs:
+        c.fail(f"{key}.run", f"unknown run {spec['run']!r}")
+    exp = spec.get("expect")
+    if (not isinstance(exp, list) or len(exp) != 2 or not all(x is None or isinstance(x, (int, float)) for x in exp)
+            or exp == [None, None] or (None not in exp and exp[0] > exp[1])):
+        c.fail(f"{key}.expect", f"expected [low, high] (numbers, low <= high, one may be null), got {exp!r}")
+    tol = spec.get("tolerance", 0.0)
+    if not isinstance(tol, (int, float)) or not 0 <= tol < 1:
+        c.fail(f"{key}.tolerance", f"expected a relative tolerance in [0, 1), got {tol!r}")
+    needs = spec.get("needs", [])
+    if not isinstance(needs, list) or not all(isinstance(n, str) and n for n in needs):
+        c.fail(f"{key}.needs", "expected a list of strings")
+    reads = _claim_reads(c, key, spec, runs)
+    return Claim(spec["paper"], spec["figure"], spec["claim"], spec["run"], spec["value"],
+                 tuple(exp), float(tol), str(spec.get("unit", "")), tuple(needs), spec.get("comparable"),
+                 spec.get("why"), tuple(reads))
+
+
+def _claim_reads(c: Checker, key: str, spec: dict, runs: dict[str, Run]) -> list[str]:
+    """The runs a claim's value expression reads, each one known."""
+    try:
+        reads = referenced_runs(spec["value"], spec["run"])
+    except ValueError as e:
+        c.fail(f"{key}.value", str(e))
+    for r in reads:
+        if r not in runs:
+            c.fail(f"{key}.value", f"unknown run {r!r}")
+    return reads
 
 
 def _overrides(c: Checker, items, key: str) -> list[str]:

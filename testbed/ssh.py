@@ -183,7 +183,7 @@ class Connection:
     def _open(self, dest: str, jumps: list[str] | None) -> paramiko.SSHClient:
         """Connect to ``dest``; through ``jumps`` (None: its ProxyJump setting), the last hop
         reached through the ones before it, as OpenSSH's ``ProxyJump a,b``."""
-        o, t = self.options, self.options.connect_timeout_s
+        o = self.options
         try:
             cfg = resolve(dest, o.config)
         except ValueError as e:
@@ -193,14 +193,7 @@ class Connection:
         if jumps is None:
             jumps = [j.strip() for j in cfg.get("proxyjump", "none").split(",")]
             jumps = [] if jumps == ["none"] else jumps
-        if jumps:
-            hop = self._open(jumps[-1], jumps[:-1] or None)
-            try:
-                sock = hop.get_transport().open_channel("direct-tcpip", (host, port), ("127.0.0.1", 0), timeout=t)
-            except (paramiko.SSHException, OSError) as e:
-                raise self.error(f"jump host {jumps[-1]} cannot reach {host}:{port}: {e}") from None
-        else:
-            sock = self._tcp(host, port, where)
+        sock = self._through(jumps, host, port) if jumps else self._tcp(host, port, where)
         client = paramiko.SSHClient()
         self._clients.append(client)
         known = os.path.expanduser(o.known_hosts or cfg.get("userknownhostsfile", "~/.ssh/known_hosts").split()[0])
@@ -210,6 +203,23 @@ class Connection:
             client.load_host_keys(known)
         client.set_missing_host_key_policy(_HostKeyPolicy(self, known, o.accept_new))
         keys = [os.path.expanduser(k) for k in (*o.identity_files, *cfg.get("identityfile", ()))]
+        self._login(client, sock, host, port, user, where, known, keys)
+        return client
+
+    def _through(self, jumps: list[str], host: str, port: int) -> paramiko.Channel:
+        """A channel to ``host:port`` from the last of ``jumps`` (opened through the ones before it)."""
+        hop = self._open(jumps[-1], jumps[:-1] or None)
+        try:
+            return hop.get_transport().open_channel("direct-tcpip", (host, port), ("127.0.0.1", 0),
+                                                    timeout=self.options.connect_timeout_s)
+        except (paramiko.SSHException, OSError) as e:
+            raise self.error(f"jump host {jumps[-1]} cannot reach {host}:{port}: {e}") from None
+
+    def _login(self, client: paramiko.SSHClient, sock, host: str, port: int, user: str, where: str, known: str,
+               keys: list[str]) -> None:
+        """The SSH handshake, host key check and authentication over ``sock``; each way it can
+        fail said in one SshError naming the host."""
+        t = self.options.connect_timeout_s
         start = time.monotonic()
         try:
             client.connect(host, port, user, key_filename=[k for k in keys if os.path.exists(k)] or None,
@@ -236,7 +246,6 @@ class Connection:
             raise self.error(f"SSH handshake with {where} failed: {e}") from None
         except (OSError, EOFError) as e:
             raise self.error(f"connection to {where} lost: {e or type(e).__name__}") from None
-        return client
 
     def _tcp(self, host: str, port: int, where: str) -> socket.socket:
         """A TCP connection to ``host``: name lookup and connect each within the connect timeout."""

@@ -54,51 +54,70 @@ def validate_dynamics(items, topo: Topology, c: Checker, source: str) -> list[di
         key = f"dynamics[{i}]"
         c.mapping(item, key)
         if "trace" in item:
-            c.mapping(item, key, {"trace"})
-            path = Path(item["trace"])
-            if not path.is_absolute():
-                path = Path(source).parent / path
-            try:
-                rows = list(csv.reader(path.read_text().splitlines()))
-            except OSError as e:
-                c.fail(f"{key}.trace", f"cannot read trace: {e.strerror}")
-            for r, row in enumerate(rows):
-                if not row or row[0].strip().startswith("#") or (r == 0 and not _is_num(row[0])):
-                    continue
-                rkey = f"{key}.trace line {r + 1}"
-                if len(row) != 4 or not _is_num(row[0]) or not _is_num(row[3]):
-                    c.fail(rkey, "expected time_s,src,dst,rate_mbps")
-                src, dst = row[1].strip(), row[2].strip()
-                _link(c, [src, dst], rkey, topo)
-                out.append({"at_s": float(row[0]), "src": src, "dst": dst, "rate_mbps": float(row[3])})
+            out += _trace_events(item, key, topo, c, source)
         elif "redraw" in item:
-            c.mapping(item, key, {"redraw"})
-            r = c.mapping(item["redraw"], f"{key}.redraw", {"lo", "hi", "every_s", "seed"})
-            lo = c.number(r.get("lo", 20), f"{key}.redraw.lo", positive=True)
-            hi = c.number(r.get("hi", 155), f"{key}.redraw.hi", positive=True)
-            if hi < lo:
-                c.fail(f"{key}.redraw.hi", "must be >= lo")
-            every = c.number(r.get("every_s", 180), f"{key}.redraw.every_s", positive=True)
-            seed = c.number(r.get("seed", 1), f"{key}.redraw.seed", integer=True)
-            out.append({"redraw": {"lo": lo, "hi": hi, "every_s": every, "seed": seed}})
+            out.append(_redraw_spec(item, key, c))
         else:
-            c.mapping(item, key, {"at_s", "link", "rate_mbps", "direction"})
-            for req in ("at_s", "link", "rate_mbps"):
-                if req not in item:
-                    c.fail(f"{key}.{req}", "missing (required)")
-            at = c.number(item["at_s"], f"{key}.at_s", minimum=0)
-            a, b = _link(c, item["link"], f"{key}.link", topo)
-            rates = item["rate_mbps"]
-            rates = rates if isinstance(rates, list) else [rates, rates]
-            if len(rates) != 2:
-                c.fail(f"{key}.rate_mbps", "expected a rate or [a->b, b->a]")
-            for k, r in enumerate(rates):
-                c.number(r, f"{key}.rate_mbps", positive=True)
-            direction = c.choice(item.get("direction", "both"), f"{key}.direction", ("both", "ab", "ba"))
-            if direction in ("both", "ab"):
-                out.append({"at_s": at, "src": a, "dst": b, "rate_mbps": float(rates[0])})
-            if direction in ("both", "ba"):
-                out.append({"at_s": at, "src": b, "dst": a, "rate_mbps": float(rates[1])})
+            out += _rate_events(item, key, topo, c)
+    return out
+
+
+def _trace_events(item: dict, key: str, topo: Topology, c: Checker, source: str) -> list[dict]:
+    """``{trace: file}``: one rate event per CSV row (comments, blank rows and a header skipped)."""
+    c.mapping(item, key, {"trace"})
+    path = Path(item["trace"])
+    if not path.is_absolute():
+        path = Path(source).parent / path
+    try:
+        rows = list(csv.reader(path.read_text().splitlines()))
+    except OSError as e:
+        c.fail(f"{key}.trace", f"cannot read trace: {e.strerror}")
+    out = []
+    for r, row in enumerate(rows):
+        if not row or row[0].strip().startswith("#") or (r == 0 and not _is_num(row[0])):
+            continue
+        rkey = f"{key}.trace line {r + 1}"
+        if len(row) != 4 or not _is_num(row[0]) or not _is_num(row[3]):
+            c.fail(rkey, "expected time_s,src,dst,rate_mbps")
+        src, dst = row[1].strip(), row[2].strip()
+        _link(c, [src, dst], rkey, topo)
+        out.append({"at_s": float(row[0]), "src": src, "dst": dst, "rate_mbps": float(row[3])})
+    return out
+
+
+def _redraw_spec(item: dict, key: str, c: Checker) -> dict:
+    """``{redraw: {...}}`` with its defaults filled in."""
+    c.mapping(item, key, {"redraw"})
+    r = c.mapping(item["redraw"], f"{key}.redraw", {"lo", "hi", "every_s", "seed"})
+    lo = c.number(r.get("lo", 20), f"{key}.redraw.lo", positive=True)
+    hi = c.number(r.get("hi", 155), f"{key}.redraw.hi", positive=True)
+    if hi < lo:
+        c.fail(f"{key}.redraw.hi", "must be >= lo")
+    every = c.number(r.get("every_s", 180), f"{key}.redraw.every_s", positive=True)
+    seed = c.number(r.get("seed", 1), f"{key}.redraw.seed", integer=True)
+    return {"redraw": {"lo": lo, "hi": hi, "every_s": every, "seed": seed}}
+
+
+def _rate_events(item: dict, key: str, topo: Topology, c: Checker) -> list[dict]:
+    """``{at_s, link, rate_mbps, direction}``: one rate event per direction it changes."""
+    c.mapping(item, key, {"at_s", "link", "rate_mbps", "direction"})
+    for req in ("at_s", "link", "rate_mbps"):
+        if req not in item:
+            c.fail(f"{key}.{req}", "missing (required)")
+    at = c.number(item["at_s"], f"{key}.at_s", minimum=0)
+    a, b = _link(c, item["link"], f"{key}.link", topo)
+    rates = item["rate_mbps"]
+    rates = rates if isinstance(rates, list) else [rates, rates]
+    if len(rates) != 2:
+        c.fail(f"{key}.rate_mbps", "expected a rate or [a->b, b->a]")
+    for k, r in enumerate(rates):
+        c.number(r, f"{key}.rate_mbps", positive=True)
+    direction = c.choice(item.get("direction", "both"), f"{key}.direction", ("both", "ab", "ba"))
+    out = []
+    if direction in ("both", "ab"):
+        out.append({"at_s": at, "src": a, "dst": b, "rate_mbps": float(rates[0])})
+    if direction in ("both", "ba"):
+        out.append({"at_s": at, "src": b, "dst": a, "rate_mbps": float(rates[1])})
     return out
 
 

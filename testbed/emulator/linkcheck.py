@@ -399,62 +399,20 @@ def _queue_and_udp_rate(net, src: str, dst: str, seconds: float, port: int = BAS
     payload = udp_payload(d, dirn.method)
     frame = payload + UDP_HEADERS
     expect_q = standing_queue_ms(d, dirn.method, frame, PROBE_FRAME)
-    # probes in the same (bulk) queue, started before the load so that they go exactly when the
-    # queue is full and end before the load; spaced wider than the queue's delay (and the
-    # jitter's FIFO-free spacing), so that no probe ever waits behind another: each probe in the queue holds one of
-    # its places (netem's limit counts packets), and at 50 a second the probes ahead of a probe
-    # made the queue read 2-12 % short on slow links (measured in the VM).  Small, not
-    # iperf3-sized: in a byte-limited FIFO (htb, relay) a small probe fits where a full-size one
-    # is dropped; in netem's a probe gets in only where a datagram left and none came yet, so
-    # fewer arrive (`queue_probes`).  QUEUE_PROBES sent, all counted (the neighbour is resolved
-    # by now): with the idle probe's first 10 left out, a 2 Mbit/s link's 4 s gave none
-    interval = max(0.02, (expect_q + jitter.fifo_free_spacing_ms(d.jitter_ms, d.distribution)) / 1e3)
+    interval = _queue_probe_interval_s(d, expect_q)
     seconds = max(seconds, QUEUE_PROBES * interval + 0.5)
     fill_s = 2.5 * expect_q / 1e3 / (OVERLOAD - 1) + 0.5  # time for the excess to fill the queue
     total = fill_s + seconds  # iperf3's -t: counted from its first datagram
     # which comes only after its TCP control connection and stream set-up, a few round trips
     # over this very link (0.8 s each on GScale's 400 ms links): the probes must wait for it too
     setup_s = IPERF_SETUP_RTTS * (d.delay_ms + net.directions[(dst, src)].spec.delay_ms) / 1e3
-    # the sender's socket buffer must hold the whole queue (about 2.3 KB of kernel memory per
-    # queued datagram), else it throttles iperf3 before the queue is full
-    sndbuf = min(16 << 20, max(2 << 20, 3 * d.queue_pkts * (MTU + 14)))
-    for tries in range(1, UDP_START_TRIES + 1):
-        probe = _Probe(net, src, dst, seconds - 0.5, interval, port=probe_port, skip=0)
-        srv = net.popen(dst, ["iperf3", "-s", "-1", "-p", str(port), "-J", "-i", "0.5"],
-                        stdout=subprocess.PIPE, text=True)
-        time.sleep(0.5)
-        cli = net.popen(src, ["iperf3", "-c", net.peer_address(src, dst), "-p", str(port), "-u", "-w",
-                              str(sndbuf), "-b", f"{OVERLOAD * d.rate_mbps * 1e6:.0f}", "-l", str(payload),
-                              "-t", f"{total:.1f}"])
-        full = _await_full_queue(net, src, dst, frame, setup_s + fill_s + 10)
-        full_after = full[0] if full else None
-        if full or tries == UDP_START_TRIES:
-            break
-        _kill((cli, srv, probe.tx, probe.rx))  # the queue never filled: start again
-    overflow = None
-    if full_after is None:  # never seen full: probes now would go after the load has ended (the
-        _kill((probe.tx, probe.rx))  # Debian guest under TCG, 40 Mbit/s: iperf3 sends in bursts
-        r = {}  # and the queue peaked between polls; they read 0.4-0.8 ms for 30): not measured
-    else:
-        probe.go()
-        r = probe.result()
-        after = _leaf_counts(net, src, dirn.intf)
-        if after:  # the Debian guest under TCG: seen full once, then iperf3 fell
-            # short of the rate (36-39 Mbit/s for 38.9) and the probes read 0.4-1.7 ms for 29.9
-            overflow = queue_overflow(full[1], after, 0.0 if METHODS[dirn.method].loss_takes_rate else d.loss)
+    probe, srv, cli, full, tries = _start_udp_load(net, src, dst, payload, seconds, interval, total,
+                                                   setup_s + fill_s + 10, port, probe_port)
+    full_after = full[0] if full else None
+    r, overflow = _probe_full_queue(net, src, dst, probe, full)
     cli.wait(timeout=setup_s + total + 30)
     out, _ = srv.communicate(timeout=30)
-    try:
-        ivals = [i["sum"] for i in json.loads(out)["intervals"]]
-        # from a full queue on, and ending half an interval before the sender stops: the
-        # receiver's last intervals are the tail (e.g. six at 13.1-13.6 Mbit/s for 13.6, the
-        # last at 6.0; equinix-like-20 at scale 0.01: 1.93-1.95 of 1.94, then 1.64, 0.0)
-        ivals = [i for i in ivals if i["start"] >= fill_s and i["end"] <= total - 0.5]
-        mbps = sum(i["bits_per_second"] * (i["end"] - i["start"]) for i in ivals) / sum(
-            i["end"] - i["start"] for i in ivals) / 1e6
-        per_interval = [round(i["bits_per_second"] / 1e6, 3) for i in ivals]  # where a dip was, if any
-    except (ValueError, KeyError, TypeError, ZeroDivisionError):
-        mbps, per_interval = None, []
+    mbps, per_interval = _udp_goodput(out, fill_s, total)
     expect_mbps = d.rate_mbps * payload / frame * carried_share(dirn)
     frame_ms = frame * 8 / (d.rate_mbps * 1e3)
     queue_jitter = queue_jitter_ms(d, dirn.method, frame_ms, interval * 1e3, r.get("owd_n", 0))
@@ -470,6 +428,79 @@ def _queue_and_udp_rate(net, src: str, dst: str, seconds: float, port: int = BAS
             "queue_full_after_s": full_after, "queue_overflow": overflow, "udp_start_tries": tries,
             "checks": {"rate": rate_ok(ratio), "queue": queue_ok(queue, expect_q, frame_ms, queue_jitter)},
             "why": why, "udp_payload": payload}
+
+
+def _queue_probe_interval_s(d, expect_q: float) -> float:
+    """Spacing of the standing-queue probes.  They go in the same (bulk) queue, started before
+    the load so that they go exactly when the queue is full and end before the load; spaced
+    wider than the queue's delay (and the jitter's FIFO-free spacing), so that no probe ever
+    waits behind another."""
+    # each probe in the queue holds one of its places (netem's limit counts packets), and at 50
+    # a second the probes ahead of a probe made the queue read 2-12 % short on slow links
+    # (measured in the VM).  Small, not iperf3-sized: in a byte-limited FIFO (htb, relay) a
+    # small probe fits where a full-size one is dropped; in netem's a probe gets in only where a
+    # datagram left and none came yet, so fewer arrive (`queue_probes`).  QUEUE_PROBES sent, all
+    # counted (the neighbour is resolved by now): with the idle probe's first 10 left out, a
+    # 2 Mbit/s link's 4 s gave none
+    return max(0.02, (expect_q + jitter.fifo_free_spacing_ms(d.jitter_ms, d.distribution)) / 1e3)
+
+
+def _start_udp_load(net, src: str, dst: str, payload: int, seconds: float, interval: float, total: float,
+                    wait_s: float, port: int, probe_port: int) -> tuple:
+    """The queue probes (waiting to go) and iperf3 UDP at OVERLOAD x the rate for ``total`` s,
+    all started again (up to UDP_START_TRIES times) while the queue is not seen full within
+    ``wait_s``: (probe, iperf3 server, client, :func:`_await_full_queue`'s answer, tries)."""
+    d = net.directions[(src, dst)].spec
+    # the sender's socket buffer must hold the whole queue (about 2.3 KB of kernel memory per
+    # queued datagram), else it throttles iperf3 before the queue is full
+    sndbuf = min(16 << 20, max(2 << 20, 3 * d.queue_pkts * (MTU + 14)))
+    for tries in range(1, UDP_START_TRIES + 1):
+        probe = _Probe(net, src, dst, seconds - 0.5, interval, port=probe_port, skip=0)
+        srv = net.popen(dst, ["iperf3", "-s", "-1", "-p", str(port), "-J", "-i", "0.5"],
+                        stdout=subprocess.PIPE, text=True)
+        time.sleep(0.5)
+        cli = net.popen(src, ["iperf3", "-c", net.peer_address(src, dst), "-p", str(port), "-u", "-w",
+                              str(sndbuf), "-b", f"{OVERLOAD * d.rate_mbps * 1e6:.0f}", "-l", str(payload),
+                              "-t", f"{total:.1f}"])
+        full = _await_full_queue(net, src, dst, payload + UDP_HEADERS, wait_s)
+        if full or tries == UDP_START_TRIES:
+            break
+        _kill((cli, srv, probe.tx, probe.rx))  # the queue never filled: start again
+    return probe, srv, cli, full, tries
+
+
+def _probe_full_queue(net, src: str, dst: str, probe: "_Probe", full: tuple | None) -> tuple[dict, float | None]:
+    """The probes' statistics through the full queue and the share of arrivals that overflowed
+    it since it was seen full ({} and None where it never was)."""
+    dirn = net.directions[(src, dst)]
+    overflow = None
+    if full is None:  # never seen full: probes now would go after the load has ended (the
+        _kill((probe.tx, probe.rx))  # Debian guest under TCG, 40 Mbit/s: iperf3 sends in bursts
+        return {}, overflow  # and the queue peaked between polls; they read 0.4-0.8 ms for 30): not measured
+    probe.go()
+    r = probe.result()
+    after = _leaf_counts(net, src, dirn.intf)
+    if after:  # the Debian guest under TCG: seen full once, then iperf3 fell
+        # short of the rate (36-39 Mbit/s for 38.9) and the probes read 0.4-1.7 ms for 29.9
+        overflow = queue_overflow(full[1], after, 0.0 if METHODS[dirn.method].loss_takes_rate else dirn.spec.loss)
+    return r, overflow
+
+
+def _udp_goodput(out: str, fill_s: float, total: float) -> tuple[float | None, list[float]]:
+    """The iperf3 server's goodput (Mbit/s) over its intervals with the queue full, and each
+    interval's; (None, []) where its report is unreadable or has no such interval."""
+    try:
+        ivals = [i["sum"] for i in json.loads(out)["intervals"]]
+        # from a full queue on, and ending half an interval before the sender stops: the
+        # receiver's last intervals are the tail (e.g. six at 13.1-13.6 Mbit/s for 13.6, the
+        # last at 6.0; equinix-like-20 at scale 0.01: 1.93-1.95 of 1.94, then 1.64, 0.0)
+        ivals = [i for i in ivals if i["start"] >= fill_s and i["end"] <= total - 0.5]
+        mbps = sum(i["bits_per_second"] * (i["end"] - i["start"]) for i in ivals) / sum(
+            i["end"] - i["start"] for i in ivals) / 1e6
+        per_interval = [round(i["bits_per_second"] / 1e6, 3) for i in ivals]  # where a dip was, if any
+    except (ValueError, KeyError, TypeError, ZeroDivisionError):
+        mbps, per_interval = None, []
+    return mbps, per_interval
 
 
 def _await_full_queue(net, src: str, dst: str, frame: int, timeout_s: float) -> tuple[float, dict] | None:
@@ -689,15 +720,7 @@ def run_linkcheck(topo, *, seconds: float = 6.0, phases=("single", "concurrent")
         whole = CpuMeter().start()
         if "single" in phases:
             result["single_parallel"] = parallel = parallel or single_parallel(len(all_dirs))
-            rows, done = {}, 0
-            rtt = {sd: net.directions[sd].spec.delay_ms + net.directions[sd[::-1]].spec.delay_ms for sd in all_dirs}
-            for batch in single_batches(rtt, parallel):
-                progress(f"single {done + 1}/{len(all_dirs)}: " + ", ".join(f"{s} -> {d}" for s, d in batch))
-                with ThreadPoolExecutor(len(batch)) as pool:
-                    futures = {sd: pool.submit(_single, net, *sd, seconds, tcp_cc, k) for k, sd in enumerate(batch)}
-                rows.update({sd: f.result() for sd, f in futures.items()})
-                done += len(batch)
-            result["directions"] += [rows[sd] for sd in all_dirs]
+            result["directions"] += _single_phase(net, seconds, tcp_cc, parallel, progress)
         if "concurrent" in phases:
             progress(f"concurrent: all {len(all_dirs)} directions loaded at once ({load})")
             net.reset_relay_window()
@@ -709,16 +732,7 @@ def run_linkcheck(topo, *, seconds: float = 6.0, phases=("single", "concurrent")
         result["load_after"], result["tcp_memory_after"] = os.getloadavg(), tcp_memory()
         result["relay"] = net.relay_stats()
         result["relay_layout"] = net.relay_layout  # keep-up window: the concurrent phase if there was one
-        frames = sum(s.get("win_frames_out", 0) for s in result["relay"])
-        if "concurrent_cpu_util" in result and frames:
-            # what one relayed frame (data or ACK) costs this machine, relay and TCP endpoints together,
-            # and how many there were: the same check's keep-up follows the cost, and the frame rate,
-            # not the bit rate, is the load (under BBR a flow sends about one TSO frame per ms whatever
-            # its rate; docs/measurements/emulator-log.md, "What one frame costs" and "Frames, not bits")
-            window = max(s["window_s"] for s in result["relay"])
-            result["concurrent_frames_per_s"] = frames / window
-            result["concurrent_cpu_us_per_frame"] = (result["concurrent_cpu_util"] * (os.cpu_count() or 1)
-                                                     * window / frames * 1e6)
+        result.update(_frame_cost(result))
         result["emulation_kept_up"] = _kept_up(result["relay"], max_late_ms, result["steal"])
     for d in result["directions"]:
         d["ok"] = all(d["checks"].values())
@@ -727,6 +741,36 @@ def run_linkcheck(topo, *, seconds: float = 6.0, phases=("single", "concurrent")
     # an overloaded emulator's figures are not the link's (lateness shifts delay, queues, TCP): fail the check
     result["ok"] = result["directions_ok"] and result["emulation_kept_up"]["ok"]
     return result
+
+
+def _single_phase(net, seconds: float, tcp_cc: str, parallel: int, progress) -> list[dict]:
+    """Link by link: every direction checked alone, ``parallel`` at once (:func:`single_batches`),
+    its row in the order of ``net.directions``."""
+    all_dirs = list(net.directions)
+    rows, done = {}, 0
+    rtt = {sd: net.directions[sd].spec.delay_ms + net.directions[sd[::-1]].spec.delay_ms for sd in all_dirs}
+    for batch in single_batches(rtt, parallel):
+        progress(f"single {done + 1}/{len(all_dirs)}: " + ", ".join(f"{s} -> {d}" for s, d in batch))
+        with ThreadPoolExecutor(len(batch)) as pool:
+            futures = {sd: pool.submit(_single, net, *sd, seconds, tcp_cc, k) for k, sd in enumerate(batch)}
+        rows.update({sd: f.result() for sd, f in futures.items()})
+        done += len(batch)
+    return [rows[sd] for sd in all_dirs]
+
+
+def _frame_cost(result: dict) -> dict:
+    """What one relayed frame (data or ACK) cost this machine in the concurrent phase, relay and
+    TCP endpoints together, and how many there were a second ({} without that phase or frames)."""
+    frames = sum(s.get("win_frames_out", 0) for s in result["relay"])
+    if "concurrent_cpu_util" not in result or not frames:
+        return {}
+    # the same check's keep-up follows the cost, and the frame rate, not the bit rate, is the
+    # load (under BBR a flow sends about one TSO frame per ms whatever its rate;
+    # docs/measurements/emulator-log.md, "What one frame costs" and "Frames, not bits")
+    window = max(s["window_s"] for s in result["relay"])
+    return {"concurrent_frames_per_s": frames / window,
+            "concurrent_cpu_us_per_frame": (result["concurrent_cpu_util"] * (os.cpu_count() or 1)
+                                            * window / frames * 1e6)}
 
 
 def _kept_up(stats: list[dict], max_late_ms: float, steal: float) -> dict:

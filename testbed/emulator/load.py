@@ -88,8 +88,10 @@ def segs_out(sock: socket.socket) -> int:
     return struct.unpack_from("I", info, _TCPI_SEGS_OUT)[0]
 
 
-def run(port: int, name: str, flows: list[tuple[str, float, str, int]], omit: float, seconds: float,  # noqa: C901, PLR0915 -- one load run: processes started, watched and torn down together
+def run(port: int, name: str, flows: list[tuple[str, float, str, int]], omit: float, seconds: float,
         bind: str = "0.0.0.0", stdin=sys.stdin, emit=print) -> dict:
+    """Bind ``port``, say ``ready``, wait for ``go T0``, then send ``flows`` and count what
+    arrives in the window [T0 + omit, T0 + omit + seconds] (see the module's docstring)."""
     lsock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     lsock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     lsock.bind((bind, port))
@@ -97,15 +99,45 @@ def run(port: int, name: str, flows: list[tuple[str, float, str, int]], omit: fl
     lsock.setblocking(False)
     emit("ready", flush=True)
     sel = selectors.DefaultSelector()
+    t0 = _await_go(sel, stdin, name)
+    window = _Window(t0 + omit, t0 + omit + seconds, seconds)
+    sel.register(lsock, selectors.EVENT_READ, "listen")
+    _connect(sel, flows, name, port)
+    zeros = os.memfd_create("testbed-load-zeros")
+    os.ftruncate(zeros, SEND_BYTES)
+    # one event a wake-up (RCV_WAKE_S of a link's data, or SEND_BYTES sent): a step's call costs
+    # next to nothing beside its system calls
+    while (now := time.time()) < window.end + TAIL_S:
+        for key, _ in sel.select(min(1.0, window.end + TAIL_S - now)):
+            now = time.time()
+            if key.data == "listen":
+                _accept(sel, lsock)
+            elif isinstance(key.data, list):  # a sending socket: the rest of its header, then zeros
+                _send(sel, key, zeros)
+            else:
+                window.read(sel, key.data, now)
+    for key in list(sel.get_map().values()):
+        if key.fileobj is not lsock:
+            _reset(key.fileobj)
+    lsock.close()
+    os.close(zeros)
+    return window.result()
+
+
+def _await_go(sel: selectors.BaseSelector, stdin, name: str) -> float:
+    """T0 of the ``go T0`` line on ``stdin``; SystemExit if none came within READY_WAIT_S."""
     sel.register(stdin, selectors.EVENT_READ)
     ready = sel.select(READY_WAIT_S)
     line = stdin.readline().split() if ready else []
     if len(line) != 2 or line[0] != "go":
         raise SystemExit(f"load on {name}: no 'go T0' on standard input within {READY_WAIT_S} s")
     sel.unregister(stdin)
-    t0 = float(line[1])
-    start, end = t0 + omit, t0 + omit + seconds
-    sel.register(lsock, selectors.EVENT_READ, "listen")
+    return float(line[1])
+
+
+def _connect(sel: selectors.BaseSelector, flows: list[tuple[str, float, str, int]], name: str, port: int) -> None:
+    """Start connecting every stream of every flow (its congestion control set), each with its
+    header to send first."""
     for addr, rate, cc, streams in flows:
         for _ in range(streams):
             s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -114,77 +146,88 @@ def run(port: int, name: str, flows: list[tuple[str, float, str, int]], omit: fl
             s.connect_ex((addr, port))
             pending = memoryview(header(name, rate / streams))
             sel.register(s, selectors.EVENT_WRITE, [pending])  # [what is left of its header]
-    zeros = os.memfd_create("testbed-load-zeros")
-    os.ftruncate(zeros, SEND_BYTES)
-    buf = bytearray(1 << 20)
-    received: dict[str, dict] = {}
-    refused = 0
-    while (now := time.time()) < end + TAIL_S:
-        for key, _ in sel.select(min(1.0, end + TAIL_S - now)):
-            now = time.time()
-            if key.data == "listen":
-                try:
-                    s, _ = lsock.accept()
-                except BlockingIOError:
-                    continue
-                s.setblocking(False)
-                sel.register(s, selectors.EVENT_READ, _Conn(s))
-            elif isinstance(key.data, list):  # a sending socket: the rest of its header, then zeros
-                head = key.data[0]
-                try:
-                    if head:
-                        key.data[0] = head[key.fileobj.send(head):]
-                    else:
-                        os.sendfile(key.fileobj.fileno(), zeros, 0, SEND_BYTES)
-                except (BlockingIOError, InterruptedError):
-                    pass
-                except OSError:  # refused or reset: the receiver counts what arrived
-                    sel.unregister(key.fileobj)
-                    key.fileobj.close()
-            else:
-                c: _Conn = key.data
-                try:
-                    if c.src is None:
-                        n = c.sock.recv_into(buf, HEADER_LEN - len(c.head))
-                    else:  # counted, not copied
-                        n = c.sock.recv_into(buf, len(buf), socket.MSG_TRUNC)
-                except (BlockingIOError, InterruptedError):
-                    continue
-                except OSError:
-                    n = 0
-                if n == 0:
-                    sel.unregister(c.sock)
-                    c.sock.close()
-                    continue
-                if c.src is None:
-                    c.head += bytes(buf[:n])
-                    if len(c.head) == HEADER_LEN:
-                        try:
-                            c.src, rate = parse_header(c.head)
-                        except (ValueError, UnicodeDecodeError):
-                            refused += 1
-                            sel.unregister(c.sock)
-                            c.sock.close()
-                            continue
-                        c.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, rcvlowat(rate))
-                        received.setdefault(c.src, {"bytes": 0, "per_s": [0] * max(1, int(seconds + 0.999)), "acks": 0})
-                elif start <= now < end:
-                    r = received[c.src]
-                    r["bytes"] += n
-                    r["per_s"][min(len(r["per_s"]) - 1, int(now - start))] += n
-                    sent = segs_out(c.sock)
-                    if c.segs_out is not None:  # the ACKs sent since the previous read in the window
-                        r["acks"] += sent - c.segs_out
-                    c.segs_out = sent
-    for key in list(sel.get_map().values()):
-        if key.fileobj is not lsock:
-            _reset(key.fileobj)
-    lsock.close()
-    os.close(zeros)
-    for r in received.values():
-        r["mbps"] = r["bytes"] * 8 / seconds / 1e6
-        r["per_s"] = [round(b * 8 / 1e6, 3) for b in r["per_s"]]
-    return {"received": received, "refused": refused}
+
+
+def _accept(sel: selectors.BaseSelector, lsock: socket.socket) -> None:
+    try:
+        s, _ = lsock.accept()
+    except BlockingIOError:
+        return
+    s.setblocking(False)
+    sel.register(s, selectors.EVENT_READ, _Conn(s))
+
+
+def _send(sel: selectors.BaseSelector, key: selectors.SelectorKey, zeros: int) -> None:
+    """A sending socket is writable: the rest of its header, else SEND_BYTES of zeros."""
+    head = key.data[0]
+    try:
+        if head:
+            key.data[0] = head[key.fileobj.send(head):]
+        else:
+            os.sendfile(key.fileobj.fileno(), zeros, 0, SEND_BYTES)
+    except (BlockingIOError, InterruptedError):
+        pass
+    except OSError:  # refused or reset: the receiver counts what arrived
+        sel.unregister(key.fileobj)
+        key.fileobj.close()
+
+
+class _Window:
+    """What the receiving connections read: per sender the bytes in the counted window
+    [start, end), per second too, and the ACKs sent back meanwhile; and the connections refused."""
+
+    def __init__(self, start: float, end: float, seconds: float):
+        self.start, self.end, self.seconds = start, end, seconds
+        self.buf = bytearray(1 << 20)
+        self.received: dict[str, dict] = {}
+        self.refused = 0
+
+    def read(self, sel: selectors.BaseSelector, c: _Conn, now: float) -> None:
+        """A receiving connection is readable: its header first, then data counted, not copied."""
+        buf = self.buf
+        try:
+            if c.src is None:
+                n = c.sock.recv_into(buf, HEADER_LEN - len(c.head))
+            else:  # counted, not copied
+                n = c.sock.recv_into(buf, len(buf), socket.MSG_TRUNC)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            n = 0
+        if n == 0:
+            sel.unregister(c.sock)
+            c.sock.close()
+        elif c.src is None:
+            self._header(sel, c, bytes(buf[:n]))
+        elif self.start <= now < self.end:
+            r = self.received[c.src]
+            r["bytes"] += n
+            r["per_s"][min(len(r["per_s"]) - 1, int(now - self.start))] += n
+            sent = segs_out(c.sock)
+            if c.segs_out is not None:  # the ACKs sent since the previous read in the window
+                r["acks"] += sent - c.segs_out
+            c.segs_out = sent
+
+    def _header(self, sel: selectors.BaseSelector, c: _Conn, part: bytes) -> None:
+        """More of a connection's header; once whole, its sender (a malformed one: refused)."""
+        c.head += part
+        if len(c.head) != HEADER_LEN:
+            return
+        try:
+            c.src, rate = parse_header(c.head)
+        except (ValueError, UnicodeDecodeError):
+            self.refused += 1
+            sel.unregister(c.sock)
+            c.sock.close()
+            return
+        c.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, rcvlowat(rate))
+        self.received.setdefault(c.src, {"bytes": 0, "per_s": [0] * max(1, int(self.seconds + 0.999)), "acks": 0})
+
+    def result(self) -> dict:
+        for r in self.received.values():
+            r["mbps"] = r["bytes"] * 8 / self.seconds / 1e6
+            r["per_s"] = [round(b * 8 / 1e6, 3) for b in r["per_s"]]
+        return {"received": self.received, "refused": self.refused}
 
 
 def _reset(sock: socket.socket) -> None:

@@ -234,29 +234,13 @@ class WanNetwork:
         self.stop()
 
     def start(self) -> None:
+        """Check the machine, build the hosts and links, shape them, start the relays."""
         from mininet.log import setLogLevel
         from mininet.net import Mininet
         from mininet.nodelib import LinuxBridge
 
-        caps = self.caps or probe()
-        problems = caps.problems()
-        if problems:
-            raise RunError("cannot emulate on this machine: " + "; ".join(problems))
-        method = caps.shaping_method if self.method == "auto" else self.method
-        lacks = shaping.missing(method, caps)
-        if lacks:
-            raise RunError(f"shaping method {method!r} requested but this machine lacks {', '.join(lacks)} "
-                           "(see: python3 -m testbed doctor; try 'auto')")
-        self.method = method
-        if subprocess.run(["ip", "link", "show", CONTROL_BRIDGE], capture_output=True).returncode == 0:
-            raise RunError(f"interface {CONTROL_BRIDGE} exists: another run is active, or a crashed run left "
-                           "its network behind (remove it with: python3 -m testbed clean)")
-        route = control_route(len(self.topo.nodes))
-        hidden = control_conflicts(route, _text("/etc/resolv.conf"), subprocess.run(
-            ["ip", "-4", "route", "show"], capture_output=True, text=True).stdout)
-        if hidden:
-            raise RunError(f"the control network's route {route} would hide this machine's "
-                           f"{', '.join(hidden)}: the emulator's control addresses are 10.255.0.0/16")
+        route = self._preflight()
+        method = self.method
         self._allow_tcp_cc()
         self.run_id = cleanup.claim()  # inherited by every process of this network (clean spares live runs)
         setLogLevel("error")
@@ -289,6 +273,31 @@ class WanNetwork:
         if wan is not None:
             self._start_relays(wan, relay_pairs)
         self.log("network up")
+
+    def _preflight(self) -> ipaddress.IPv4Network:
+        """RunError unless this machine can emulate with the method asked for (``auto``: its
+        best, set in ``self.method``), no other run's control bridge is up, and the control
+        route hides nothing of the machine's; that route."""
+        caps = self.caps or probe()
+        problems = caps.problems()
+        if problems:
+            raise RunError("cannot emulate on this machine: " + "; ".join(problems))
+        method = caps.shaping_method if self.method == "auto" else self.method
+        lacks = shaping.missing(method, caps)
+        if lacks:
+            raise RunError(f"shaping method {method!r} requested but this machine lacks {', '.join(lacks)} "
+                           "(see: python3 -m testbed doctor; try 'auto')")
+        self.method = method
+        if subprocess.run(["ip", "link", "show", CONTROL_BRIDGE], capture_output=True).returncode == 0:
+            raise RunError(f"interface {CONTROL_BRIDGE} exists: another run is active, or a crashed run left "
+                           "its network behind (remove it with: python3 -m testbed clean)")
+        route = control_route(len(self.topo.nodes))
+        hidden = control_conflicts(route, _text("/etc/resolv.conf"), subprocess.run(
+            ["ip", "-4", "route", "show"], capture_output=True, text=True).stdout)
+        if hidden:
+            raise RunError(f"the control network's route {route} would hide this machine's "
+                           f"{', '.join(hidden)}: the emulator's control addresses are 10.255.0.0/16")
+        return route
 
     def _add_links(self, net, method: str, local: set[str]) -> tuple:
         """Every WAN link with an end in ``local``: a veth (through the relay namespace

@@ -170,25 +170,7 @@ def compare_linkchecks(a: dict, b: dict, labels=("relay", "netem")) -> str:
     configured in the concurrent one); measured jitter and loss, and the standing queue's
     error (ms: measured - expected; single phase); the checks that failed.  Then, per phase
     and path, the range of each over all directions."""
-    def rows(r):
-        return {(d["phase"], d["src"], d["dst"]): d for d in r["directions"]}
-
-    def err(d):
-        if d["phase"] == "single" and d.get("measured_delay_ms") is not None:
-            return d["measured_delay_ms"] - d["delay_ms"]
-        return d["loaded_owd_ms"] - d["expected_owd_ms"] if d.get("loaded_owd_ms") is not None else None
-
-    def qerr(d):
-        q = d.get("measured_queue_ms")
-        return None if q is None or d.get("expected_queue_ms") is None else q - d["expected_queue_ms"]
-
-    def f(x, spec, width):
-        return f"{'-':>{width}}" if x is None else format(format(x, spec), f">{width}")
-
-    def bad(d):
-        return ",".join(k for k, v in d.get("checks", {}).items() if not v) or "ok"
-
-    ra, rb = rows(a), rows(b)
+    ra, rb = _by_direction(a), _by_direction(b)
     la, lb = labels
     keys = sorted(set(ra) & set(rb), key=lambda k: (k[0] != "single", k[1], k[2]))
     out = [f"{a.get('topology')} at scale {a.get('scale')}: {la} = {a.get('method')}, {lb} = {b.get('method')}",
@@ -196,25 +178,59 @@ def compare_linkchecks(a: dict, b: dict, labels=("relay", "netem")) -> str:
            f"{'jitter ms':>17} | {'loss %':>20} | {'queue err ms':>13} | failed checks",
            f"{'':27} | {la:>6} {lb:>6} | {la:>6} {lb:>6} | {'conf':>5} {la:>5} {lb:>5} | {'conf':>6} {la:>6} {lb:>6} | "
            f"{la:>6} {lb:>6} | {la} / {lb}"]
-    for k in keys:
-        da, db = ra[k], rb[k]
-        ja, jb = da.get("measured_jitter_ms"), db.get("measured_jitter_ms")
-        pa, pb = da.get("measured_loss"), db.get("measured_loss")
-        out.append(f"{k[0]:10} {k[1]:>4} {k[2]:>4} {da['rate_mbps']:6.2f} | {f(da.get('rate_ratio'), '.3f', 6)} "
-                   f"{f(db.get('rate_ratio'), '.3f', 6)} | {f(err(da), '+.2f', 6)} {f(err(db), '+.2f', 6)} | "
-                   f"{da['jitter_ms']:5.2f} {f(ja, '.2f', 5)} {f(jb, '.2f', 5)} | {100 * da['loss']:6.3f} "
-                   f"{f(None if pa is None else 100 * pa, '.3f', 6)} {f(None if pb is None else 100 * pb, '.3f', 6)} | "
-                   f"{f(qerr(da), '+.1f', 6)} {f(qerr(db), '+.1f', 6)} | {bad(da)} / {bad(db)}")
+    out += [_compare_row(k, ra[k], rb[k]) for k in keys]
     for phase in ("single", "concurrent"):
         for lab, r in ((la, ra), (lb, rb)):
             ds = [r[k] for k in keys if k[0] == phase]
-            if not ds:
-                continue
-            ratios = [d["rate_ratio"] for d in ds if d.get("rate_ratio") is not None]
-            errs = [abs(err(d)) for d in ds if err(d) is not None]
-            qerrs = [abs(qerr(d)) for d in ds if qerr(d) is not None]
-            out.append(f"{phase} {lab}: rate ratio {min(ratios, default=0):.3f}-{max(ratios, default=0):.3f}, "
-                       f"|delay error| <= {max(errs, default=0):.2f} ms, "
-                       + (f"|queue error| <= {max(qerrs):.1f} ms, " if qerrs else "")
-                       + f"{sum(d['ok'] for d in ds)}/{len(ds)} directions pass every check")
+            if ds:
+                out.append(_compare_summary(phase, lab, ds))
     return "\n".join(out)
+
+
+def _by_direction(result: dict) -> dict:
+    """A linkcheck result's directions by (phase, src, dst)."""
+    return {(d["phase"], d["src"], d["dst"]): d for d in result["directions"]}
+
+
+def _delay_error(d: dict) -> float | None:
+    """ms: idle one-way median - configured (single phase), else RTT/2 under load - expected."""
+    if d["phase"] == "single" and d.get("measured_delay_ms") is not None:
+        return d["measured_delay_ms"] - d["delay_ms"]
+    return d["loaded_owd_ms"] - d["expected_owd_ms"] if d.get("loaded_owd_ms") is not None else None
+
+
+def _queue_error(d: dict) -> float | None:
+    """ms: the standing queue measured - expected (None where either is missing)."""
+    q = d.get("measured_queue_ms")
+    return None if q is None or d.get("expected_queue_ms") is None else q - d["expected_queue_ms"]
+
+
+def _cell(x, spec: str, width: int) -> str:
+    return f"{'-':>{width}}" if x is None else format(format(x, spec), f">{width}")
+
+
+def _failed_checks(d: dict) -> str:
+    return ",".join(k for k, v in d.get("checks", {}).items() if not v) or "ok"
+
+
+def _compare_row(k: tuple, da: dict, db: dict) -> str:
+    """One direction of one phase, both paths side by side."""
+    ja, jb = da.get("measured_jitter_ms"), db.get("measured_jitter_ms")
+    pa, pb = da.get("measured_loss"), db.get("measured_loss")
+    f, err, qerr = _cell, _delay_error, _queue_error
+    return (f"{k[0]:10} {k[1]:>4} {k[2]:>4} {da['rate_mbps']:6.2f} | {f(da.get('rate_ratio'), '.3f', 6)} "
+            f"{f(db.get('rate_ratio'), '.3f', 6)} | {f(err(da), '+.2f', 6)} {f(err(db), '+.2f', 6)} | "
+            f"{da['jitter_ms']:5.2f} {f(ja, '.2f', 5)} {f(jb, '.2f', 5)} | {100 * da['loss']:6.3f} "
+            f"{f(None if pa is None else 100 * pa, '.3f', 6)} {f(None if pb is None else 100 * pb, '.3f', 6)} | "
+            f"{f(qerr(da), '+.1f', 6)} {f(qerr(db), '+.1f', 6)} | {_failed_checks(da)} / {_failed_checks(db)}")
+
+
+def _compare_summary(phase: str, lab: str, ds: list[dict]) -> str:
+    """The range of rate ratio, delay and queue error over one path's directions in ``phase``."""
+    ratios = [d["rate_ratio"] for d in ds if d.get("rate_ratio") is not None]
+    errs = [abs(_delay_error(d)) for d in ds if _delay_error(d) is not None]
+    qerrs = [abs(_queue_error(d)) for d in ds if _queue_error(d) is not None]
+    return (f"{phase} {lab}: rate ratio {min(ratios, default=0):.3f}-{max(ratios, default=0):.3f}, "
+            f"|delay error| <= {max(errs, default=0):.2f} ms, "
+            + (f"|queue error| <= {max(qerrs):.1f} ms, " if qerrs else "")
+            + f"{sum(d['ok'] for d in ds)}/{len(ds)} directions pass every check")

@@ -56,6 +56,35 @@ def stage_command(scale: float, strict: bool, linkchecks: list[str] | None) -> s
 
 
 def main(argv=None) -> int:
+    p = _parser()
+    args = p.parse_args(argv)
+    if args.verb == "check":
+        return _check(args.files)
+    if args.verb == "compare":
+        try:
+            a, b = (json.loads(Path(f).read_text()) for f in args.files)
+        except (OSError, ValueError) as e:
+            p.error(f"compare: {e}")
+        print(compare_linkchecks(a, b, tuple(args.labels)))
+        return 0
+    command = _guest_command(p, args)
+    try:
+        t0 = time.monotonic()
+        img = image(rebuild=args.rebuild)
+        print(f"vm: image ready in {time.monotonic() - t0:.0f} s: {img}", flush=True)
+        if args.verb == "build":
+            return 0
+        t1 = time.monotonic()
+        rc = boot(command, timeout_s=args.timeout, img=img, out=Path(args.out) if args.out else None,
+                  cpus=args.cpus, memory_mb=args.memory, accel=args.accel)
+        print(f"vm: guest command exit {rc}; boot + command + power-off {time.monotonic() - t1:.0f} s", flush=True)
+        return rc
+    except VmError as e:
+        print(f"vm: error: {e}", file=sys.stderr)
+        return 1
+
+
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python3 -m testbed.vm",
                                 description="Build a Debian guest from packages and run commands in it with qemu.")
     sub = p.add_subparsers(dest="verb", required=True)
@@ -86,41 +115,24 @@ def main(argv=None) -> int:
     c.add_argument("--labels", nargs=2, default=("relay", "netem"))
     k = sub.add_parser("check", help="results.json / linkcheck.json: every link htb+netem, every run correct")
     k.add_argument("files", nargs="+", metavar="RESULT.json")
-    args = p.parse_args(argv)
-    if args.verb == "check":
-        return _check(args.files)
-    if args.verb == "compare":
-        try:
-            a, b = (json.loads(Path(f).read_text()) for f in args.files)
-        except (OSError, ValueError) as e:
-            p.error(f"compare: {e}")
-        print(compare_linkchecks(a, b, tuple(args.labels)))
-        return 0
+    return p
+
+
+def _guest_command(p: argparse.ArgumentParser, args) -> str | None:
+    """The command ``run`` or ``stage`` boots the guest for (None for ``build``); a bad
+    argument exits 2 through ``p.error``."""
     if args.verb in ("run", "stage") and (args.timeout <= 0 or args.cpus < 1 or args.memory < 512):
         p.error("--timeout must be > 0, --cpus >= 1, --memory >= 512")
     if args.verb == "run":
         cmd = args.command[1:] if args.command[:1] == ["--"] else args.command
         if not cmd:
             p.error("run: give the command after --")
-        command = shlex.join(cmd) if len(cmd) > 1 else cmd[0]
-    elif args.verb == "stage":
+        return shlex.join(cmd) if len(cmd) > 1 else cmd[0]
+    if args.verb == "stage":
         if not 0 < args.scale <= 1:
             p.error("--scale must be in (0, 1]")
-        command = stage_command(args.scale, args.strict, args.linkchecks)
-    try:
-        t0 = time.monotonic()
-        img = image(rebuild=args.rebuild)
-        print(f"vm: image ready in {time.monotonic() - t0:.0f} s: {img}", flush=True)
-        if args.verb == "build":
-            return 0
-        t1 = time.monotonic()
-        rc = boot(command, timeout_s=args.timeout, img=img, out=Path(args.out) if args.out else None,
-                  cpus=args.cpus, memory_mb=args.memory, accel=args.accel)
-        print(f"vm: guest command exit {rc}; boot + command + power-off {time.monotonic() - t1:.0f} s", flush=True)
-        return rc
-    except VmError as e:
-        print(f"vm: error: {e}", file=sys.stderr)
-        return 1
+        return stage_command(args.scale, args.strict, args.linkchecks)
+    return None
 
 
 if __name__ == "__main__":

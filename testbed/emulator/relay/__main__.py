@@ -214,20 +214,55 @@ def _ping_idle(lab: Lab, hosts: list[tuple], args: argparse.Namespace) -> None:
 def _load(lab: Lab, hosts: list[tuple], relays: list[Relay], args: argparse.Namespace) -> None:
     """One iperf3 flow per link (and direction, with ``bidir``) for ``args.duration`` s; print
     the throughput, then the relays' and the machine's CPU and the relays' lateness."""
-    flows = []
-    for i, (a, b, ipa, ipb, _, _) in enumerate(hosts):
-        pairs = [(b, a, ipb, "ab")] + ([(a, b, ipa, "ba")] if args.bidir else [])
-        for srv_ns, cli_ns, srv_ip, d in pairs:
-            port = 5201
-            srv = lab.popen_in(srv_ns)(["iperf3", "-s", "-1", "-p", str(port)],
-                                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-            flows.append((i, d, srv_ns, cli_ns, srv_ip, port, srv))
+    flows = _iperf3_servers(lab, hosts, args.bidir)
     time.sleep(0.5)
     before = [r.stats() for r in relays]
     c0 = _cpu_times()
     k0 = _children_cpu()
     s0 = _ksoftirqd_cpu()
     t0 = time.monotonic()
+    results = _iperf3_clients(lab, flows, args)
+    t1 = time.monotonic()
+    c1 = _cpu_times()
+    s1 = _ksoftirqd_cpu()
+    for *_, srv in flows:  # iperf3 servers exit after their one test
+        srv.communicate(timeout=30)
+    iperf_cpu = _children_cpu() - k0  # clients and servers (all reaped by now)
+    after = [r.stats() for r in relays]
+    wall = t1 - t0
+    _print_throughput(results, before, after, wall, args)
+    _print_relay_cpu(before, after, wall)
+    busy = (c1[0] - c0[0]) / (c1[1] - c0[1])
+    relay_cpu = sum(r1["cpu_user_s"] + r1["cpu_sys_s"] - r0["cpu_user_s"] - r0["cpu_sys_s"]
+                    for r0, r1 in zip(before, after))
+    print(f"machine CPU during load: {100 * busy:.1f}% of {os.cpu_count()} cores; "
+          f"this lab: relays {100 * relay_cpu / wall:.0f}% + iperf3 {100 * iperf_cpu / wall:.0f}% "
+          f"of one core (the rest: softirq elsewhere, other users' processes); "
+          + ", ".join(f"{k} {100 * (s1[k] - s0.get(k, 0)) / wall:.0f}%" for k in sorted(s1)))
+    print(f"relay lateness over whole run: worst p50 {_worst(after, 'late_p50_us'):.0f} us, "
+          f"worst p99 {_worst(after, 'late_p99_us'):.0f} us, worst p99.9 {_worst(after, 'late_p999_us'):.0f} us, "
+          f"max {_worst(after, 'late_max_us'):.0f} us; "
+          f"ring drops {sum(d['drop_ring'] + d['drop_queue'] for s in after for d in s['dirs'])}, "
+          f"max backlog {int(_worst(after, 'max_backlog'))} frames")
+
+
+def _iperf3_servers(lab: Lab, hosts: list[tuple], bidir: bool) -> list[tuple]:
+    """An iperf3 server per flow (b's end of each link, and a's with ``bidir``), each for one
+    test: (link, direction, server's and client's namespaces, server address, port, server)."""
+    flows = []
+    for i, (a, b, ipa, ipb, _, _) in enumerate(hosts):
+        pairs = [(b, a, ipb, "ab")] + ([(a, b, ipa, "ba")] if bidir else [])
+        for srv_ns, cli_ns, srv_ip, d in pairs:
+            port = 5201
+            srv = lab.popen_in(srv_ns)(["iperf3", "-s", "-1", "-p", str(port)],
+                                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            flows.append((i, d, srv_ns, cli_ns, srv_ip, port, srv))
+    return flows
+
+
+def _iperf3_clients(lab: Lab, flows: list[tuple], args: argparse.Namespace) -> list[tuple[int, str, float]]:
+    """Every flow's client started at once, then read: (link, direction, Mbit/s; NaN where
+    iperf3 failed, said on stderr)."""
     clients = []
     for i, d, srv_ns, cli_ns, srv_ip, port, _ in flows:
         clients.append(lab.popen_in(cli_ns)(
@@ -242,13 +277,12 @@ def _load(lab: Lab, hosts: list[tuple], relays: list[Relay], args: argparse.Name
             bps = float("nan")
             print(f"iperf3 link {i} {d} failed: {err.decode()[-300:]}", file=sys.stderr)
         results.append((i, d, bps / 1e6))
-    t1 = time.monotonic()
-    c1 = _cpu_times()
-    s1 = _ksoftirqd_cpu()
-    for *_, srv in flows:  # iperf3 servers exit after their one test
-        srv.communicate(timeout=30)
-    iperf_cpu = _children_cpu() - k0  # clients and servers (all reaped by now)
-    after = [r.stats() for r in relays]
+    return results
+
+
+def _print_throughput(results: list[tuple[int, str, float]], before: list[dict[str, Any]],
+                      after: list[dict[str, Any]], wall: float, args: argparse.Namespace) -> None:
+    """iperf3's goodput per flow (with ``verbose``) and in all, and the relays' output rate."""
     rates = [x for _, _, x in results]
     for i, d, x in results:
         if args.verbose:
@@ -257,25 +291,11 @@ def _load(lab: Lab, hosts: list[tuple], relays: list[Relay], args: argparse.Name
     print(f"iperf3: {len(rates)} flows, aggregate {agg:.1f} Mbit/s "
           f"(min {min(rates):.1f}, median {statistics.median(rates):.1f}, "
           f"max {max(rates):.1f} per flow; {100 * agg / (len(rates) * args.rate):.1f}% of HTB rate)")
-    wall = t1 - t0
     wire = sum(d["bytes_out"] for s_ in after for d in s_["dirs"]) - sum(
         d["bytes_out"] for s_ in before for d in s_["dirs"])
     print(f"relay output (L2 bytes incl. headers and iperf3's omitted seconds): "
           f"{wire * 8 / wall / 1e6:.1f} Mbit/s aggregate over {wall:.1f} s "
           f"(offered HTB total {len(rates) * args.rate:.0f} Mbit/s)")
-    _print_relay_cpu(before, after, wall)
-    busy = (c1[0] - c0[0]) / (c1[1] - c0[1])
-    relay_cpu = sum(r1["cpu_user_s"] + r1["cpu_sys_s"] - r0["cpu_user_s"] - r0["cpu_sys_s"]
-                    for r0, r1 in zip(before, after))
-    print(f"machine CPU during load: {100 * busy:.1f}% of {os.cpu_count()} cores; "
-          f"this lab: relays {100 * relay_cpu / wall:.0f}% + iperf3 {100 * iperf_cpu / wall:.0f}% "
-          f"of one core (the rest: softirq elsewhere, other users' processes); "
-          + ", ".join(f"{k} {100 * (s1[k] - s0.get(k, 0)) / wall:.0f}%" for k in sorted(s1)))
-    print(f"relay lateness over whole run: worst p50 {_worst(after, 'late_p50_us'):.0f} us, "
-          f"worst p99 {_worst(after, 'late_p99_us'):.0f} us, worst p99.9 {_worst(after, 'late_p999_us'):.0f} us, "
-          f"max {_worst(after, 'late_max_us'):.0f} us; "
-          f"ring drops {sum(d['drop_ring'] + d['drop_queue'] for s in after for d in s['dirs'])}, "
-          f"max backlog {int(_worst(after, 'max_backlog'))} frames")
 
 
 def _print_relay_cpu(before: list[dict[str, Any]], after: list[dict[str, Any]], wall: float) -> None:
