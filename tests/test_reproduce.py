@@ -39,7 +39,7 @@ def test_the_shipped_claims_load_and_every_runnable_run_is_a_valid_experiment_in
     assert all(runs[r].overrides["smoke"] is None or runs[r].minutes["smoke"] <= 1 for r in runs)
     smoke = sum(runs[r].minutes["smoke"] for r in runnable(claims, set(schemes())) if runs[r].overrides["smoke"] is not None)
     quick = sum(runs[r].minutes["quick"] for r in runnable(claims, set(schemes())) if runs[r].overrides["quick"] is not None)
-    assert smoke <= 5 and quick <= 25  # CI's budget; --quick's "about 15 minutes" plus network set-up
+    assert smoke <= 5 and quick <= 30  # smoke: CI's budget; quick: its "about 25 minutes", estimates rounded up
 
 
 def test_expressions_allow_only_quantities_arithmetic_min_and_max():
