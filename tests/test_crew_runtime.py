@@ -20,7 +20,7 @@ from agents.crew_run import TaskRun
 from agents.inputs import make_input
 from agents.protocol import Received
 from testbed import config, topogen
-from testbed.errors import ConfigError
+from testbed.errors import ConfigError, RunError
 from testbed.planners import make_plan
 
 REPO = Path(__file__).resolve().parent.parent
@@ -581,6 +581,30 @@ def test_a_done_crossing_an_abandon_drops_the_member_s_re_queue_of_that_round():
     assert list(tr.ctl.queue) == []
     _report(tr, "n1", "enqueue", round=1)
     assert list(tr.ctl.queue) == [("n1", 1)]
+
+
+def test_a_controller_bug_fails_the_run_naming_it_not_with_a_traceback():
+    """An exception of the driver's own (its state broke) is a run failure laid to the
+    coordinator: one message with the exception and where it was raised (the CLI's one
+    ``error:`` line, exit 1), not a traceback."""
+    from agents.coordinator import Coordinator, Failure
+
+    class Broken:
+        def __init__(self, coord):
+            self.ctl = Controller(list(coord.plan.nodes), 2)
+
+        def run(self):
+            self.ctl.ready("n1", 0)
+            self.ctl.ready("n1", 1)
+
+    plan = make_plan("crew", topogen.crew_mesh(3, 1).graph(), 3000, {})
+    with Coordinator(plan, addresses={n: "127.0.0.1" for n in plan.nodes}, data_port=None, secret=b"s",
+                     bind=("127.0.0.1", 0), driver=Broken) as c:
+        with pytest.raises(Failure) as e:
+            c._run_driver()
+    assert e.value.culprit == "coordinator" and isinstance(e.value, RunError) and "\n" not in str(e.value)
+    assert str(e.value).startswith("coordinator: Broken failed: ValueError: n1 is ready for round 1 while "
+                                   "queued with round 0 (in ready, crew.py:"), str(e.value)
 
 
 def _paced(plan, mbps: float):
