@@ -59,13 +59,14 @@ import socket
 import sys
 import threading
 import time
+import traceback
 from types import MappingProxyType
 from typing import Callable, Iterable, Mapping, NoReturn, Protocol
 
 import numpy as np
 
 from testbed.clock import estimate as clock_estimate
-from testbed.errors import ConfigError, RunError
+from testbed.errors import ConfigError, RunError, TestbedError
 from testbed.plan import Plan
 
 from . import wire
@@ -817,7 +818,7 @@ class Coordinator:
             if self.sync_clocks:
                 self._sync_clocks(nodes)
             if self.driver:
-                self.driver.run()
+                self._run_driver()
             else:
                 self._run_iterations(nodes)
         except Failure as e:
@@ -828,6 +829,19 @@ class Coordinator:
             self.abort(f"coordinator failed: {e}")
             raise
         return self.results()
+
+    def _run_driver(self) -> None:
+        """The driver's run; an exception of its own (its state broke: a bug, not a failure
+        of the network or the agents) fails the run, laid to the coordinator, with where."""
+        try:
+            self.driver.run()
+        except TestbedError:
+            raise
+        except Exception as e:
+            at = traceback.extract_tb(e.__traceback__)[-1]
+            raise Failure(FailureReport(f"coordinator: {type(self.driver).__name__} failed: {type(e).__name__}: {e} "
+                                        f"(in {at.name}, {os.path.basename(at.filename)}:{at.lineno})",
+                                        "coordinator")) from e
 
     def _run_iterations(self, nodes: list[str]) -> None:
         """The iteration barrier: per iteration (switching versions as ``policy`` says) GO to

@@ -111,11 +111,14 @@ class Controller:
         self.tasks: dict[int, Task] = {}
         self.member_of: dict[str, int] = {}  # worker -> pid of the task it initiates
         self.deferred: dict[str, int] = {}  # worker -> round it reported ready while still in a task
+        self.moved: dict[str, int] = {}  # worker -> round it finished in a stopped task (it computes the next)
         self.next_pid = 0
 
     def ready(self, worker: str, rnd: int) -> None:
         if worker not in self.alive:
             return
+        if self.moved.get(worker, rnd) < rnd:
+            del self.moved[worker]
         t = self.tasks.get(self.member_of.get(worker, -1))
         if t is not None and rnd > t.rounds[worker]:
             # its result of that round came in before a failover re-ran the task (a DONE that
@@ -124,8 +127,12 @@ class Controller:
             return
         if (worker, rnd) in self.queue:  # the same readiness twice (the controller re-queued an
             return  # abandoned member, or a REJOIN said ready, and its ENQUEUE crossed that): once
-        if worker in self.member_of or any(w == worker for w, _ in self.queue):
-            raise ValueError(f"{worker} is ready while queued or in task {self.member_of.get(worker)}")
+        if worker in self.member_of:
+            raise ValueError(f"{worker} is ready for round {rnd} while a member of task {self.member_of[worker]} "
+                             f"with round {t.rounds[worker] if t else '?'}")
+        if any(w == worker for w, _ in self.queue):
+            raise ValueError(f"{worker} is ready for round {rnd} while queued with round "
+                             f"{next(r for w, r in self.queue if w == worker)}")
         self.queue.append((worker, rnd))
 
     def form(self) -> list[Task]:
@@ -141,12 +148,31 @@ class Controller:
             out.append(t)
         return out
 
-    def member_done(self, pid: int, worker: str) -> None:
-        """``worker`` has its result of task ``pid``: it may be queued again."""
+    def member_done(self, pid: int, worker: str) -> bool:
+        """``worker`` has its result of task ``pid``: it may be queued again.  True if it was
+        (the later round it reported ready while in the task)."""
         if self.member_of.get(worker) == pid:
             del self.member_of[worker]
             if worker in self.deferred:
                 self.ready(worker, self.deferred.pop(worker))
+                return True
+        return False
+
+    def release(self, pid: int, worker: str, rnd: int) -> None:
+        """§IV-B, ABANDON: ``worker`` leaves task ``pid`` without its result and is queued
+        again with the round ``rnd`` it entered with -- unless it reported a later round ready
+        meanwhile (its DONE of the run a repair superseded crossed the failover): it has moved
+        on, so it is queued once, with that round."""
+        if not self.member_done(pid, worker) and self.moved.get(worker) != rnd:
+            self.ready(worker, rnd)
+
+    def moved_on(self, worker: str, rnd: int) -> None:
+        """``worker``'s DONE of round ``rnd`` came from a task already stopped (it crossed
+        the ABANDON): it holds that round's result and computes its next one, whose readiness
+        it reports itself -- an ABANDON does not queue it again with ``rnd`` (:meth:`release`),
+        and a re-queue with ``rnd`` not yet in a group is dropped."""
+        self.moved[worker] = rnd
+        self.queue = deque(e for e in self.queue if e != (worker, rnd))
 
     def running(self) -> list[Task]:
         return [t for t in self.tasks.values() if t.state not in ("done", "abandoned", "repaired")]

@@ -236,8 +236,10 @@ class TaskRun:
         """ARMED, TASK_DONE or TASK_FAILED from ``node``."""
         kind = Msg(data["msg"])
         t = self.ctl.tasks.get(data.get("pid"))
-        if t is not None and t.state in ("abandoned", "repaired"):
-            return  # its executors were told to stop
+        if t is not None and t.state in ("abandoned", "repaired"):  # its executors were told to stop
+            if kind == Msg.TASK_DONE and node in t.members:
+                self.ctl.moved_on(node, t.rounds[node])
+            return
         want = "arming" if kind == Msg.ARMED else "running"
         if t is None or t.state != want or node not in t.waiting:
             self.c.diagnose(Violation(node, f"unexpected {kind.upper()} for task {data.get('pid')}"))
@@ -331,8 +333,8 @@ class TaskRun:
         self.records.append({"pid": t.pid, "members": t.members, "version": None, "outcome": "abandoned",
                              "why": why, **t.times, "correct": True, "members_done": {}})
         for m in t.members:
-            self.ctl.member_done(t.pid, m)
-            self.later.append((time.monotonic() + 1.0, m, t.rounds[m]))
+            if not self.ctl.member_done(t.pid, m):
+                self.later.append((time.monotonic() + 1.0, m, t.rounds[m]))
 
     def _arm(self, t: Task) -> None:
         if t.version in self.busy:
@@ -521,10 +523,10 @@ class TaskRun:
                                               for m in t.members if m in t.done}})
         self.ctl_fault["tasks"].append({"pid": t.pid, "outcome": "abandoned", "why": why})
         for m in t.members:
-            if m not in t.done:
+            if m not in t.done and m not in self.rejoin_ready and m not in self.detached and m not in self.lost:
+                self.ctl.release(t.pid, m, t.rounds[m])
+            elif m not in t.done:
                 self.ctl.member_done(t.pid, m)
-                if m not in self.rejoin_ready and m not in self.detached and m not in self.lost:
-                    self.ctl.ready(m, t.rounds[m])
 
     # failover (§IV-B)
     def _lose(self, w: str, why: str) -> None:
@@ -619,8 +621,7 @@ class TaskRun:
             rec["repair"] = new
         else:
             for m in pending:
-                self.ctl.member_done(t.pid, m)
-                self.ctl.ready(m, t.rounds[m])
+                self.ctl.release(t.pid, m, t.rounds[m])
         self.records.append(rec)
 
     def _retry(self, t: Task, swap: dict) -> int | None:

@@ -18,8 +18,9 @@ import pytest
 from agents.crew import Controller, group_sum, replacement, rounds_in_window
 from agents.crew_run import TaskRun
 from agents.inputs import make_input
+from agents.protocol import Received
 from testbed import config, topogen
-from testbed.errors import ConfigError
+from testbed.errors import ConfigError, RunError
 from testbed.planners import make_plan
 
 REPO = Path(__file__).resolve().parent.parent
@@ -441,6 +442,9 @@ class _FakeCoordinator:
     def ready_limit(self):
         return 5.0
 
+    def to_my_clock(self, node, done):
+        return done
+
 
 def test_controller_repairs_around_a_broken_link_between_members():
     """§IV-B on the controller alone (no sockets): a link between two members of a running
@@ -497,6 +501,110 @@ def test_controller_repairs_around_a_broken_link_between_members():
     tr2.ctl.ready("n1", 0)
     t4, = tr2.ctl.form()
     assert not tr2.place(t4)
+
+
+def _crew_taskrun(n: int, p: int):
+    """A TaskRun of CREW over an ``n``-worker mesh on the fake coordinator, with Eq. (3) rates."""
+    from testbed.planners.crew import pair_rates
+
+    g = topogen.crew_mesh(n, 1).graph()
+    b, c = pair_rates(g), _FakeCoordinator(make_plan("crew", g, 5000, {}))
+    return c, TaskRun(c, {"p": p, "window_s": 10, "rate": lambda i, j: b[(i, j)],
+                          "plan_for": lambda m, **kw: make_plan("crew", g, 5000, {"active": list(m), **kw})})
+
+
+def _run_to_start(tr: TaskRun, t) -> None:
+    """Task ``t``'s nodes answer INSTALLED (if it installs) and ARMED: it runs."""
+    for n in sorted(tr.installing.get(t.version, ())):
+        tr._on(Received(n, {"msg": "installed", "version": t.version}))
+    for n in sorted(t.waiting if t.state == "arming" else ()):
+        tr._on(Received(n, {"msg": "armed", "pid": t.pid}))
+    assert t.state == "running", t.state
+
+
+def _report(tr: TaskRun, node: str, kind: str, **fields) -> None:
+    tr._on(Received(node, {"msg": kind, **fields}))
+
+
+def _done(tr: TaskRun, node: str, pid: int) -> None:
+    _report(tr, node, "task_done", pid=pid, comm_start_ns=1, comm_done_ns=2, correct=True)
+
+
+def _first_task_running():
+    """A CREW TaskRun over 5 workers, p = 2: n0 and n1 ready with round 0, their task A running."""
+    _, tr = _crew_taskrun(5, 2)
+    for n in ("n0", "n1"):
+        _report(tr, n, "enqueue", round=0)
+    a, = tr.ctl.form()
+    assert tr.place(a)
+    _run_to_start(tr, a)
+    return tr, a
+
+
+@pytest.mark.parametrize("enqueue_first", [True, False])
+def test_abandoning_a_repair_queues_a_member_whose_done_crossed_the_first_failover_once(enqueue_first):
+    """§IV-B: a link of task A breaks, A is repaired as B; a member's DONE of A crossed the
+    ABANDON, so it computes its next round while B still needs it (B re-runs its round); then a
+    link of B breaks after the other member holds B's result: B is abandoned.  The member is
+    queued once, with the next round it reports (before or after B's ABANDON), never with the
+    round it already holds (a worker in at most one of the queue and one task)."""
+    tr, a = _first_task_running()
+    _report(tr, "n1", "link_lost", peer="n0")
+    assert a.state == "repaired"
+    b = tr.ctl.tasks[tr.records[-1]["repair"]]
+    _run_to_start(tr, b)
+    _done(tr, "n1", a.pid)  # A was stopped: not counted; n1 computes its round 1
+    if enqueue_first:
+        _report(tr, "n1", "enqueue", round=1)
+    _done(tr, "n0", b.pid)
+    cut = next(pair for pair in tr._vpairs(b.version) if "n1" in pair and pair != frozenset(("n0", "n1")))
+    tr.link_changed(*sorted(cut), True)
+    assert b.state == "abandoned" and "n1" not in tr.ctl.member_of
+    assert list(tr.ctl.queue) == ([("n1", 1)] if enqueue_first else [])
+    if not enqueue_first:
+        _report(tr, "n1", "enqueue", round=1)
+    _report(tr, "n0", "enqueue", round=1)
+    t, = tr.ctl.form()
+    assert t.rounds == {"n1": 1, "n0": 1} and not tr.ctl.deferred
+
+
+def test_a_done_crossing_an_abandon_drops_the_member_s_re_queue_of_that_round():
+    """§IV-B: task A is abandoned (a member already holds its result when a link of it breaks)
+    and its other member is queued again with its round; that member's DONE of A crossed the
+    ABANDON: it holds the round and computes its next, so the re-queue goes and its ENQUEUE of
+    the next round queues it."""
+    tr, a = _first_task_running()
+    _done(tr, "n0", a.pid)
+    _report(tr, "n1", "link_lost", peer="n0")
+    assert a.state == "abandoned" and list(tr.ctl.queue) == [("n1", 0)]
+    _done(tr, "n1", a.pid)
+    assert list(tr.ctl.queue) == []
+    _report(tr, "n1", "enqueue", round=1)
+    assert list(tr.ctl.queue) == [("n1", 1)]
+
+
+def test_a_controller_bug_fails_the_run_naming_it_not_with_a_traceback():
+    """An exception of the driver's own (its state broke) is a run failure laid to the
+    coordinator: one message with the exception and where it was raised (the CLI's one
+    ``error:`` line, exit 1), not a traceback."""
+    from agents.coordinator import Coordinator, Failure
+
+    class Broken:
+        def __init__(self, coord):
+            self.ctl = Controller(list(coord.plan.nodes), 2)
+
+        def run(self):
+            self.ctl.ready("n1", 0)
+            self.ctl.ready("n1", 1)
+
+    plan = make_plan("crew", topogen.crew_mesh(3, 1).graph(), 3000, {})
+    with Coordinator(plan, addresses={n: "127.0.0.1" for n in plan.nodes}, data_port=None, secret=b"s",
+                     bind=("127.0.0.1", 0), driver=Broken) as c:
+        with pytest.raises(Failure) as e:
+            c._run_driver()
+    assert e.value.culprit == "coordinator" and isinstance(e.value, RunError) and "\n" not in str(e.value)
+    assert str(e.value).startswith("coordinator: Broken failed: ValueError: n1 is ready for round 1 while "
+                                   "queued with round 0 (in ready, crew.py:"), str(e.value)
 
 
 def _paced(plan, mbps: float):
