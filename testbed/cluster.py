@@ -93,50 +93,68 @@ def load_servers(path: str | Path) -> ServersFile:
     c.mapping(data, "", SERVERS_KEYS)
     if "servers" not in data:
         c.fail("servers", "missing (format: testbed/cluster.py or docs/guides/multi-server.md)")
+    local = _local_section(data, c)
+    servers_raw = c.mapping(data["servers"], "servers")
+    if not servers_raw:
+        c.fail("servers", "expected at least one server")
+    options = ssh_options(data, c)
+    seen: dict[str, str] = {}  # underlay address -> the server that has it
+    servers = {name: _server(name, s, data, c, local, options, seen) for name, s in servers_raw.items()}
+    coordinator = _coordinator(data, c, local, seen)
+    port = c.number(data.get("vxlan_port", 4789), "vxlan_port", integer=True, minimum=1)
+    return ServersFile(source, coordinator, servers, options, port, local)
+
+
+def _local_section(data: dict, c: Checker) -> dict | None:
+    """The servers file's ``local`` section, checked: {"mtu": ...}, or None (real servers)."""
     local = data.get("local")
     if local is not None:
         c.mapping(local, "local", LOCAL_KEYS)
         mtu = c.number(local.get("mtu", 9000), "local.mtu", integer=True, minimum=1280)
         local = {"mtu": mtu}
-    servers_raw = c.mapping(data["servers"], "servers")
-    if not servers_raw:
-        c.fail("servers", "expected at least one server")
-    options = ssh_options(data, c)
+    return local
 
-    def address(value, key: str) -> str:
-        try:
-            return str(ipaddress.IPv4Address(value))
-        except (ipaddress.AddressValueError, ValueError):
-            c.fail(key, f"expected an IPv4 address, got {value!r}")
 
-    seen: dict[str, str] = {}
-    servers = {}
+def _address(value, key: str, c: Checker) -> str:
+    """``value`` as an IPv4 address; a ConfigError naming ``key`` if it is not one."""
+    try:
+        return str(ipaddress.IPv4Address(value))
+    except (ipaddress.AddressValueError, ValueError):
+        c.fail(key, f"expected an IPv4 address, got {value!r}")
+
+
+def _server(name, s, data: dict, c: Checker, local: dict | None, options: ssh.SshOptions,
+            seen: dict[str, str]) -> Server:
+    """One entry of ``servers``, checked; its underlay address is added to ``seen``."""
+    key = f"servers.{name}"
+    if not isinstance(name, str) or not name.isidentifier() or len(name) > 10:
+        c.fail(key, "a server name is a letter, then letters, digits or _ (at most 10)")
+    c.mapping(s, key, SERVER_KEYS)
+    if "underlay" not in s:
+        c.fail(f"{key}.underlay", "missing: the address the other servers' tunnels reach this one at")
+    under = _address(s["underlay"], f"{key}.underlay", c)
+    if under in seen:
+        c.fail(f"{key}.underlay", f"{under} is also server {seen[under]}'s: every server needs its own")
+    seen[under] = name
+    dest = s.get("ssh", f"root@{under}" if local is not None else None)
+    if not isinstance(dest, str) or not dest:
+        c.fail(f"{key}.ssh", "expected an ssh destination such as root@host")
+    try:
+        ssh.resolve(dest, options.config)
+    except ValueError as e:
+        c.fail(f"{key}.ssh", str(e))
+    cores = c.number(s["cores"], f"{key}.cores", positive=True) if "cores" in s else None
+    nic = c.number(s["nic_mbps"], f"{key}.nic_mbps", positive=True) if "nic_mbps" in s else None
     workdir = data.get("workdir", "/var/tmp/testbed")
-    for name, s in servers_raw.items():
-        key = f"servers.{name}"
-        if not isinstance(name, str) or not name.isidentifier() or len(name) > 10:
-            c.fail(key, "a server name is a letter, then letters, digits or _ (at most 10)")
-        c.mapping(s, key, SERVER_KEYS)
-        if "underlay" not in s:
-            c.fail(f"{key}.underlay", "missing: the address the other servers' tunnels reach this one at")
-        under = address(s["underlay"], f"{key}.underlay")
-        if under in seen:
-            c.fail(f"{key}.underlay", f"{under} is also server {seen[under]}'s: every server needs its own")
-        seen[under] = name
-        dest = s.get("ssh", f"root@{under}" if local is not None else None)
-        if not isinstance(dest, str) or not dest:
-            c.fail(f"{key}.ssh", "expected an ssh destination such as root@host")
-        try:
-            ssh.resolve(dest, options.config)
-        except ValueError as e:
-            c.fail(f"{key}.ssh", str(e))
-        cores = c.number(s["cores"], f"{key}.cores", positive=True) if "cores" in s else None
-        nic = c.number(s["nic_mbps"], f"{key}.nic_mbps", positive=True) if "nic_mbps" in s else None
-        servers[name] = Server(name, dest, under, cores, nic, str(s.get("python", data.get("python", "python3"))),
-                               str(s.get("workdir", f"{workdir}/{name}")))
+    return Server(name, dest, under, cores, nic, str(s.get("python", data.get("python", "python3"))),
+                  str(s.get("workdir", f"{workdir}/{name}")))
+
+
+def _coordinator(data: dict, c: Checker, local: dict | None, seen: dict[str, str]) -> str:
+    """The coordinator's underlay address, checked against the servers' (``seen``)."""
     if "coordinator" not in data and local is None:
         c.fail("coordinator", "missing: this machine's underlay address, which the servers reach")
-    coordinator = address(data.get("coordinator", "10.254.0.254"), "coordinator")
+    coordinator = _address(data.get("coordinator", "10.254.0.254"), "coordinator", c)
     if coordinator in seen:
         c.fail("coordinator", f"{coordinator} is server {seen[coordinator]}'s underlay address")
     if local is not None:
@@ -144,8 +162,7 @@ def load_servers(path: str | Path) -> ServersFile:
         for under, name in seen.items():
             if ipaddress.IPv4Address(under) not in net:
                 c.fail(f"servers.{name}.underlay", f"local servers share one /24 with the coordinator ({net})")
-    port = c.number(data.get("vxlan_port", 4789), "vxlan_port", integer=True, minimum=1)
-    return ServersFile(source, coordinator, servers, options, port, local)
+    return coordinator
 
 
 # Why a plan that names paths does not run here: WanNetwork.install_paths is policy routing by

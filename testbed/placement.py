@@ -216,13 +216,7 @@ def place(topo, servers: list[ServerSize], pins: dict[str, str] | None = None, *
     placement keeps every server within what its cores carry."""
     pins = dict(pins or {})
     names = [s.name for s in servers]
-    for dc, s in pins.items():
-        if dc not in topo.nodes:
-            raise ConfigError(f"unknown datacenter {dc!r} (the topology has {', '.join(topo.nodes[:12])})",
-                              source=source, key=f"placement.{dc}")
-        if s not in names:
-            raise ConfigError(f"unknown server {s!r} (the servers file names {', '.join(names)})",
-                              source=source, key=f"placement.{dc}")
+    _check_pins(topo, names, pins, source)
     weights = node_loads(topo)
     total = sum(weights.values())
     given = [s.cores for s in servers if s.cores]
@@ -235,14 +229,44 @@ def place(topo, servers: list[ServerSize], pins: dict[str, str] | None = None, *
     else:
         parts = _metis(topo, weights, shares, len(servers))
         candidates = [_match(parts, topo.nodes, names, pins, shares), contiguous(topo.nodes, names)]
+    limit = _limits(names, weights, candidates[0], fair, capacity, total)
+    assign, load = _best(topo, candidates, names, weights, limit, pins)
+    _check_capacity(names, load, capacity, source)
+    cut = [j for j, l in enumerate(topo.links) if assign[l.a] != assign[l.b]]
+    under = _underlay(topo, assign, cut)
+    return Placement(assign, names, cut, _cut(topo, assign), under, load, limit, capacity, pins)
+
+
+def _check_pins(topo, names: list[str], pins: dict[str, str], source: str) -> None:
+    """ConfigError if a pin names a datacenter ``topo`` lacks or a server not in ``names``."""
+    for dc, s in pins.items():
+        if dc not in topo.nodes:
+            raise ConfigError(f"unknown datacenter {dc!r} (the topology has {', '.join(topo.nodes[:12])})",
+                              source=source, key=f"placement.{dc}")
+        if s not in names:
+            raise ConfigError(f"unknown server {s!r} (the servers file names {', '.join(names)})",
+                              source=source, key=f"placement.{dc}")
+
+
+def _limits(names: list[str], weights: dict[str, float], first_candidate: dict[str, str],
+            fair: dict[str, float], capacity: dict[str, float | None], total: float) -> dict[str, float]:
+    """Frames/s each server may carry: its fair share with the tolerance, at most its cores."""
     # a server may carry its share plus the tolerance, or as much more as METIS's partition
     # gave its busiest server where the datacenters' sizes allow no better
-    first = {s: sum(weights[n] for n, t in candidates[0].items() if t == s) for s in names}
+    first = {s: sum(weights[n] for n, t in first_candidate.items() if t == s) for s in names}
     ratio = max([1 + IMBALANCE] + [first[s] / fair[s] for s in names if fair[s]])
-    limit = {s: fair[s] * ratio if len(servers) > 1 else total for s in names}
+    limit = {s: fair[s] * ratio if len(names) > 1 else total for s in names}
     for s in names:
         if capacity[s] is not None:
             limit[s] = min(limit[s], capacity[s])
+    return limit
+
+
+def _best(topo, candidates: list[dict[str, str]], names: list[str], weights: dict[str, float],
+          limit: dict[str, float], pins: dict[str, str]) -> tuple[dict[str, str], dict[str, float]]:
+    """Every candidate refined, then the one with the lowest cut rate among those within the
+    limits (if none is, the lowest cut rate, then the least over), the first on a tie:
+    (assignment, server -> frames/s)."""
     best = None
     for start in candidates:
         a = _refine(topo, start, weights, limit, pins)
@@ -252,13 +276,22 @@ def place(topo, servers: list[ServerSize], pins: dict[str, str] | None = None, *
         if best is None or key < best[0]:
             best = (key, a, load)
     _, assign, load = best
+    return assign, load
+
+
+def _check_capacity(names: list[str], load: dict[str, float], capacity: dict[str, float | None],
+                    source: str) -> None:
+    """ConfigError naming the first server whose load exceeds what its cores carry."""
     for s in names:
         if capacity[s] is not None and load[s] > capacity[s] + 1e-9:
             raise ConfigError(f"server {s}: its datacenters' links would carry ~{load[s] / 1e3:.1f}k frames/s, more "
                               f"than its {capacity[s] / FRAMES_PER_CORE:g} cores carry (~{capacity[s] / 1e3:.0f}k at "
                               f"{FRAMES_PER_CORE} per core); add servers or cores (docs/guides/multi-server.md)",
                               source=source, key="servers")
-    cut = [j for j, l in enumerate(topo.links) if assign[l.a] != assign[l.b]]
+
+
+def _underlay(topo, assign: dict[str, str], cut: list[int]) -> dict[tuple[str, str], float]:
+    """(from server, to server) -> Mbit/s the cut links tunnel that way, VXLAN headers included."""
     under: dict[tuple[str, str], float] = {}
     wire = (SEGMENT_BYTES + VXLAN_OVERHEAD_BYTES) / SEGMENT_BYTES
     for j in cut:
@@ -266,7 +299,7 @@ def place(topo, servers: list[ServerSize], pins: dict[str, str] | None = None, *
         for (u, v), d in (((l.a, l.b), l.ab), ((l.b, l.a), l.ba)):
             key = (assign[u], assign[v])
             under[key] = under.get(key, 0.0) + d.rate_mbps * wire
-    return Placement(assign, names, cut, _cut(topo, assign), under, load, limit, capacity, pins)
+    return under
 
 
 def underlay_problems(placement: Placement, pair_mbps: dict[tuple[str, str], float],

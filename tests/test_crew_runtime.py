@@ -493,7 +493,13 @@ def test_controller_repairs_around_a_broken_link_between_members():
     tr.ctl.ready("n2", 1)
     t3, = tr.ctl.form()
     assert tr.place(t3) and not tr.reassign.get(t3.pid)
-    # a scheme without per-block aggregators cannot avoid the link: the group is given up
+
+
+def test_a_scheme_without_per_block_aggregators_gives_up_a_group_across_a_broken_link():
+    """§IV-B: all-to-all has no aggregator to move, so a group whose members' link is down
+    is not placed."""
+    g = topogen.crew_mesh(5, 1).graph()
+    length = 5000
     tr2 = TaskRun(_FakeCoordinator(make_plan("alltoall", g, length, {})), {
         "p": 2, "window_s": 10, "plan_for": lambda m, **kw: make_plan("alltoall", g, length, {"active": list(m)})})
     tr2.link_changed("n0", "n1", True)

@@ -296,14 +296,18 @@ def test_deploy_gives_exact_results_on_one_clock_without_an_ssh_binary(ssh_wan, 
         assert shifted["deployment"]["hosts"][dc]["code_files_sent"] == len(code_files())
         assert same["deployment"]["hosts"][dc]["code_files_sent"] == 0  # unchanged: nothing re-sent
 
-    # every run measured every host's clock: h2 3 s ahead (within the exchange's error bound)
+    _check_one_clock(net, shifted, same)
+
+
+def _check_one_clock(net, shifted, same):
+    """Every run measured every host's clock (h2 ``OFFSET_MS`` ahead in ``shifted``, within the
+    exchange's error bound), and corrected it: CCT is the same on one clock (a missing or wrong
+    correction is off by the offset) and every transfer crossed a shaped link on one clock."""
     for out, h2_ms in ((shifted, OFFSET_MS), (same, 0.0)):
         for r in out["runs"]:
             for dc, c in r["clock_offsets"].items():
                 want = h2_ms if dc == "h2" else 0.0
                 assert abs(c["offset_ms"] - want) <= c["rtt_ms"] / 2 + 1.0, (dc, c)
-
-    # CCT is the same on one clock; a missing or wrong correction is off by the 3 s offset
     delay_s = min(min(l.ab.delay_ms, l.ba.delay_ms) for l in net.topo.links) / 1e3
     for label in ("ring", "ps"):
         a, b = (next(v["summary"]["cct_s"]["mean"] for v in out["variants"] if v["label"] == label)
@@ -313,7 +317,7 @@ def test_deploy_gives_exact_results_on_one_clock_without_an_ssh_binary(ssh_wan, 
         for it in r["iterations"]:
             assert it["cct_s"] <= it["iteration_s"] < it["cct_s"] + 1.0
         cols = r["transfers"]["columns"]
-        for row in r["transfers"]["rows"]:  # every transfer crossed a shaped link, on one clock
+        for row in r["transfers"]["rows"]:
             took = (row[cols.index("recv_end_ns")] - row[cols.index("send_start_ns")]) / 1e9
             flight = (row[cols.index("recv_start_ns")] - row[cols.index("send_ts_ns")]) / 1e9
             assert delay_s <= took < 1.0 and 0 < flight < 1.0, row

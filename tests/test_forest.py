@@ -307,14 +307,20 @@ def test_invariants(case, overlap):
     act = active or list(g.nodes)
     run_check(p, g, length, participants=act if active else None)
     m = p.meta
-    total = m["sum_chi_mbps"]
-    # shares: per root and per stage they sum to 1
-    assert sum(r["share"] for r in m["roots"].values()) == pytest.approx(1.0)
+    _check_shares(m, overlap)
+    _check_loads(m, capacities(g))
+    _check_trees(m, act)
+    _check_elements(m, length)
+    p.to_json()
+
+
+def _check_shares(m, overlap):
+    """Shares sum to 1 per stage; per-root equalities (4a/4b, 8a/8b) and (8c)."""
     red = [t for t in m["trees"] if t["kind"] == "reduce"]
     bc = [t for t in m["trees"] if t["kind"] == "broadcast"]
+    assert sum(r["share"] for r in m["roots"].values()) == pytest.approx(1.0)
     assert sum(t["share"] for t in red) == pytest.approx(1.0)
     assert sum(t["share"] for t in bc) == pytest.approx(1.0)
-    # per-root equalities (4a/4b, 8a/8b) and (8c)
     for v, r in m["roots"].items():
         chi = r["chi_mbps"]
         assert sum(t["rate_mbps"] for t in red if t["root"] == v) == pytest.approx(chi, rel=REL, abs=1e-9)
@@ -322,9 +328,11 @@ def test_invariants(case, overlap):
         assert sum(t["rate_mbps"] for t in bc if t["root"] == v and t["stage"] == "overlap") <= chi * (1 + REL)
     if overlap == "none":
         assert all(t["stage"] == "pure" for t in bc)
-    # link loads within capacity in the LP's model: stage 1 = reduce (+ overlapped
-    # broadcast), stage 2 = pure broadcast
-    caps = capacities(g)
+
+
+def _check_loads(m, caps):
+    """Link loads within capacity in the LP's model: stage 1 = reduce (+ overlapped
+    broadcast), stage 2 = pure broadcast."""
     load = defaultdict(lambda: [0.0, 0.0])
     for t in m["trees"]:
         for u, v in t["edges"]:
@@ -334,24 +342,28 @@ def test_invariants(case, overlap):
         assert s1 <= caps[e] * (1 + REL) and s2 <= caps[e] * (1 + REL)
     for row in m["link_load_mbps"]:
         assert row["stage1"] <= row["capacity"] * (1 + REL) and row["stage2"] <= row["capacity"] * (1 + REL)
-    # trees span all active workers, and are trees in the right direction
+
+
+def _check_trees(m, act):
+    """Trees span all active workers, point the right way, and have no useless relays."""
     for t in m["trees"]:
         par = t["parent"]
         assert set(act) <= set(par) and par[t["root"]] is None
         assert len(t["edges"]) == len(par) - 1
         for u, v in t["edges"]:
             assert (par[u] == v) if t["kind"] == "reduce" else (par[v] == u)
-        # no useless relays: every leaf is active
         kids = {x for x in par.values() if x is not None}
-        assert all(x in act for x in par if x not in kids)
-    # every root's data is reduced once and broadcast once
+        assert all(x in act for x in par if x not in kids)  # every leaf is active
+
+
+def _check_elements(m, length):
+    """Every root's data is reduced once and broadcast once, at the predicted time."""
     elems = defaultdict(lambda: [0, 0])
     for t in m["trees"]:
         elems[t["root"]][0 if t["kind"] == "reduce" else 1] += t["elements"]
     assert sum(e[0] for e in elems.values()) == length
     assert all(e[0] == e[1] for e in elems.values())
-    assert m["predicted_time_s"] == pytest.approx(2 * length * 4 * 8 / (total * 1e6))
-    p.to_json()
+    assert m["predicted_time_s"] == pytest.approx(2 * length * 4 * 8 / (m["sum_chi_mbps"] * 1e6))
 
 
 def _ancestors(prog):

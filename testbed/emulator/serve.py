@@ -112,6 +112,8 @@ def _share(spec: dict) -> Share:
 
 
 def serve(spec: dict, requests) -> int:
+    """Build this server's share, answer ``requests`` (lines) until ``stop`` or their end, tear
+    the share down: 0, or 1 if the share could not be built (the error sent to the head)."""
     from testbed.topology import load_topology
 
     topo = load_topology(spec["topology"], source="<servers spec>")
@@ -126,48 +128,63 @@ def serve(spec: dict, requests) -> int:
         except Exception as e:  # noqa: BLE001 -- reported to the head, which names this server
             emit({"error": str(e)})
             return 1
-        emit({"ready": {"pids": {dc: h.pid for dc, h in net.hosts.items()}, "method": net.method,
-                        "run_id": net.run_id, "relay_layout": net.relay_layout, "memory_hold": net.memory_hold,
-                        "host_sysctls": net.host_sysctls, "kernel": os.uname().release,
-                        "directions": [{"src": d.src, "dst": d.dst, "link": d.link, "intf": d.intf, "method": d.method,
-                                        "segment_loss": d.segment_loss} for d in net.directions.values()]}})
-        cpu = CpuMeter().start()
-        for line in requests:
-            req = json.loads(line)
-            op = req.get("op")
-            try:
-                if op == "stop":
-                    emit({"ok": True})
-                    break
-                if op == "health":
-                    emit({"ok": net.health()})
-                elif op == "stats":
-                    util, steal = cpu.stop()
-                    emit({"ok": {"relay": net.relay_stats(), "cpu_util": util, "steal": steal,
-                                 "cpus": os.cpu_count()}})
-                elif op == "reset":
-                    net.reset_relay_window()
-                    cpu = CpuMeter().start()
-                    emit({"ok": True})
-                elif op == "forward":
-                    fwd.to = tuple(req["to"])
-                    emit({"ok": True})
-                elif op == "set_rate":
-                    net.set_rate(req["src"], req["dst"], req["rate_mbps"])
-                    emit({"ok": True})
-                elif op == "set_link":
-                    net.set_link(req["a"], req["b"], req["up"])
-                    emit({"ok": True})
-                else:
-                    emit({"error": f"unknown request {op!r}"})
-            except Exception as e:  # noqa: BLE001 -- one request failed; the head decides
-                emit({"error": f"{op}: {e}"})
+        emit({"ready": _ready(net)})
+        _answer(net, fwd, requests)
         return 0
     finally:
-        if fwd:
-            fwd.close()
-        kill_namespace_processes([h.pid for h in net.hosts.values()])  # what the head started there
-        net.stop()
+        _teardown(net, fwd)
+
+
+def _ready(net: WanNetwork) -> dict:
+    """What the head learns of the share once it is built."""
+    return {"pids": {dc: h.pid for dc, h in net.hosts.items()}, "method": net.method,
+            "run_id": net.run_id, "relay_layout": net.relay_layout, "memory_hold": net.memory_hold,
+            "host_sysctls": net.host_sysctls, "kernel": os.uname().release,
+            "directions": [{"src": d.src, "dst": d.dst, "link": d.link, "intf": d.intf, "method": d.method,
+                            "segment_loss": d.segment_loss} for d in net.directions.values()]}
+
+
+def _answer(net: WanNetwork, fwd: Forwarder, requests) -> None:
+    """One reply per request line (the module docstring's list), until ``stop`` or their end."""
+    cpu = CpuMeter().start()
+    for line in requests:
+        req = json.loads(line)
+        op = req.get("op")
+        try:
+            if op == "stop":
+                emit({"ok": True})
+                break
+            if op == "health":
+                emit({"ok": net.health()})
+            elif op == "stats":
+                util, steal = cpu.stop()
+                emit({"ok": {"relay": net.relay_stats(), "cpu_util": util, "steal": steal,
+                             "cpus": os.cpu_count()}})
+            elif op == "reset":
+                net.reset_relay_window()
+                cpu = CpuMeter().start()
+                emit({"ok": True})
+            elif op == "forward":
+                fwd.to = tuple(req["to"])
+                emit({"ok": True})
+            elif op == "set_rate":
+                net.set_rate(req["src"], req["dst"], req["rate_mbps"])
+                emit({"ok": True})
+            elif op == "set_link":
+                net.set_link(req["a"], req["b"], req["up"])
+                emit({"ok": True})
+            else:
+                emit({"error": f"unknown request {op!r}"})
+        except Exception as e:  # noqa: BLE001 -- one request failed; the head decides
+            emit({"error": f"{op}: {e}"})
+
+
+def _teardown(net: WanNetwork, fwd: Forwarder | None) -> None:
+    """The forwarder closed, every process the head started in the share killed, the share gone."""
+    if fwd:
+        fwd.close()
+    kill_namespace_processes([h.pid for h in net.hosts.values()])  # what the head started there
+    net.stop()
 
 
 def main() -> int:
