@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import queue
+import select
 import socket
 import threading
 import time
@@ -29,7 +30,12 @@ class LinkWatch:
     ``timeout_s`` (or never heard within ``timeout_s`` of the start) is reported ``link_lost``,
     heard again ``link_back``.  The UDP port is the
     agent's TCP data port.  A heartbeat is the sender's name, unauthenticated (a forged one
-    can only make a broken link look alive)."""
+    can only make a broken link look alive).  Each peer's heartbeats leave from
+    a socket of their own, which never waits: a heartbeat sits in its link's queue charged
+    to the socket that sent it until it leaves, so through one shared socket the full, slow
+    queues of some peers' links would fill its buffer and hold back (or, waiting, stop this
+    thread from hearing) every other peer's; a heartbeat that finds its socket's buffer full
+    is dropped, as one lost on its link would be."""
 
     MAGIC = b"crew-hb "
 
@@ -37,12 +43,17 @@ class LinkWatch:
         self.agent, self.timeout_s = agent, float(timeout_s)
         self.peers = {p: (str(a[0]), int(a[1])) for p, a in peers.items()}
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        self.sock.setblocking(False)
         try:
             self.sock.bind((agent.listener.getsockname()[0], agent.data_port))
         except OSError as e:
             self.sock.close()
             raise RuntimeError(f"link heartbeats: cannot bind UDP port {agent.data_port} (the data port; "
                                f"groups.link_timeout_s: 0 turns them off): {e}") from None
+        self.senders = {p: socket.socket(socket.AF_INET, socket.SOCK_DGRAM) for p in self.peers}
+        for s in self.senders.values():
+            s.setblocking(False)
+            s.bind((agent.listener.getsockname()[0], 0))  # from the data address, routed as the chunks are
         self.heard = {p: time.monotonic() for p in self.peers}  # a peer never heard is lost too
         self.down: set[str] = set()
         self.stopped = False
@@ -54,28 +65,38 @@ class LinkWatch:
         while not self.stopped:
             now = time.monotonic()
             if now >= nxt:
-                for addr in self.peers.values():
-                    try:
-                        self.sock.sendto(me, addr)
-                    except OSError:  # e.g. no route: the link is down
-                        pass
+                self._beat(me)
                 nxt = now + every
-            self.sock.settimeout(max(0.01, nxt - time.monotonic()))
-            try:
-                data, _ = self.sock.recvfrom(512)
-                name = data[len(self.MAGIC):].decode(errors="replace") if data.startswith(self.MAGIC) else ""
-                if name in self.peers:
-                    self.heard[name] = time.monotonic()
-                    if name in self.down:
-                        self.down.discard(name)
-                        self._report(False, name)
-            except (socket.timeout, OSError):
-                pass
+            readable, _, _ = select.select([self.sock], [], [], max(0.01, nxt - time.monotonic()))
+            if readable:
+                self._hear()
             now = time.monotonic()
             for name, t in self.heard.items():
                 if now - t > self.timeout_s and name not in self.down:
                     self.down.add(name)
                     self._report(True, name)
+
+    def _beat(self, me: bytes) -> None:
+        """One heartbeat to every peer, each from its own non-blocking socket."""
+        for peer, addr in self.peers.items():
+            try:
+                self.senders[peer].sendto(me, addr)
+            except OSError:  # no route (the link is down) or the buffer full: not sent
+                pass
+
+    def _hear(self) -> None:
+        """Every heartbeat waiting on the socket."""
+        while True:
+            try:
+                data, _ = self.sock.recvfrom(512)
+            except OSError:  # none left (BlockingIOError) or an ICMP error queued by a send
+                return
+            name = data[len(self.MAGIC):].decode(errors="replace") if data.startswith(self.MAGIC) else ""
+            if name in self.peers:
+                self.heard[name] = time.monotonic()
+                if name in self.down:
+                    self.down.discard(name)
+                    self._report(False, name)
 
     def _report(self, lost: bool, peer: str) -> None:
         msg = message(Msg.LINK_LOST if lost else Msg.LINK_BACK, peer=peer)
@@ -89,6 +110,8 @@ class LinkWatch:
         self.stopped = True
         self.thread.join(timeout=1.0)
         self.sock.close()
+        for s in self.senders.values():
+            s.close()
 
 
 class WorkerLoop:

@@ -340,6 +340,47 @@ def test_link_watch_reports_a_silent_peer_and_its_return():
         wb.close()
 
 
+LINK_WATCH_BEHIND_SLOW_QUEUES = """
+import json, socket, subprocess, sys, time
+sys.path.insert(0, sys.argv[1])
+from agents.crew_worker import LinkWatch
+for c in ("ip link set lo up", "ip link add d0 type veth peer name d1", "ip link set d1 up", "ip link set d0 up",
+          "ip addr add 10.9.1.1/24 dev d0", "ip neigh add 10.9.1.2 lladdr 02:00:00:00:00:02 dev d0 nud permanent",
+          "ip route add 10.9.0.0/24 via 10.9.1.2", "tc qdisc add dev d0 root tbf rate 8kbit burst 1600 limit 50000000"):
+    subprocess.run(c.split(), check=True)
+class Fake:
+    def __init__(self, name):
+        self.name, self.sent = name, []
+        self.listener = socket.create_server(("10.9.1.1", 0))  # a data address, not loopback
+        self.data_port = self.listener.getsockname()[1]
+    def send(self, obj):
+        self.sent.append(obj)
+a, b = Fake("a"), Fake("b")
+slow = {f"s{i}": [f"10.9.0.{10 + i}", 9] for i in range(150)}
+wa = LinkWatch(a, {"b": ["10.9.1.1", b.data_port], **slow}, 0.8)
+wb = LinkWatch(b, {"a": ["10.9.1.1", a.data_port]}, 0.8)
+time.sleep(4)
+wa.close()
+wb.close()
+print(json.dumps({"a": a.sent, "b": b.sent}))
+"""
+
+
+@pytest.mark.net
+def test_link_watch_hears_a_live_peer_while_other_peers_links_hold_its_heartbeats(netenv):
+    """In a network namespace of its own: 150 peers whose heartbeats wait in an 8 kbit/s queue
+    (so they stay charged to the sending socket) and one live peer on this host.  Neither end
+    of the live pair reports the other lost: the slow peers' queues must not fill the buffer
+    the live peer's heartbeats leave from, nor stall the thread that hears them."""
+    res = subprocess.run(["unshare", "--net", sys.executable, "-c", LINK_WATCH_BEHIND_SLOW_QUEUES, str(REPO)],
+                         capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stderr[-2000:]
+    sent = json.loads(res.stdout)
+    lost_by_a = {m["peer"] for m in sent["a"] if m["msg"] == "link_lost"}
+    assert lost_by_a == {f"s{i}" for i in range(150)}, sent["a"]  # never heard: lost, each once
+    assert sent["b"] == [], sent["b"]
+
+
 def test_crew_compute_time_distributions_are_seeded_skewed_and_scaled():
     """CREW §V-A's T1/T2 on [0.05, 0.2] s (times a factor, Fig. 9), drawn per worker from the seed."""
     from testbed.workloads import compute_times
