@@ -156,7 +156,14 @@ class RemoteProcess:
         return None
 
     def close(self) -> None:
+        """The channel and every pipe file this side holds."""
         self.chan.close()
+        for f in (self.stdin, self.stdout, self.stderr):
+            if f is not None and not f.closed:
+                try:
+                    f.close()
+                except OSError:
+                    pass
         self._thread.join(timeout=2.0)
 
 
@@ -499,6 +506,7 @@ class RemotePopen:
 
         def read(name: str, f) -> None:
             got[name] = f.read()
+            f.close()  # as subprocess's communicate does: a process per direction, hundreds in a link check
         readers = [threading.Thread(target=read, args=(n, f), daemon=True)
                    for n, f in (("out", self.stdout), ("err", self.stderr)) if f is not None and not f.closed]
         for r in readers:
@@ -527,4 +535,11 @@ class RemotePopen:
         self.send_signal(9)
 
     def close(self) -> None:
+        """The channel and every pipe file this side holds."""
         self.chan.close()
+        for f in (self.stdin, self.stdout, self.stderr):
+            if f is not None and not f.closed:
+                try:
+                    f.close()
+                except OSError:
+                    pass

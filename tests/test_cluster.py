@@ -72,6 +72,24 @@ def test_full_size_frames_cross_every_cut_link(servers, tmp_path, underlay_mtu, 
                     assert p.wait(timeout=20) == 0, f"{src} cannot reach {dst}'s node address"
 
 
+@pytest.mark.net
+def test_remote_processes_leave_no_descriptor_open(servers, tmp_path):
+    """A process per link direction and step (a link check starts hundreds): once
+    communicated (or reaped), a remote process holds none of this process's descriptors."""
+    sf = load_servers(_servers_file(tmp_path))
+    topo = load_topology("small-3")
+    with network_on(sf, topo, log=lambda m: None)(topo, log=lambda m: None) as net:
+        before = len(os.listdir("/proc/self/fd"))
+        for dc in topo.nodes:
+            for _ in range(10):
+                p = net.popen(dc, ["cat"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True)
+                assert p.communicate("x", timeout=20) == ("x", "")
+        p = net.popen(topo.nodes[0], ["sleep", "60"], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        net.stop_processes(grace_s=0)
+        assert len(os.listdir("/proc/self/fd")) == before
+
+
 def _linkcheck(topo_name: str, sf):
     from testbed.emulator.linkcheck import run_linkcheck
 
