@@ -1,6 +1,6 @@
 """CREW at run time, the agent side (Luo et al., §III-IV): :class:`WorkerLoop`, the worker in
 ``tasks`` mode (compute a round, ENQUEUE, run the tasks the controller starts, failover),
-and :class:`LinkWatch`, §IV-B's link heartbeats.  The protocol is in :mod:`agents.crew`;
+which watches its links with :class:`.linkwatch.LinkWatch` (§IV-B).  The protocol is in :mod:`agents.crew`;
 the controller side is :mod:`agents.crew_run`."""
 
 from __future__ import annotations
@@ -8,8 +8,6 @@ from __future__ import annotations
 import hashlib
 import logging
 import queue
-import select
-import socket
 import threading
 import time
 
@@ -18,100 +16,10 @@ import numpy as np
 from . import wire
 from .crew import group_sum
 from .inputs import make_input
+from .linkwatch import LinkWatch
 from .protocol import Aborted, Msg, message
 
 log = logging.getLogger("agents.crew")
-
-
-class LinkWatch:
-    """§IV-B's outage detection ("heartbeat and timeout", both ends of a connection get the
-    same view): a UDP heartbeat to every other worker's data address every ``timeout_s``/8,
-    over the data network (the path its chunks take); a peer silent for
-    ``timeout_s`` (or never heard within ``timeout_s`` of the start) is reported ``link_lost``,
-    heard again ``link_back``.  The UDP port is the
-    agent's TCP data port.  A heartbeat is the sender's name, unauthenticated (a forged one
-    can only make a broken link look alive).  Each peer's heartbeats leave from
-    a socket of their own, which never waits: a heartbeat sits in its link's queue charged
-    to the socket that sent it until it leaves, so through one shared socket the full, slow
-    queues of some peers' links would fill its buffer and hold back (or, waiting, stop this
-    thread from hearing) every other peer's; a heartbeat that finds its socket's buffer full
-    is dropped, as one lost on its link would be."""
-
-    MAGIC = b"crew-hb "
-
-    def __init__(self, agent, peers: dict, timeout_s: float):
-        self.agent, self.timeout_s = agent, float(timeout_s)
-        self.peers = {p: (str(a[0]), int(a[1])) for p, a in peers.items()}
-        self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-        self.sock.setblocking(False)
-        try:
-            self.sock.bind((agent.listener.getsockname()[0], agent.data_port))
-        except OSError as e:
-            self.sock.close()
-            raise RuntimeError(f"link heartbeats: cannot bind UDP port {agent.data_port} (the data port; "
-                               f"groups.link_timeout_s: 0 turns them off): {e}") from None
-        self.senders = {p: socket.socket(socket.AF_INET, socket.SOCK_DGRAM) for p in self.peers}
-        for s in self.senders.values():
-            s.setblocking(False)
-            s.bind((agent.listener.getsockname()[0], 0))  # from the data address, routed as the chunks are
-        self.heard = {p: time.monotonic() for p in self.peers}  # a peer never heard is lost too
-        self.down: set[str] = set()
-        self.stopped = False
-        self.thread = threading.Thread(target=self._run, daemon=True, name="crew-linkwatch")
-        self.thread.start()
-
-    def _run(self) -> None:
-        every, me, nxt = self.timeout_s / 8, self.MAGIC + self.agent.name.encode(), 0.0
-        while not self.stopped:
-            now = time.monotonic()
-            if now >= nxt:
-                self._beat(me)
-                nxt = now + every
-            readable, _, _ = select.select([self.sock], [], [], max(0.01, nxt - time.monotonic()))
-            if readable:
-                self._hear()
-            now = time.monotonic()
-            for name, t in self.heard.items():
-                if now - t > self.timeout_s and name not in self.down:
-                    self.down.add(name)
-                    self._report(True, name)
-
-    def _beat(self, me: bytes) -> None:
-        """One heartbeat to every peer, each from its own non-blocking socket."""
-        for peer, addr in self.peers.items():
-            try:
-                self.senders[peer].sendto(me, addr)
-            except OSError:  # no route (the link is down) or the buffer full: not sent
-                pass
-
-    def _hear(self) -> None:
-        """Every heartbeat waiting on the socket."""
-        while True:
-            try:
-                data, _ = self.sock.recvfrom(512)
-            except OSError:  # none left (BlockingIOError) or an ICMP error queued by a send
-                return
-            name = data[len(self.MAGIC):].decode(errors="replace") if data.startswith(self.MAGIC) else ""
-            if name in self.peers:
-                self.heard[name] = time.monotonic()
-                if name in self.down:
-                    self.down.discard(name)
-                    self._report(False, name)
-
-    def _report(self, lost: bool, peer: str) -> None:
-        msg = message(Msg.LINK_LOST if lost else Msg.LINK_BACK, peer=peer)
-        log.warning("%s: %s", msg["msg"], peer)
-        try:
-            self.agent.send(msg)
-        except Exception as e:  # the control connection's own loss is handled elsewhere
-            log.error("cannot report %s %s: %s", msg["msg"], peer, e)
-
-    def close(self) -> None:
-        self.stopped = True
-        self.thread.join(timeout=1.0)
-        self.sock.close()
-        for s in self.senders.values():
-            s.close()
 
 
 class WorkerLoop:

@@ -310,7 +310,7 @@ def test_link_watch_reports_a_silent_peer_and_its_return():
     import socket
     import time as _time
 
-    from agents.crew_worker import LinkWatch
+    from agents.linkwatch import LinkWatch
 
     class Fake:
         def __init__(self, name):
@@ -343,7 +343,7 @@ def test_link_watch_reports_a_silent_peer_and_its_return():
 LINK_WATCH_BEHIND_SLOW_QUEUES = """
 import json, socket, subprocess, sys, time
 sys.path.insert(0, sys.argv[1])
-from agents.crew_worker import LinkWatch
+from agents.linkwatch import LinkWatch
 for c in ("ip link set lo up", "ip link add d0 type veth peer name d1", "ip link set d1 up", "ip link set d0 up",
           "ip addr add 10.9.1.1/24 dev d0", "ip neigh add 10.9.1.2 lladdr 02:00:00:00:00:02 dev d0 nud permanent",
           "ip route add 10.9.0.0/24 via 10.9.1.2", "tc qdisc add dev d0 root tbf rate 8kbit burst 1600 limit 50000000"):
