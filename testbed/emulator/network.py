@@ -248,11 +248,11 @@ class WanNetwork:
         self.memory_hold = memory.hold(log=self.log)
         if self.memory_hold and not self.memory_hold["full"]:
             self.log(f"warning: {self.memory_hold['note']}: the emulator may stall (docs/guides/link-fidelity.md)")
-        self.log(f"building {len(self.topo.nodes)} datacenters, {len(self.topo.links)} links "
-                 f"(shaping: {method})")
+        local = set(self.share.nodes) if self.share else set(self.topo.nodes)
+        links = sum(1 for link in self.topo.links if {link.a, link.b} & local)
+        self.log(f"building {len(local)} datacenters, {links} links (shaping: {method})")
         net = self.net = Mininet(build=False, controller=None, topo=None, autoSetMacs=False,
                                  waitConnected=False)
-        local = set(self.share.nodes) if self.share else set(self.topo.nodes)
         for dc, i in self.index.items():
             if dc in local:
                 self.hosts[dc] = net.addHost(f"{HOST_PREFIX}{i}", ip=None)
