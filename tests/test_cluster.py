@@ -85,6 +85,7 @@ def test_remote_processes_leave_no_descriptor_open(servers, tmp_path):
                 p = net.popen(dc, ["cat"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                               text=True)
                 assert p.communicate("x", timeout=20) == ("x", "")
+        assert len(os.listdir("/proc/self/fd")) == before  # though the network holds every process
         p = net.popen(topo.nodes[0], ["sleep", "60"], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
         net.stop_processes(grace_s=0)
         assert len(os.listdir("/proc/self/fd")) == before
