@@ -94,6 +94,8 @@ TIMING_MS = 0.2  # the probes' own timing noise allowed on each spread (scheduli
 PROBE_BYTES = 64  # UDP payload of a probe
 PROBE_FRAME = PROBE_BYTES + 8 + 20 + 14  # what the queues count per probe
 QUEUE_PROBES = 30  # standing-queue probes sent at least (a long queue's check runs longer to send them)
+QUEUE_MIN_PROBES = 10  # fewer fit before the load ends: the queue is not measured
+LOAD_END_MARGIN_S = 0.3  # the last probe enters the queue this long before the load can end
 READY_S = 60  # the longest a probe process may take to start
 IPERF_SETUP_RTTS = 5  # round trips before iperf3's first datagram (connect, parameters, streams, start)
 # iperf3 opens a UDP stream with one datagram each way and no retry (esnet/iperf#351): on a lossy
@@ -339,8 +341,9 @@ class _Probe:
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         _await_ready(self.tx, f"probe sender on {src}")
 
-    def go(self) -> None:
-        _release([self.tx])
+    def go(self, seconds: float | None = None) -> None:
+        """Start sending (for at most ``seconds``, if given)."""
+        _release([self.tx], "go" if seconds is None else f"go {seconds:.3f}")
 
     def result(self) -> dict:
         """The receiver's statistics plus ``sent``."""
@@ -409,7 +412,7 @@ def _queue_and_udp_rate(net, src: str, dst: str, seconds: float, port: int = BAS
     probe, srv, cli, full, tries = _start_udp_load(net, src, dst, payload, seconds, interval, total,
                                                    setup_s + fill_s + 10, port, probe_port)
     full_after = full[0] if full else None
-    r, overflow = _probe_full_queue(net, src, dst, probe, full)
+    r, overflow = _probe_full_queue(net, src, dst, probe, full, full[2] + total if full else 0.0, interval)
     cli.wait(timeout=setup_s + total + 30)
     out, _ = srv.communicate(timeout=30)
     mbps, per_interval = _udp_goodput(out, fill_s, total)
@@ -419,6 +422,8 @@ def _queue_and_udp_rate(net, src: str, dst: str, seconds: float, port: int = BAS
     queue = r["owd_p50_ms"] - d.delay_ms if r.get("owd_p50_ms") is not None else None
     ratio = mbps / expect_mbps if mbps else None
     why = {} if full_after is not None else {"queue": f"never seen full in {tries} tries: not measured"}
+    if full_after is not None and not r:
+        why = {"queue": f"seen full {full_after:g} s after the load's start, too late to probe it: not measured"}
     if overflow is not None and overflow < QUEUE_FULL_OVERFLOW:
         queue, why = None, {"queue": f"not kept full ({overflow:.0%} of arrivals overflowed, "
                                      f"{1 - 1 / OVERLOAD:.0%} if full): not measured"}
@@ -469,15 +474,22 @@ def _start_udp_load(net, src: str, dst: str, payload: int, seconds: float, inter
     return probe, srv, cli, full, tries
 
 
-def _probe_full_queue(net, src: str, dst: str, probe: "_Probe", full: tuple | None) -> tuple[dict, float | None]:
+def _probe_full_queue(net, src: str, dst: str, probe: "_Probe", full: tuple | None, load_end: float,
+                      interval: float) -> tuple[dict, float | None]:
     """The probes' statistics through the full queue and the share of arrivals that overflowed
-    it since it was seen full ({} and None where it never was)."""
+    it since it was seen full ({} and None where it never was, or was seen so late that the
+    load, ending at ``load_end`` (monotonic) at the earliest, leaves no time for QUEUE_MIN_PROBES
+    probes).  The probes stop with the load: seen full late (each poll a process started over
+    SSH on several servers), probes for a fixed time went on after the load and read an empty
+    queue (GScale-12 over three servers: 0.1 ms for 48-81 ms in 7 of 38 directions)."""
     dirn = net.directions[(src, dst)]
     overflow = None
-    if full is None:  # never seen full: probes now would go after the load has ended (the
-        _kill((probe.tx, probe.rx))  # Debian guest under TCG, 40 Mbit/s: iperf3 sends in bursts
-        return {}, overflow  # and the queue peaked between polls; they read 0.4-0.8 ms for 30): not measured
-    probe.go()
+    window = load_end - time.monotonic() - LOAD_END_MARGIN_S
+    if full is None or window < QUEUE_MIN_PROBES * interval:  # never seen full: probes now would
+        _kill((probe.tx, probe.rx))  # go after the load has ended (the Debian guest under TCG, 40
+        return {}, overflow  # Mbit/s: iperf3 sends in bursts and the queue peaked between polls;
+        # they read 0.4-0.8 ms for 30): not measured
+    probe.go(min(window, probe.seconds))
     r = probe.result()
     after = _leaf_counts(net, src, dirn.intf)
     if after:  # the Debian guest under TCG: seen full once, then iperf3 fell
@@ -503,20 +515,27 @@ def _udp_goodput(out: str, fill_s: float, total: float) -> tuple[float | None, l
     return mbps, per_interval
 
 
-def _await_full_queue(net, src: str, dst: str, frame: int, timeout_s: float) -> tuple[float, dict] | None:
+def _await_full_queue(net, src: str, dst: str, frame: int, timeout_s: float) -> tuple[float, dict, float] | None:
     """Seconds until the sender's bulk queue (leaf ``10:``, see ``shaping.shape_commands``) is
-    within two datagrams of its limit, polled with ``tc -s``, and its counts then
-    (:func:`_leaf_counts`); None if it never was within ``timeout_s``.  The standing-queue
+    within two datagrams of its limit, polled with ``tc -s``, its counts then
+    (:func:`_leaf_counts`), and the latest (monotonic) time the load had certainly not begun
+    (a poll that found nothing sent since the first, else the start); None if it never was
+    full within ``timeout_s``.  The standing-queue
     probes go then: a fixed wait for iperf3's set-up and the fill read an empty queue when
     starting took longer (equinix-like-20 at scale 0.01, eight directions checked at once:
     0.03-0.06 ms for 70 ms)."""
     intf = net.directions[(src, dst)].intf
-    t0 = time.monotonic()
+    t0 = quiet = time.monotonic()
+    first = None
     while time.monotonic() - t0 < timeout_s:
+        polled = time.monotonic()
         q = _leaf_counts(net, src, intf)
+        first = first or q
+        if q and q["sent_pkts"] == first["sent_pkts"]:
+            quiet = polled
         if q and (q["backlog_b"] if q["in_bytes"] else q["backlog_p"]) >= q["limit"] - 2 * (
                 frame if q["in_bytes"] else 1):
-            return round(time.monotonic() - t0, 3), q
+            return round(time.monotonic() - t0, 3), q, quiet
         time.sleep(0.05)
     return None
 

@@ -42,14 +42,18 @@ def _ready() -> None:
 def send(addr: str, port: int, pps: float, seconds: float, size: int, ready: bool = False) -> dict:
     """Send ``pps`` datagrams a second for ``seconds`` (paced on a schedule, no catch-up
     bursts beyond one interval); return the count sent.  ``ready``: first say so and wait
-    (at most READY_WAIT_S) for a line on standard input."""
+    (at most READY_WAIT_S) for a line on standard input: ``go``, or ``go S`` to send for at
+    most S seconds instead."""
     s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     pad = b"\0" * max(0, size - HEADER.size)
-    n = max(1, int(round(pps * seconds)))
     if ready:
         _ready()
-        if not select.select([sys.stdin], [], [], READY_WAIT_S)[0] or not sys.stdin.readline():
+        line = select.select([sys.stdin], [], [], READY_WAIT_S)[0] and sys.stdin.readline()
+        if not line:
             raise SystemExit(f"probe send: no go on standard input within {READY_WAIT_S} s")
+        if line.split()[1:]:
+            seconds = min(seconds, float(line.split()[1]))
+    n = max(1, int(round(pps * seconds)))
     t0 = time.monotonic()
     for seq in range(n):
         wait = t0 + seq / pps - time.monotonic()
