@@ -156,14 +156,7 @@ class RemoteProcess:
         return None
 
     def close(self) -> None:
-        """The channel and every pipe file this side holds."""
         self.chan.close()
-        for f in (self.stdin, self.stdout, self.stderr):
-            if f is not None and not f.closed:
-                try:
-                    f.close()
-                except OSError:
-                    pass
         self._thread.join(timeout=2.0)
 
 
