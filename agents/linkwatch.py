@@ -2,9 +2,9 @@
 connection get the same view), in a process of their own.
 
 A busy agent runs dozens of executor threads; every system call of a heartbeat thread in
-that process then waits for the interpreter lock behind them, and at 31 peers a beat took
-seconds, so every peer heard the agent go silent at once: a link outage that was the
-agent's scheduling.  :class:`LinkWatch` (the agent's side) starts ``python -m
+that process would wait for the interpreter lock behind them, and at 31 peers a round of
+beats can take seconds, so every peer would hear the agent go silent at once: a link outage
+that is the agent's scheduling.  :class:`LinkWatch` (the agent's side) starts ``python -m
 agents.linkwatch`` (:func:`watch`), which beats and listens on its own and reports each
 peer it stops or starts hearing, one line each, read by a thread of the agent.  The process
 ends when the agent closes its stdin, or dies."""
