@@ -96,6 +96,9 @@ PROBE_FRAME = PROBE_BYTES + 8 + 20 + 14  # what the queues count per probe
 QUEUE_PROBES = 30  # standing-queue probes sent at least (a long queue's check runs longer to send them)
 QUEUE_MIN_PROBES = 10  # fewer fit before the load ends: the queue is not measured
 LOAD_END_MARGIN_S = 0.3  # the last probe enters the queue this long before the load can end
+# iperf3's control connection sends fewer packets than this through the queue before its load
+# (its set-up takes several round trips: seconds on GScale's links, not yet the load)
+CONTROL_PKTS = 32
 READY_S = 60  # the longest a probe process may take to start
 IPERF_SETUP_RTTS = 5  # round trips before iperf3's first datagram (connect, parameters, streams, start)
 # iperf3 opens a UDP stream with one datagram each way and no retry (esnet/iperf#351): on a lossy
@@ -518,8 +521,8 @@ def _udp_goodput(out: str, fill_s: float, total: float) -> tuple[float | None, l
 def _await_full_queue(net, src: str, dst: str, frame: int, timeout_s: float) -> tuple[float, dict, float] | None:
     """Seconds until the sender's bulk queue (leaf ``10:``, see ``shaping.shape_commands``) is
     within two datagrams of its limit, polled with ``tc -s``, its counts then
-    (:func:`_leaf_counts`), and the latest (monotonic) time the load had certainly not begun
-    (a poll that found nothing sent since the first, else the start); None if it never was
+    (:func:`_leaf_counts`), and the latest (monotonic) time the load had not begun (a poll
+    that found at most CONTROL_PKTS sent since the first, else the start); None if it never was
     full within ``timeout_s``.  The standing-queue
     probes go then: a fixed wait for iperf3's set-up and the fill read an empty queue when
     starting took longer (equinix-like-20 at scale 0.01, eight directions checked at once:
@@ -531,7 +534,7 @@ def _await_full_queue(net, src: str, dst: str, frame: int, timeout_s: float) -> 
         polled = time.monotonic()
         q = _leaf_counts(net, src, intf)
         first = first or q
-        if q and q["sent_pkts"] == first["sent_pkts"]:
+        if q and q["sent_pkts"] - first["sent_pkts"] <= CONTROL_PKTS:
             quiet = polled
         if q and (q["backlog_b"] if q["in_bytes"] else q["backlog_p"]) >= q["limit"] - 2 * (
                 frame if q["in_bytes"] else 1):
