@@ -45,6 +45,7 @@ class LinkWatch:
         ready = select.select([self.proc.stdout], [], [], START_S)[0] and self.proc.stdout.readline().strip()
         if ready != "ready":
             self._end()
+            self.proc.stdout.close()
             raise RuntimeError(f"link heartbeats: {ready or f'no answer within {START_S:g} s'} "
                                "(groups.link_timeout_s: 0 turns them off)")
         self.thread = threading.Thread(target=self._read, daemon=True, name="crew-linkwatch")

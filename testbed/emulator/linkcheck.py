@@ -482,9 +482,9 @@ def _probe_full_queue(net, src: str, dst: str, probe: "_Probe", full: tuple | No
     """The probes' statistics through the full queue and the share of arrivals that overflowed
     it since it was seen full ({} and None where it never was, or was seen so late that the
     load, ending at ``load_end`` (monotonic) at the earliest, leaves no time for QUEUE_MIN_PROBES
-    probes).  The probes stop with the load: seen full late (each poll a process started over
-    SSH on several servers), probes for a fixed time went on after the load and read an empty
-    queue (GScale-12 over three servers: 0.1 ms for 48-81 ms in 7 of 38 directions)."""
+    probes).  The probes stop with the load: seen full late (on several servers each poll is a
+    process started over SSH), probes for a fixed time would go on after the load and read an
+    empty queue."""
     dirn = net.directions[(src, dst)]
     overflow = None
     window = load_end - time.monotonic() - LOAD_END_MARGIN_S
