@@ -528,7 +528,8 @@ class RemotePopen:
         self.send_signal(9)
 
     def close(self) -> None:
-        """The channel and every pipe file this side holds."""
+        """The channel and every pipe file this side holds, the copying threads' ends too:
+        closing the channel and our ends ends those threads, which close theirs."""
         self.chan.close()
         for f in (self.stdin, self.stdout, self.stderr):
             if f is not None and not f.closed:
@@ -536,3 +537,5 @@ class RemotePopen:
                     f.close()
                 except OSError:
                     pass
+        for t in self._threads:
+            t.join(timeout=2.0)
