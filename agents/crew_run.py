@@ -42,6 +42,7 @@ class TaskRun:
         self.reassign: dict[int, dict] = {}  # pid -> {j: k} of a repair task
         self.link_timeout_s = float(opts.get("link_timeout_s") or 0.0)
         self.broken: dict[frozenset, dict] = {}  # {a, b} -> its fault record, while the link is down
+        self.passing: set[frozenset] = set()  # links reported lost and back in the batch being read
         self.later: list[tuple[float, str, int]] = []  # (monotonic, worker, round): re-queued after a pause
         self._pair_cache: dict[int, set] = {}
         self.chunk_times = bool(opts.get("chunk_times"))  # per-chunk arrival times in the records
@@ -84,7 +85,7 @@ class TaskRun:
             self._check_tasks(now, task_limit)
             ev = self._next(now + 0.2)
             if ev is not None:
-                self._on(ev)
+                self._on_batch([ev, *c.pending_events()])
             if len(self.nodes) - len(self.lost) < self.p:
                 c.diagnose(Lost(self.lost[-1], f"{len(self.nodes) - len(self.lost)} workers left (lost: "
                                 f"{', '.join(self.lost)}), fewer than a group of {self.p}: no group can form"))
@@ -169,6 +170,23 @@ class TaskRun:
             if node not in self.lost and not self.finishing:  # after FINISH an agent exits: BYE or not counts
                 self._lose(node, problem)
         return ev
+
+    def _on_batch(self, batch: list[Event]) -> None:
+        """Every event already received, in order.  A link reported lost and back within one
+        batch, and not down before it, was down for less than the controller takes to act on
+        a report: its fault is recorded and stops no task (acted on report by report, one
+        agent's heartbeats pausing would stop and re-plan the tasks over each of its links
+        in turn, while the reports wait behind the re-planning)."""
+        last = {}
+        for ev in batch:
+            if isinstance(ev, Received) and ev.kind in (Msg.LINK_LOST, Msg.LINK_BACK):
+                last[frozenset((ev.node, str(ev.msg.get("peer"))))] = ev.kind
+        self.passing = {pair for pair, kind in last.items() if kind == Msg.LINK_BACK and pair not in self.broken}
+        try:
+            for ev in batch:
+                self._on(ev)
+        finally:
+            self.passing = set()
 
     def _on(self, ev: Event) -> None:
         if isinstance(ev, Registered) or ev.node in self.lost:
@@ -559,7 +577,9 @@ class TaskRun:
         report counts, FCFS) or comes back.  Every task in flight whose plan sends over it
         is stopped and run again with the cut-off aggregators' blocks at Eq. (3)
         replacements (:meth:`place`), or ABANDONed; groups formed while it is down get such
-        plans from the start.  A report about a lost worker is that loss, not a link."""
+        plans from the start, unless it comes back among the reports read with this one
+        (:meth:`_on_batch`; its record says ``failover: false``).  A report about a lost
+        worker is that loss, not a link."""
         pair = frozenset((node, peer))
         if peer not in self.nodes or peer == node or node in self.lost or peer in self.lost:
             return
@@ -572,9 +592,13 @@ class TaskRun:
         if pair in self.broken:
             return
         fault = {"t_ns": time.time_ns(), "link": sorted(pair, key=self.nodes.index), "reported_by": node,
-                 "tasks": []}
+                 "tasks": [], **({"failover": False} if pair in self.passing else {})}
         self.broken[pair] = fault
         self.faults.append(fault)
+        if pair in self.passing:
+            self.c.progress(f"link {'-'.join(fault['link'])} reported lost and back (by {node}) before "
+                            "the controller acted: no failover")
+            return
         self.c.progress(f"link {'-'.join(fault['link'])} broken (reported by {node}): failover")
         for t in self.ctl.running():
             if t.version is not None and pair in self._vpairs(t.version):

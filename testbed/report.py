@@ -484,7 +484,8 @@ def _group_faults(res: dict) -> list[dict]:
              "fault": f"worker {f['node']} lost" if f.get("node") else "controller lost" if f.get("controller")
              else f"link {'-'.join(f['link'])} broken",
              "why": f.get("why", f"down {f['down_s']:g} s, {len(f.get('rejoined', {}))} workers rejoined"
-                          if f.get("controller") else f"reported by {f.get('reported_by')}"),
+                          if f.get("controller") else f"reported by {f.get('reported_by')}"
+                          + (", back before the controller acted" if f.get("failover") is False else "")),
              "back_after_s": (f["back_ns"] - f["t_ns"]) / 1e9 if f.get("back_ns") else None,
              "tasks": ", ".join(f"{t['pid']} {t['outcome']}" + (f" to {t['replacement']}" if t.get("replacement")
                                                                else f" ({t['why']})" if t.get("why") else "")

@@ -615,6 +615,29 @@ def test_abandoning_a_repair_queues_a_member_whose_done_crossed_the_first_failov
     assert t.rounds == {"n1": 1, "n0": 1} and not tr.ctl.deferred
 
 
+def test_a_link_reported_lost_and_back_in_one_batch_stops_no_task():
+    """§IV-B on reports read together: a link lost and back within one batch of reports
+    (it was down for less than the controller takes to act) is recorded and stops nothing;
+    lost in one batch and back only in the next, the task over it is repaired; a report
+    of another link in the same batch is still acted on."""
+    tr, a = _first_task_running()
+    lost = Received("n1", {"msg": "link_lost", "peer": "n0"})
+    back = Received("n1", {"msg": "link_back", "peer": "n0"})
+    tr._on_batch([lost, Received("n0", {"msg": "link_lost", "peer": "n1"}), back])
+    fault, = tr.faults
+    assert a.state == "running" and fault["failover"] is False and "back_ns" in fault and not tr.broken
+    assert not fault["tasks"] and not tr.passing
+    tr._on_batch([lost])
+    assert a.state == "repaired" and "failover" not in tr.faults[-1]
+    tr._on_batch([back])
+    b = tr.ctl.tasks[tr.records[-1]["repair"]]
+    _run_to_start(tr, b)
+    cut = next(pair for pair in tr._vpairs(b.version) if "n0" in pair and "n1" not in pair)
+    other = sorted(cut - {"n0"})[0]
+    tr._on_batch([lost, Received("n0", {"msg": "link_lost", "peer": other}), back])
+    assert b.state != "running" and tr.faults[-1]["link"] == sorted(cut, key=tr.nodes.index)
+
+
 def test_a_done_crossing_an_abandon_drops_the_member_s_re_queue_of_that_round():
     """§IV-B: task A is abandoned (a member already holds its result when a link of it breaks)
     and its other member is queued again with its round; that member's DONE of A crossed the

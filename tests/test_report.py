@@ -157,7 +157,9 @@ def test_report_of_a_groups_run_shows_rounds_per_worker(tmp_path):
              "rounds": {f"n{i}": base + rep - i for i in range(4)}, "rounds_total": 4 * base,
              "groups": {"p": 2, "window_s": 10, "tasks": [], "faults": [
                  {"t_ns": 1, "link": ["n0", "n1"], "reported_by": "n1", "back_ns": 2_000_000_001,
-                  "tasks": [{"pid": 7, "outcome": "repaired", "replacement": {"n0": "n3"}}]}] if rep else []},
+                  "tasks": [{"pid": 7, "outcome": "repaired", "replacement": {"n0": "n3"}}]},
+                 {"t_ns": 3, "link": ["n2", "n3"], "reported_by": "n2", "back_ns": 4, "tasks": [],
+                  "failover": False}] if rep else []},
              "correct": True, "incorrect": [], "errors": [], "transfers": None, "links": []}
             for lbl, base in (("crew", 12), ("alltoall", 5)) for rep in (0, 1)]
     res = {"experiment": {"name": "g", "topology": {"name": "m4"}, "workload": {"bytes": 8},
@@ -172,6 +174,7 @@ def test_report_of_a_groups_run_shows_rounds_per_worker(tmp_path):
     assert "Rounds per worker in the window T" in html and "Timeline of one iteration" not in html
     assert "groups of p = 2 from the ready queue in a window T = 10 s" in html
     assert "link n0-n1 broken" in html and "7 repaired to" in html and "<td>2</td>" in html
+    assert "reported by n2, back before the controller acted" in html
     rows = list(csv.DictReader(open(tmp_path / "variants.csv")))
     assert [float(r["rounds_total_mean"]) for r in rows] == [48.0, 20.0]
     check_page(page, ["rounds-0.png", "cct.png"])
