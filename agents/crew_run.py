@@ -7,6 +7,7 @@ controller), non-blocking scatter's early scatters (§IV-A2).  The protocol is i
 from __future__ import annotations
 
 import time
+from collections import deque
 
 from .crew import Controller, Task, plan_pairs, redirect, replacement, rounds_in_window
 from .protocol import Deadline, Event, Lost, Msg, Received, Registered, Violation, error_event, message
@@ -42,7 +43,7 @@ class TaskRun:
         self.reassign: dict[int, dict] = {}  # pid -> {j: k} of a repair task
         self.link_timeout_s = float(opts.get("link_timeout_s") or 0.0)
         self.broken: dict[frozenset, dict] = {}  # {a, b} -> its fault record, while the link is down
-        self.passing: set[frozenset] = set()  # links reported lost and back in the batch being read
+        self.ahead: deque[Event] = deque()  # events received, not yet handled (_next)
         self.later: list[tuple[float, str, int]] = []  # (monotonic, worker, round): re-queued after a pause
         self._pair_cache: dict[int, set] = {}
         self.chunk_times = bool(opts.get("chunk_times"))  # per-chunk arrival times in the records
@@ -85,7 +86,7 @@ class TaskRun:
             self._check_tasks(now, task_limit)
             ev = self._next(now + 0.2)
             if ev is not None:
-                self._on_batch([ev, *c.pending_events()])
+                self._on(ev)
             if len(self.nodes) - len(self.lost) < self.p:
                 c.diagnose(Lost(self.lost[-1], f"{len(self.nodes) - len(self.lost)} workers left (lost: "
                                 f"{', '.join(self.lost)}), fewer than a group of {self.p}: no group can form"))
@@ -159,9 +160,14 @@ class TaskRun:
 
     # events
     def _next(self, deadline: float) -> Event | None:
-        """The coordinator's next event; an agent process that exited is a lost worker."""
+        """The coordinator's next event, every event already received read ahead with it
+        (:meth:`_back_ahead`); an agent process that exited is a lost worker."""
         c = self.c
-        ev = c.next_event(deadline)
+        if not self.ahead:
+            ev = c.next_event(deadline)
+            if ev is not None:
+                self.ahead.extend([ev, *c.pending_events()])
+        ev = self.ahead.popleft() if self.ahead else None
         problem = c.health_problem()
         if problem:
             node = problem.split(":", 1)[0]
@@ -170,23 +176,6 @@ class TaskRun:
             if node not in self.lost and not self.finishing:  # after FINISH an agent exits: BYE or not counts
                 self._lose(node, problem)
         return ev
-
-    def _on_batch(self, batch: list[Event]) -> None:
-        """Every event already received, in order.  A link reported lost and back within one
-        batch, and not down before it, was down for less than the controller takes to act on
-        a report: its fault is recorded and stops no task (acted on report by report, one
-        agent's heartbeats pausing would stop and re-plan the tasks over each of its links
-        in turn, while the reports wait behind the re-planning)."""
-        last = {}
-        for ev in batch:
-            if isinstance(ev, Received) and ev.kind in (Msg.LINK_LOST, Msg.LINK_BACK):
-                last[frozenset((ev.node, str(ev.msg.get("peer"))))] = ev.kind
-        self.passing = {pair for pair, kind in last.items() if kind == Msg.LINK_BACK and pair not in self.broken}
-        try:
-            for ev in batch:
-                self._on(ev)
-        finally:
-            self.passing = set()
 
     def _on(self, ev: Event) -> None:
         if isinstance(ev, Registered) or ev.node in self.lost:
@@ -577,8 +566,8 @@ class TaskRun:
         report counts, FCFS) or comes back.  Every task in flight whose plan sends over it
         is stopped and run again with the cut-off aggregators' blocks at Eq. (3)
         replacements (:meth:`place`), or ABANDONed; groups formed while it is down get such
-        plans from the start, unless it comes back among the reports read with this one
-        (:meth:`_on_batch`; its record says ``failover: false``).  A report about a lost
+        plans from the start, unless its return is among the reports already received
+        (:meth:`_back_ahead`; its record says ``failover: false``).  A report about a lost
         worker is that loss, not a link."""
         pair = frozenset((node, peer))
         if peer not in self.nodes or peer == node or node in self.lost or peer in self.lost:
@@ -592,10 +581,10 @@ class TaskRun:
         if pair in self.broken:
             return
         fault = {"t_ns": time.time_ns(), "link": sorted(pair, key=self.nodes.index), "reported_by": node,
-                 "tasks": [], **({"failover": False} if pair in self.passing else {})}
+                 "tasks": [], **({"failover": False} if self._back_ahead(pair) else {})}
         self.broken[pair] = fault
         self.faults.append(fault)
-        if pair in self.passing:
+        if "failover" in fault:
             self.c.progress(f"link {'-'.join(fault['link'])} reported lost and back (by {node}) before "
                             "the controller acted: no failover")
             return
@@ -603,6 +592,15 @@ class TaskRun:
         for t in self.ctl.running():
             if t.version is not None and pair in self._vpairs(t.version):
                 self._stop(t, fault, None)
+
+    def _back_ahead(self, pair: frozenset) -> bool:
+        """Is a report of ``pair``'s return among the events received and not yet handled?
+        Then the link was down for less than the controller takes to reach it, and stopping
+        the tasks over it would only cost them their progress (acted on report by report,
+        one agent's heartbeats pausing would stop and re-plan the tasks over each of its
+        links in turn, while the reports of their return wait behind the re-planning)."""
+        return any(isinstance(ev, Received) and ev.kind == Msg.LINK_BACK
+                   and frozenset((ev.node, str(ev.msg.get("peer")))) == pair for ev in self.ahead)
 
     def _stop(self, t: Task, fault: dict, w: str | None) -> None:
         """Stop task ``t`` (ABANDON to its nodes, its version retired) after worker ``w`` was

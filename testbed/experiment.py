@@ -18,7 +18,7 @@ from testbed.config import Experiment, Variant, planner_params
 from testbed.errors import TestbedError
 from testbed.hosts import Hosts, run_agents
 from testbed.plan import Plan
-from testbed.results import CpuMeter, emulation_health, environment, stats
+from testbed.results import CpuMeter, PauseMeter, emulation_health, environment, stats
 from testbed.workloads import compute_times
 
 
@@ -235,7 +235,7 @@ def _run_on_network(exp: Experiment, planned: list[Planned], results: dict, out_
             scheds.append(Scheduler(net, exp.dynamics, exp.faults, log=progress).start())
 
         net.reset_relay_window()  # judge the emulator on the measured phase only
-        cpu = CpuMeter().start()
+        cpu, paused = CpuMeter().start(), PauseMeter().start()
         try:
             run_variants(exp, planned, net.agent_hosts(), out_dir, progress, on_run=checkpoint,
                          before_run=replay_dynamics if per_run else None, on_failure=failed)
@@ -243,13 +243,14 @@ def _run_on_network(exp: Experiment, planned: list[Planned], results: dict, out_
             for sched in scheds:
                 sched.stop()
             cpu_util, steal = cpu.stop()
+            pauses = paused.stop()
             results["events"] = net.events + [{"error": e} for sched in scheds for e in sched.errors]
             try:
                 relay = net.relay_stats()
             except Exception as e:  # never mask the run's own error with a reporting one
                 relay, results["events"] = [], results["events"] + [{"error": f"relay statistics: {e}"}]
             results["emulation"] = emulation_health(net.method, len(net.relays), relay, cpu_util, steal,
-                                                     exp.emulator.max_late_ms)
+                                                     exp.emulator.max_late_ms, pauses)
             results["emulation"]["relay_layout"] = net.relay_layout
 
 

@@ -7,6 +7,7 @@ import json
 import os
 import platform
 import re
+import select
 import statistics
 import subprocess
 import sys
@@ -140,16 +141,25 @@ STEAL_MAX = 0.03
 
 
 CPU_BUSY = 0.95  # whole-machine utilisation above which the emulator may not keep up
+PAUSE_TICK_S = 0.01  # PauseMeter's sleep
+PAUSE_NOTE_S = 0.1  # a wake-up this much late is a pause, recorded
+PAUSE_MAX_S = 0.5  # a pause this long: the run did not keep up
 
 
 def emulation_health(method: str, relays: int, relay: list[dict], cpu_util: float, steal: float,
-                      max_late_ms: float) -> dict:
+                      max_late_ms: float, pauses: list | None = None) -> dict:
     """Did the emulator keep up during a run?  ``relays`` delay-relay processes ran (none where
     no link needed one); ``relay`` their statistics; ``cpu_util`` and ``steal`` from
-    :class:`CpuMeter`."""
+    :class:`CpuMeter`; ``pauses`` from :class:`PauseMeter`."""
     from testbed.emulator import relay as relay_mod
 
     warnings = ["no statistics from the delay relay: fidelity unknown"] if relays and not relay else []
+    long = [p for p in pauses or [] if p[1] >= PAUSE_MAX_S]
+    if long:
+        t, s = max(long, key=lambda p: p[1])
+        warnings.append(f"the machine paused {len(long)} time(s) for {PAUSE_MAX_S:g} s or more, the longest "
+                        f"{s:.2f} s at {time.strftime('%H:%M:%S', time.gmtime(t))} UTC: every process, relay and "
+                        "heartbeat stopped with it")
     for i, st in enumerate(relay):
         ok, why = relay_mod.kept_up(st, max_p99_late_ms=max_late_ms)
         if not ok:
@@ -159,7 +169,7 @@ def emulation_health(method: str, relays: int, relay: list[dict], cpu_util: floa
     if steal > STEAL_MAX:
         warnings.append(f"the hypervisor took {steal:.1%} of the CPU time (steal): every timing may be stretched")
     return {"method": method, "kept_up": not warnings, "warnings": warnings, "cpu_util": cpu_util, "steal": steal,
-            "max_late_ms": max_late_ms, "relay": relay}
+            "max_late_ms": max_late_ms, "relay": relay, **({"pauses": pauses} if pauses is not None else {})}
 
 
 def tcp_memory(sockstat: str = "/proc/net/sockstat", tcp_mem: str = "/proc/sys/net/ipv4/tcp_mem") -> dict:
@@ -195,3 +205,37 @@ class CpuMeter:
         total, idle, steal = self._read()
         dt, di, ds = total - self._t[0], idle - self._t[1], steal - self._t[2]
         return (1.0 - di / dt, ds / dt) if dt else (0.0, 0.0)
+
+
+class PauseMeter:
+    """Pauses of the machine between start() and stop(): a process of its own sleeps
+    PAUSE_TICK_S at a time and notes every wake-up PAUSE_NOTE_S or more late.  A machine that
+    stops every process at once (the hypervisor, memory reclaim) stops the agents, their
+    heartbeats and the relays alike: CPU time does not show it, the relays' lateness only
+    where a packet was due.  stop() returns ``[[t_unix, seconds], ...]``."""
+
+    def start(self) -> "PauseMeter":
+        self.proc = subprocess.Popen([sys.executable, "-c", "from testbed.results import watch_pauses; watch_pauses()"],
+                                     cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        return self
+
+    def stop(self) -> list[list[float]]:
+        try:
+            out, _ = self.proc.communicate("", timeout=5.0)  # its stdin's end ends it
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            out, _ = self.proc.communicate()
+        return [[float(x) for x in line.split()] for line in out.splitlines() if line.strip()]
+
+
+def watch_pauses(tick_s: float = PAUSE_TICK_S, note_s: float = PAUSE_NOTE_S) -> None:
+    """:class:`PauseMeter`'s process: sleep ``tick_s`` at a time until stdin ends, then print
+    each pause (a wake-up ``note_s`` or more late) as ``t_unix seconds``."""
+    pauses, last = [], time.monotonic()
+    while not select.select([sys.stdin], [], [], tick_s)[0] or sys.stdin.readline():
+        now = time.monotonic()
+        if now - last - tick_s >= note_s:
+            pauses.append((time.time() - (now - last), now - last - tick_s))
+        last = now
+    for t, s in pauses:
+        print(f"{t:.3f} {s:.3f}")

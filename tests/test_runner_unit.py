@@ -1,5 +1,8 @@
 """Pure parts of the runner and experiment loader (no network)."""
 
+import os
+import time
+
 import pytest
 
 from testbed import config
@@ -84,6 +87,30 @@ def test_emulation_health_expects_relay_statistics_only_where_relays_ran():
     assert h["kept_up"] is False and "fidelity unknown" in h["warnings"][0]
     assert "CPU" in emulation_health("netem", 0, [], 0.99, 0.0, 2.0)["warnings"][0]
     assert "steal" in emulation_health("netem", 0, [], 0.5, 0.2, 2.0)["warnings"][0]  # a busy VM host
+
+
+def test_a_pause_of_the_machine_is_recorded_and_fails_the_emulation_check():
+    """The pause meter's own process stopped (SIGSTOP) for 0.8 s stands in for a machine that
+    stops every process: the pause is recorded with its start and length, and the run is
+    marked as not kept up, naming it; pauses under PAUSE_MAX_S are recorded only."""
+    import signal
+
+    from testbed.results import PAUSE_MAX_S, PauseMeter, emulation_health
+
+    m = PauseMeter().start()
+    time.sleep(0.5)
+    t0 = time.time()
+    os.kill(m.proc.pid, signal.SIGSTOP)
+    time.sleep(0.8)
+    os.kill(m.proc.pid, signal.SIGCONT)
+    time.sleep(0.3)
+    pauses = m.stop()
+    assert m.proc.returncode == 0
+    start, length = max(pauses, key=lambda p: p[1])
+    assert 0.7 <= length <= 1.5 and abs(start - t0) < 0.3, pauses
+    h = emulation_health("relay", 0, [], 0.5, 0.0, 2.0, pauses)
+    assert h["kept_up"] is False and "the machine paused 1 time(s)" in h["warnings"][0] and h["pauses"] == pauses
+    assert emulation_health("relay", 0, [], 0.5, 0.0, 2.0, [[t0, PAUSE_MAX_S / 2]])["kept_up"] is True
 
 
 @pytest.mark.parametrize("control, cmdline, config, expected", [
