@@ -246,6 +246,8 @@ class TaskRun:
         if t is not None and t.state in ("abandoned", "repaired"):  # its executors were told to stop
             if kind == Msg.TASK_DONE and node in t.members:
                 self.ctl.moved_on(node, t.rounds[node])
+                if t.state == "abandoned":
+                    self._done_after_abandon(t, node, data)
             return
         want = "arming" if kind == Msg.ARMED else "running"
         if t is None or t.state != want or node not in t.waiting:
@@ -262,6 +264,19 @@ class TaskRun:
                 self._start(t)
         else:
             self._task_done(t, node, data)
+
+    def _done_after_abandon(self, t: Task, node: str, data: dict) -> None:
+        """§IV-B: the members of an abandoned task that finished it keep the round -- also one
+        whose DONE crossed the ABANDON; its abandoned record credits it."""
+        rec = next((r for r in reversed(self.records) if r["pid"] == t.pid and r["outcome"] == "abandoned"), None)
+        if rec is None:
+            return
+        done, ok = self.c.to_my_clock(node, {"comm_done_ns": data.get("comm_done_ns")}), bool(data.get("correct"))
+        rec["members_done"][node] = {"round": t.rounds[node], "done_ns": done["comm_done_ns"], "correct": ok,
+                                     "after_abandon": True}
+        if not ok:
+            rec["correct"] = False
+            self.c.note_error(f"task {t.pid}: wrong result at {node}")
 
     def place(self, t: Task) -> bool:
         """Find (or install) the version of t's group (without the lost workers as

@@ -657,14 +657,16 @@ def test_a_link_whose_return_is_already_received_stops_no_task():
 def test_a_done_crossing_an_abandon_drops_the_member_s_re_queue_of_that_round():
     """§IV-B: task A is abandoned (a member already holds its result when a link of it breaks)
     and its other member is queued again with its round; that member's DONE of A crossed the
-    ABANDON: it holds the round and computes its next, so the re-queue goes and its ENQUEUE of
-    the next round queues it."""
+    ABANDON: it holds the round (A's record credits it) and computes its next, so the re-queue
+    goes and its ENQUEUE of the next round queues it."""
     tr, a = _first_task_running()
     _done(tr, "n0", a.pid)
     _report(tr, "n1", "link_lost", peer="n0")
     assert a.state == "abandoned" and list(tr.ctl.queue) == [("n1", 0)]
     _done(tr, "n1", a.pid)
     assert list(tr.ctl.queue) == []
+    rec, = [r for r in tr.records if r["pid"] == a.pid]  # n1 holds round 0 too: the record credits it
+    assert rec["members_done"]["n1"] == {"round": 0, "done_ns": 2, "correct": True, "after_abandon": True}
     _report(tr, "n1", "enqueue", round=1)
     assert list(tr.ctl.queue) == [("n1", 1)]
 
