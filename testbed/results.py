@@ -158,8 +158,8 @@ def emulation_health(method: str, relays: int, relay: list[dict], cpu_util: floa
     if long:
         t, s = max(long, key=lambda p: p[1])
         warnings.append(f"the machine paused {len(long)} time(s) for {PAUSE_MAX_S:g} s or more, the longest "
-                        f"{s:.2f} s at {time.strftime('%H:%M:%S', time.gmtime(t))} UTC: every process, relay and "
-                        "heartbeat stopped with it")
+                        f"{s:.2f} s at {time.strftime('%H:%M:%S', time.gmtime(t))} UTC (a process that only sleeps woke "
+                        "that late: agents, relays and heartbeats may have stood still as long)")
     for i, st in enumerate(relay):
         ok, why = relay_mod.kept_up(st, max_p99_late_ms=max_late_ms)
         if not ok:
