@@ -414,6 +414,15 @@ def _queue_and_udp_rate(net, src: str, dst: str, seconds: float, port: int = BAS
     setup_s = IPERF_SETUP_RTTS * (d.delay_ms + net.directions[(dst, src)].spec.delay_ms) / 1e3
     probe, srv, cli, full, tries = _start_udp_load(net, src, dst, payload, seconds, interval, total,
                                                    setup_s + fill_s + 10, port, probe_port)
+    if full and full[2] + total - time.monotonic() - LOAD_END_MARGIN_S < QUEUE_PROBES * interval:
+        # seen full so late that fewer than QUEUE_PROBES probes fit before the load ends (on
+        # several servers each poll is a process started over SSH): once more, the load
+        # longer by that wait
+        _kill((cli, srv, probe.tx, probe.rx))
+        total += full[0]
+        probe, srv, cli, full, more = _start_udp_load(net, src, dst, payload, seconds + full[0], interval, total,
+                                                      setup_s + fill_s + 10, port, probe_port)
+        tries += more
     full_after = full[0] if full else None
     r, overflow = _probe_full_queue(net, src, dst, probe, full, full[2] + total if full else 0.0, interval)
     cli.wait(timeout=setup_s + total + 30)
