@@ -97,6 +97,31 @@ def test_a_udp_load_that_never_filled_the_queue_is_started_again(netenv, monkeyp
     assert all(d["rate_ratio"] and d["rate_ratio"] > 0.5 for d in res["directions"]), _out_of_tolerance(res)
 
 
+def test_a_queue_seen_full_too_late_to_probe_is_loaded_again_for_longer(netenv, monkeypatch):
+    """Over several servers each poll of the queue is a process started over SSH, and a queue
+    may be seen full seconds after it filled.  Here the first wait is held until too little
+    of the load is left for the probes; that direction is loaded again, longer, and its
+    queue measured."""
+    from testbed.emulator import linkcheck
+
+    real, calls = linkcheck._await_full_queue, []
+
+    def first_seen_late(net, src, dst, frame, timeout_s):
+        calls.append(src)
+        full = real(net, src, dst, frame, timeout_s)
+        if len(calls) == 1 and full:
+            time.sleep(3.5)  # the load (under 3 s here) is over when the answer comes
+            full = (full[0] + 3.5, *full[1:])
+        return full
+
+    monkeypatch.setattr(linkcheck, "_await_full_queue", first_seen_late)
+    res, _ = _linkcheck(_two(rate=20, delay=5), "auto", seconds=2)
+    tries = {(d["src"], d["dst"]): d["udp_start_tries"] for d in res["directions"]}
+    assert sorted(tries.values()) == [1, 2] and len(calls) == 3, tries
+    assert all(d["checks"]["queue"] and d["queue_probes"] >= linkcheck.QUEUE_PROBES for d in res["directions"]), \
+        _out_of_tolerance(res)
+
+
 def test_all_at_once_check_waits_out_cubic_regrowth_on_a_long_fat_link(netenv):
     """The concurrent phase: BBR on the lossy link, the experiment's cubic on the lossless one,
     both measured over CUBIC's regrowth time of the long fat link (its queue of 100 packets is
