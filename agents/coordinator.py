@@ -229,7 +229,7 @@ class _Diagnosis:
             self.statuses[ev.node] = ev.msg
         elif isinstance(ev, Received) and ev.kind == Msg.ERROR:
             self.errors.setdefault(ev.node, ev.msg)
-        elif isinstance(ev, Received) and ev.kind not in (Msg.READY, Msg.DONE, Msg.BYE):
+        elif isinstance(ev, Received) and ev.kind not in (Msg.READY, Msg.DONE, Msg.BYE, Msg.LINK_LOST, Msg.LINK_BACK):
             self.other.append(f"{ev.node}: unexpected {wire.sanitize(ev.msg.get('msg'), 40)!r} message")
 
 
@@ -537,6 +537,11 @@ class Coordinator:
                 out.append(self._events.get_nowait())
             except queue.Empty:
                 return out
+
+    def requeue(self, events) -> None:
+        """Give back events taken with :meth:`pending_events` (after those queued since)."""
+        for ev in events:
+            self._events.put(ev)
 
     def health_problem(self) -> str | None:
         """Why a run cannot go on (``"NODE: why"``, e.g. an agent process exited), or None."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from typing import NoReturn
 
 from .crew import Controller, Task, plan_pairs, redirect, replacement, rounds_in_window
 from .protocol import Deadline, Event, Lost, Msg, Received, Registered, Violation, error_event, message
@@ -88,7 +89,7 @@ class TaskRun:
             if ev is not None:
                 self._on(ev)
             if len(self.nodes) - len(self.lost) < self.p:
-                c.diagnose(Lost(self.lost[-1], f"{len(self.nodes) - len(self.lost)} workers left (lost: "
+                self._fail(Lost(self.lost[-1], f"{len(self.nodes) - len(self.lost)} workers left (lost: "
                                 f"{', '.join(self.lost)}), fewer than a group of {self.p}: no group can form"))
             for item in [x for x in self.later if x[0] <= time.monotonic()]:
                 self.later.remove(item)
@@ -120,10 +121,10 @@ class TaskRun:
         for t in self.ctl.running():
             if t.failed and now - t.failed[0][0] > self.c.silence_s + 1:  # no worker loss explains it
                 (_, node, why), others = t.failed[0], "".join(f"; {n}: {m}" for _, n, m in t.failed[1:])
-                self.c.diagnose(error_event(node, f"task {t.pid}: {why}{others} "
+                self._fail(error_event(node, f"task {t.pid}: {why}{others} "
                                                   "(a failure other than a lost worker: not repaired)"))
             if now > t.deadline:
-                self.c.diagnose(Deadline(sorted(t.waiting)[0] if t.waiting else None,
+                self._fail(Deadline(sorted(t.waiting)[0] if t.waiting else None,
                                          f"task {t.pid} over {'+'.join(t.members)} not done within {task_limit:g} s "
                                          f"(state {t.state}, waiting for {', '.join(sorted(t.waiting))})"))
 
@@ -146,13 +147,13 @@ class TaskRun:
         while not set(alive) <= got:
             if time.monotonic() > deadline:
                 missing = [n for n in alive if n not in got]
-                c.diagnose(Deadline(missing[0], f"no BYE from {', '.join(missing)}"))
+                self._fail(Deadline(missing[0], f"no BYE from {', '.join(missing)}"))
             ev = self._next(deadline)
             if ev is None or isinstance(ev, Registered) or ev.node in self.lost or (isinstance(ev, Lost)
                                                                                    and ev.node in got):
                 continue
             if not isinstance(ev, Received) or ev.kind not in AFTER_FINISH:
-                c.diagnose(ev)
+                self._fail(ev)
             if ev.kind == Msg.BYE:
                 got.add(ev.node)
                 for e in ev.msg.get("errors") or []:
@@ -172,10 +173,17 @@ class TaskRun:
         if problem:
             node = problem.split(":", 1)[0]
             if node not in self.nodes:
-                c.diagnose(Lost(None, problem))
+                self._fail(Lost(None, problem))
             if node not in self.lost and not self.finishing:  # after FINISH an agent exits: BYE or not counts
                 self._lose(node, problem)
         return ev
+
+    def _fail(self, ev: Event) -> NoReturn:
+        """The run fails on ``ev``: the events read ahead go back to the coordinator, whose
+        diagnosis reads them with what else comes."""
+        self.c.requeue(self.ahead)
+        self.ahead.clear()
+        self.c.diagnose(ev)
 
     def _on(self, ev: Event) -> None:
         if isinstance(ev, Registered) or ev.node in self.lost:
@@ -188,7 +196,7 @@ class TaskRun:
             self._lose(ev.node, ev.why)
             return
         if not isinstance(ev, Received) or ev.kind == Msg.ERROR:
-            self.c.diagnose(ev)
+            self._fail(ev)
         handler = {Msg.STATUS: lambda node, data: None, Msg.ENQUEUE: self._on_enqueue,
                    Msg.PRE_ARMED: self._on_pre_armed, Msg.INSTALLED: self._on_installed,
                    Msg.LINK_LOST: lambda node, data: self.link_changed(node, str(data.get("peer")), True),
@@ -196,7 +204,7 @@ class TaskRun:
                    Msg.ARMED: self._on_task_report, Msg.TASK_DONE: self._on_task_report,
                    Msg.TASK_FAILED: self._on_task_report}.get(ev.kind)
         if handler is None:
-            self.c.diagnose(Violation(ev.node, f"unexpected {ev.msg.get('msg')!r} message in a task run"))
+            self._fail(Violation(ev.node, f"unexpected {ev.msg.get('msg')!r} message in a task run"))
         handler(ev.node, ev.msg)
 
     def _on_enqueue(self, node: str, data: dict) -> None:
@@ -217,7 +225,7 @@ class TaskRun:
     def _on_pre_armed(self, node: str, data: dict) -> None:
         left = self.pre_wait.get(data.get("of"))
         if left is None or node not in left or data.get("seq") != self.seq.get(data.get("of")):
-            self.c.diagnose(Violation(node, f"unexpected PRE_ARMED for {data.get('of')}"))
+            self._fail(Violation(node, f"unexpected PRE_ARMED for {data.get('of')}"))
         left.discard(node)
         if not left:
             w = data["of"]
@@ -230,7 +238,7 @@ class TaskRun:
         if left is None and isinstance(v, int) and 0 < v < len(self.plans):
             return  # a version given up on (a worker of it was lost)
         if left is None or node not in left:
-            self.c.diagnose(Violation(node, f"unexpected INSTALLED for version {v}"))
+            self._fail(Violation(node, f"unexpected INSTALLED for version {v}"))
         left.discard(node)
         if not left:
             del self.installing[v]
@@ -251,7 +259,7 @@ class TaskRun:
             return
         want = "arming" if kind == Msg.ARMED else "running"
         if t is None or t.state != want or node not in t.waiting:
-            self.c.diagnose(Violation(node, f"unexpected {kind.upper()} for task {data.get('pid')}"))
+            self._fail(Violation(node, f"unexpected {kind.upper()} for task {data.get('pid')}"))
         if kind == Msg.TASK_FAILED and t.pid in self.orphans:  # a task the controller's loss broke
             self._drop_orphan(t, f"failed at {node} after the controller was lost: {data.get('message')}")
             return
@@ -450,7 +458,7 @@ class TaskRun:
         while any(v in self.installing for v in self.pre_v.values()):
             if time.monotonic() > deadline:
                 left = sorted({n for v in self.pre_v.values() for n in self.installing.get(v, ())})
-                self.c.diagnose(Deadline(left[0], f"early-scatter plans not installed within {limit:g} s "
+                self._fail(Deadline(left[0], f"early-scatter plans not installed within {limit:g} s "
                                   f"at {', '.join(left)}"))
             ev = self._next(deadline)
             if ev is not None:

@@ -26,6 +26,7 @@ log = logging.getLogger("agents.crew")
 
 MAGIC = b"crew-hb "
 START_S = 10.0  # the watch process's deadline to bind its socket and say so
+END_S = 3.0  # the watch process's deadline to end once told (then once killed)
 
 
 class LinkWatch:
@@ -67,15 +68,22 @@ class LinkWatch:
                 log.error("cannot report %s %s: %s", msg["msg"], peer, e)
 
     def _end(self) -> None:
+        """Close the watch's stdin (it ends), else kill it; never raises: the end of the
+        heartbeats fails no run (on a loaded machine a killed process may take seconds to
+        be reaped)."""
         try:
             self.proc.stdin.close()
         except OSError:
             pass
-        try:
-            self.proc.wait(timeout=2.0)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(timeout=2.0)
+        for stop in (None, self.proc.kill):
+            if stop:
+                stop()
+            try:
+                self.proc.wait(timeout=END_S)
+                return
+            except subprocess.TimeoutExpired:
+                pass
+        log.warning("link heartbeats: the watch process %d did not end within %g s of its kill", self.proc.pid, END_S)
 
     def close(self) -> None:
         self._end()

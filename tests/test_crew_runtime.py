@@ -304,6 +304,18 @@ def test_emulated_link_break_between_members_is_repaired_and_the_run_goes_on(net
     print("faults:", g["faults"], "rounds:", g["rounds"])
 
 
+def test_a_watch_process_that_does_not_end_when_told_is_killed_without_failing_the_agent():
+    """The end of the heartbeats never raises: a watch that ignores its stdin's end is
+    killed (END_S later) and reaped."""
+    from agents import linkwatch
+
+    w = linkwatch.LinkWatch.__new__(linkwatch.LinkWatch)
+    w.proc = subprocess.Popen(["sleep", "60"], stdin=subprocess.PIPE)  # does not read its stdin
+    t0 = time.monotonic()
+    w._end()
+    assert w.proc.returncode == -9 and time.monotonic() - t0 < 2 * linkwatch.END_S
+
+
 def test_link_watch_reports_a_silent_peer_and_its_return():
     """Heartbeats over real UDP sockets: a peer that stops is reported link_lost within the
     timeout (one report), and link_back once it beats again."""
@@ -492,6 +504,9 @@ class _FakeCoordinator:
     def pending_events(self):
         return []
 
+    def requeue(self, events):
+        self.requeued = list(events)
+
     def health_problem(self):
         return None
 
@@ -652,6 +667,17 @@ def test_a_link_whose_return_is_already_received_stops_no_task():
     other = sorted(cut - {"n0"})[0]
     _handle(tr, [lost, Received("n0", {"msg": "link_lost", "peer": other}), back])
     assert b.state != "running" and tr.faults[-1]["link"] == sorted(cut, key=tr.nodes.index)
+
+
+def test_a_failing_run_gives_the_events_read_ahead_to_the_coordinator_s_diagnosis():
+    """What was received behind the event a run fails on (an agent's error, say) goes back to
+    the coordinator, whose diagnosis names the failure from everything it received."""
+    c, tr = _crew_taskrun(4, 2)
+    behind = [Received("n2", {"msg": "error", "message": "disk full"}), Received("n3", {"msg": "status"})]
+    tr.ahead.extend(behind)
+    with pytest.raises(AssertionError, match="run failed"):
+        tr._on(Received("n1", {"msg": "no-such-kind"}))
+    assert c.requeued == behind and not tr.ahead
 
 
 def test_a_done_crossing_an_abandon_drops_the_member_s_re_queue_of_that_round():
