@@ -469,8 +469,8 @@ RESULTS_FIELDS: list[tuple[str, str, str]] = [
     ("emulation.warnings", "", "why it did not keep up"),
     ("emulation.cpu_util", "share", "whole-machine CPU busy during the runs"),
     ("emulation.steal", "share", "CPU time a hypervisor took (above 0.03 timings may be stretched)"),
-    ("emulation.pauses", "[Unix s, s]", "every moment the machine stopped its processes for 0.1 s or more (start, "
-     "length); one of 0.5 s or more makes `kept_up` false"),
+    ("emulation.pauses", "[Unix s, s]", "every time a process that only sleeps 10 ms at a time woke 0.1 s or more "
+     "late (start, length): the machine paused; one of 0.5 s or more makes `kept_up` false"),
     ("emulation.max_late_ms", "ms", "the relay's p99 lateness limit used for `kept_up`"),
     ("emulation.relay", "", "per relay process: its statistics and per-direction counters (lateness, drops, frames)"),
     ("emulation.relay[].*", "", ""),
