@@ -256,22 +256,33 @@ def assert_counters_add_up(stats: dict) -> None:
 @net
 @pytest.mark.parametrize("delay_ms", [10, 30])
 def test_ping_rtt_is_twice_the_delay(clean_lab, delay_ms):
-    r = clean_lab.relay(RelayDirection(delay_ms), RelayDirection(delay_ms), seed=1)
-    sent, recv, rtt = clean_lab.ping(100, 0.01)
-    assert recv == sent == 100
-    rmin, rmed, rmax, _ = rtt
+    """No frame leaves early and none is lost, every time; the median round trip and the
+    relay's lateness are timing fidelity, measured as :func:`fidelity` says (a busy machine
+    delays a user-space relay)."""
     want = 2 * delay_ms
-    assert rmin >= want - 0.05, f"frames left early: min rtt {rmin} < {want}"
-    assert abs(rmed - want) <= max(1.0, 0.03 * want), rtt
-    st = r.stop()
-    assert st["event"] == "exit" and r.proc.returncode == 0
-    assert_counters_add_up(st)
-    ab, ba = st["dirs"]
-    assert ab["frames_out"] >= 100 and ba["frames_out"] >= 100
-    assert ab["lost_segs"] == ba["lost_segs"] == 0 and ab["drop_ring"] == 0
-    assert ab["delay_us"] == delay_ms * 1000
-    ok, why = kept_up(st, max_p99_late_ms=5)  # generous: the machine may be busy
-    assert ok, why
+
+    def measure():
+        cpu = CpuMeter().start()
+        r = clean_lab.relay(RelayDirection(delay_ms), RelayDirection(delay_ms), seed=1)
+        sent, recv, rtt = clean_lab.ping(100, 0.01)
+        st = r.stop()
+        assert recv == sent == 100
+        assert rtt[0] >= want - 0.05, f"frames left early: min rtt {rtt[0]} < {want}"
+        assert st["event"] == "exit" and r.proc.returncode == 0
+        assert_counters_add_up(st)
+        ab, ba = st["dirs"]
+        assert ab["frames_out"] >= 100 and ba["frames_out"] >= 100
+        assert ab["lost_segs"] == ba["lost_segs"] == 0 and ab["drop_ring"] == 0
+        assert ab["delay_us"] == delay_ms * 1000
+        return (rtt, st), cpu.stop()[1]
+
+    def problems(result):
+        rtt, st = result
+        ok, why = kept_up(st, max_p99_late_ms=5)
+        return ([] if abs(rtt[1] - want) <= max(1.0, 0.03 * want) else [f"median rtt {rtt[1]} for {want}"]) + (
+            [] if ok else [why])
+
+    fidelity(measure, problems)
 
 
 @net

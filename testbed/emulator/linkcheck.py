@@ -412,17 +412,8 @@ def _queue_and_udp_rate(net, src: str, dst: str, seconds: float, port: int = BAS
     # which comes only after its TCP control connection and stream set-up, a few round trips
     # over this very link (0.8 s each on GScale's 400 ms links): the probes must wait for it too
     setup_s = IPERF_SETUP_RTTS * (d.delay_ms + net.directions[(dst, src)].spec.delay_ms) / 1e3
-    probe, srv, cli, full, tries = _start_udp_load(net, src, dst, payload, seconds, interval, total,
-                                                   setup_s + fill_s + 10, port, probe_port)
-    if full and full[2] + total - time.monotonic() - LOAD_END_MARGIN_S < QUEUE_PROBES * interval:
-        # seen full so late that fewer than QUEUE_PROBES probes fit before the load ends (on
-        # several servers each poll is a process started over SSH): once more, the load
-        # longer by that wait
-        _kill((cli, srv, probe.tx, probe.rx))
-        total += full[0]
-        probe, srv, cli, full, more = _start_udp_load(net, src, dst, payload, seconds + full[0], interval, total,
-                                                      setup_s + fill_s + 10, port, probe_port)
-        tries += more
+    probe, srv, cli, full, tries, total = _start_udp_load(net, src, dst, payload, seconds, interval, total,
+                                                          setup_s + fill_s + 10, port, probe_port)
     full_after = full[0] if full else None
     r, overflow = _probe_full_queue(net, src, dst, probe, full, full[2] + total if full else 0.0, interval)
     cli.wait(timeout=setup_s + total + 30)
@@ -466,7 +457,10 @@ def _start_udp_load(net, src: str, dst: str, payload: int, seconds: float, inter
                     wait_s: float, port: int, probe_port: int) -> tuple:
     """The queue probes (waiting to go) and iperf3 UDP at OVERLOAD x the rate for ``total`` s,
     all started again (up to UDP_START_TRIES times) while the queue is not seen full within
-    ``wait_s``: (probe, iperf3 server, client, :func:`_await_full_queue`'s answer, tries)."""
+    ``wait_s``, or is seen full so late that fewer than QUEUE_PROBES probes fit before the load
+    ends (on several servers each poll is a process started over SSH): then with the load
+    longer by that wait.  (probe, iperf3 server, client, :func:`_await_full_queue`'s answer,
+    tries, the load's ``total`` s)."""
     d = net.directions[(src, dst)].spec
     # the sender's socket buffer must hold the whole queue (about 2.3 KB of kernel memory per
     # queued datagram), else it throttles iperf3 before the queue is full
@@ -480,10 +474,13 @@ def _start_udp_load(net, src: str, dst: str, payload: int, seconds: float, inter
                               str(sndbuf), "-b", f"{OVERLOAD * d.rate_mbps * 1e6:.0f}", "-l", str(payload),
                               "-t", f"{total:.1f}"])
         full = _await_full_queue(net, src, dst, payload + UDP_HEADERS, wait_s)
-        if full or tries == UDP_START_TRIES:
+        late = full and full[2] + total - time.monotonic() - LOAD_END_MARGIN_S < QUEUE_PROBES * interval
+        if (full and not late) or tries == UDP_START_TRIES:
             break
-        _kill((cli, srv, probe.tx, probe.rx))  # the queue never filled: start again
-    return probe, srv, cli, full, tries
+        _kill((cli, srv, probe.tx, probe.rx))
+        if late:
+            seconds, total = seconds + full[0], total + full[0]
+    return probe, srv, cli, full, tries, total
 
 
 def _probe_full_queue(net, src: str, dst: str, probe: "_Probe", full: tuple | None, load_end: float,
