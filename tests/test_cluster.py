@@ -118,6 +118,10 @@ def test_linkcheck_over_two_servers_within_the_single_machine_tolerances(servers
     assert 0 < len(cut) < len(load_topology("small-3").links), "want cut and local links both"
     res = _linkcheck("small-3", sf)
     assert len(res["directions"]) == 2 * len(load_topology("small-3").links)
+    crossing = {frozenset((d["src"], d["dst"])) for d in res["directions"] if len(set(d["servers"])) == 2}
+    assert crossing == {frozenset((link.a, link.b)) for j, link in enumerate(load_topology("small-3").links)
+                        if j in cut}, res["directions"]
+    assert set(res["cluster"]["servers"]) == {"s1", "s2"}
 
 
 def _run(tmp_path, *args, timeout=600, **kw):

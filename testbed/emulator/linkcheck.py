@@ -762,6 +762,10 @@ def run_linkcheck(topo, *, seconds: float = 6.0, phases=("single", "concurrent")
         result["relay_layout"] = net.relay_layout  # keep-up window: the concurrent phase if there was one
         result.update(_frame_cost(result))
         result["emulation_kept_up"] = _kept_up(result["relay"], max_late_ms, result["steal"])
+        if hasattr(net, "placement"):  # over several servers: each direction's two, and their health
+            result["cluster"] = net.report(max_late_ms)
+            for d in result["directions"]:
+                d["servers"] = [net.server_of(d["src"]), net.server_of(d["dst"])]
     for d in result["directions"]:
         d["ok"] = all(d["checks"].values())
     result["total_capacity_mbps"] = sum(d["rate_mbps"] for d in result["directions"] if d["phase"] == phases[0])
@@ -816,7 +820,7 @@ def _f(x, fmt: str, width: int) -> str:
 
 def format_table(result: dict) -> str:
     """One line per direction and phase; FAIL names the checks that failed (and why, where a
-    check could not measure)."""
+    check could not measure); over several servers, a direction between two says which."""
     lines = [f"{'phase':10} {'src':>6} {'dst':>6} {'rate':>7} {'meas':>7} {'ratio':>6} {'by':>8} "
              f"{'delay':>6} {'meas':>7} {'loaded':>7} {'jitter':>6} {'meas':>6} {'loss':>7} {'meas':>7} "
              f"{'queue':>6} {'meas':>6} {'tcp':>7} {'cc':>5}  verdict"]
@@ -829,5 +833,6 @@ def format_table(result: dict) -> str:
             f"{d['jitter_ms']:6.2f} {_f(d.get('measured_jitter_ms'), '.2f', 6)} {d['loss']:7.4%} "
             f"{_f(d.get('measured_loss'), '.4%', 7)} {_f(d.get('expected_queue_ms'), '.0f', 6)} "
             f"{_f(d.get('measured_queue_ms'), '.0f', 6)} {_f(d.get('tcp_goodput_mbps'), '.1f', 7)} "
-            f"{d.get('tcp_cc', '-'):>5}  {'ok' if d['ok'] else 'FAIL ' + ','.join(bad)}")
+            f"{d.get('tcp_cc', '-'):>5}  {'ok' if d['ok'] else 'FAIL ' + ','.join(bad)}"
+            + (f"  ({' -> '.join(d['servers'])})" if len(set(d.get("servers", ()))) == 2 else ""))
     return "\n".join(lines)
