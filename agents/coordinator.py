@@ -293,6 +293,8 @@ class Coordinator:
     ``truth`` and ``policy``: the closed loop (module docstring).  ``driver(coordinator)``:
     a :class:`Driver` that runs instead of the iteration barrier once every agent is READY
     (CREW's groups: :class:`agents.crew_run.TaskRun`), on the driver API below.
+    ``on_ready()``: called once every agent is READY (and clocks are synchronised), just
+    before the first GO or the driver: where the measured phase starts.
     """
 
     def __init__(self, plan: Plan, *, addresses: Mapping, data_port: int | None, secret: bytes | str,
@@ -305,7 +307,8 @@ class Coordinator:
                  clock_offsets_ns: Mapping[str, int] | None = None, probe: dict | None = None,
                  truth: Callable[[str, str], dict | None] | None = None,
                  policy: Callable[[int, NetState], Plan | None] | None = None, sync_clocks: bool | None = None,
-                 driver: Callable[["Coordinator"], "Driver"] | None = None):
+                 driver: Callable[["Coordinator"], "Driver"] | None = None,
+                 on_ready: Callable[[], None] | None = None):
         plan.validate()
         np.dtype(dtype)
         self.plan, self.secret, self.data_port = plan, wire.as_secret(secret), data_port
@@ -342,6 +345,7 @@ class Coordinator:
         self.version = 0
         self.switches = 0
         self.resend_requests = 0  # receivers that asked for chunks again (auxiliary recovery)
+        self.on_ready = on_ready
         self.driver = driver(self) if driver else None  # built last: it may read any of the above
 
     def _init_closed_loop(self, probe: dict | None, truth, clock_offsets_ns: Mapping[str, int] | None, policy,
@@ -822,6 +826,8 @@ class Coordinator:
             self.progress(f"all {len(nodes)} agents ready")
             if self.sync_clocks:
                 self._sync_clocks(nodes)
+            if self.on_ready:
+                self.on_ready()
             if self.driver:
                 self._run_driver()
             else:

@@ -34,8 +34,9 @@ Format (YAML; every key but ``name``, ``topology`` and ``scheme.name`` is option
                                  # clock_offset_ms: {dc: ms} shifts that agent's clock (tests of
                                  # the clock-offset correction; real hosts have their own)
     dynamics: []                 # live rate changes, see testbed/emulator/dynamics.py
-    dynamics_per_run: false      # true: every run (variant x repetition) replays the dynamics
-                                 # and faults from its own start on the healthy network, so
+    dynamics_per_run: false      # true: every run (variant x repetition) starts on the healthy
+                                 # network and replays the dynamics and faults from its measured
+                                 # phase's start (every agent ready), so
                                  # schemes compared see the same rates and faults at the same
                                  # point of their run
     faults: []                   # link down/up, datacenter crash/restart

@@ -167,8 +167,9 @@ KEY_DOCS: dict[str, str] = {
     "agents.clock_offset_ms": "`{dc: ms}`: shift an agent's clock (tests of the clock-offset correction)",
     "dynamics": "live rate changes: `{at_s, link, rate_mbps, direction}`, `{trace: file.csv}`, "
                 "`{redraw: {lo, hi, every_s, seed}}` ([below](#dynamics-and-faults))",
-    "dynamics_per_run": "`true`: every run (variant x repetition) replays dynamics and faults from its own "
-                        "start on the healthy network, so compared schemes see the same conditions",
+    "dynamics_per_run": "`true`: every run (variant x repetition) starts on the healthy network and replays "
+                        "dynamics and faults from its measured phase's start (every agent ready), so compared "
+                        "schemes see the same conditions at the same point of their run",
     "placement": "`{dc: server}`: with `--servers`, pin datacenters to servers of the servers file; the rest "
                  "are placed to cut the least rate ([multi-server guide](../guides/multi-server.md))",
     "faults": "`{at_s, link_down: [a, b]}`, `{at_s, link_up: [a, b]}`, `{at_s, crash: dc}`, `{at_s, restart: dc}`",

@@ -91,12 +91,13 @@ def build_plan(exp: Experiment, scheme: dict | None = None, *, source: str = "",
 
 def run_variants(exp: Experiment, planned: list[Planned], hosts: Hosts, out_dir: Path,
                  progress: Callable[[str], None], on_run: Callable[[list], None] | None = None,
-                 before_run: Callable[[], None] | None = None,
+                 before_run: Callable[[], None] | None = None, on_ready: Callable[[], None] | None = None,
                  on_failure: Callable[[FailedRun], None] | None = None) -> list[dict]:
     """Run every planned variant ``repetitions`` times on ``hosts``, interleaved (so slow
     drifts hit all variants alike); one summarised record per run, ``on_run(runs so far)``
-    after each, ``before_run()`` before each; a run that fails is ``on_failure(record)``
-    before its error is raised."""
+    after each, ``before_run()`` before each, ``on_ready()`` when its agents are all ready
+    (its measured phase starts); a run that fails is ``on_failure(record)`` before its error
+    is raised."""
     runs = []
     for rep in range(exp.repetitions):
         for v, plan, prediction, _ in planned:
@@ -104,7 +105,7 @@ def run_variants(exp: Experiment, planned: list[Planned], hosts: Hosts, out_dir:
             if before_run:
                 before_run()
             try:
-                result = _run_once(exp, v, plan, prediction, rep, hosts, out_dir, progress)
+                result = _run_once(exp, v, plan, prediction, rep, hosts, out_dir, progress, on_ready)
             except TestbedError as e:
                 if on_failure:
                     on_failure(_failed_run(v, rep, e))
@@ -121,7 +122,7 @@ def run_variants(exp: Experiment, planned: list[Planned], hosts: Hosts, out_dir:
 
 
 def _run_once(exp: Experiment, v: Variant, plan: Plan, prediction: dict, rep: int, hosts: Hosts, out_dir: Path,
-              progress: Callable[[str], None]) -> dict:
+              progress: Callable[[str], None], on_ready: Callable[[], None] | None = None) -> dict:
     """One repetition of one variant: the coordinator's results."""
     w, a = exp.workload, exp.agents
     seed, n_its = exp.seed * 1000 + rep, w.warmup + w.iterations
@@ -129,7 +130,7 @@ def _run_once(exp: Experiment, v: Variant, plan: Plan, prediction: dict, rep: in
     opts.setdefault("compute_s", compute_times(w.compute_s, plan.nodes, n_its, seed))
     return run_agents(hosts, plan, out_dir, iterations=n_its, seed=seed, dtype=w.dtype,
                       stop_and_wait=a.stop_and_wait, timeout_s=a.timeout_s, progress=progress,
-                      predicted_s=prediction["cct_s"], clock_offset_ms=a.clock_offset_ms, **opts)
+                      predicted_s=prediction["cct_s"], clock_offset_ms=a.clock_offset_ms, on_ready=on_ready, **opts)
 
 
 def _failed_run(v: Variant, rep: int, e: TestbedError) -> FailedRun:
@@ -228,17 +229,20 @@ def _run_on_network(exp: Experiment, planned: list[Planned], results: dict, out_
         per_run = exp.dynamics_per_run and bool(exp.dynamics or exp.faults)
         scheds = [] if per_run else [Scheduler(net, exp.dynamics, exp.faults, log=progress).start()]
 
-        def replay_dynamics() -> None:  # dynamics_per_run: from this run's start, on the healthy network
+        def healthy() -> None:  # dynamics_per_run: each run's agents start on the healthy network
             if scheds:
                 scheds[-1].stop()
             restore_network(net)
+
+        def replay_dynamics() -> None:  # and its dynamics count from its measured phase's start
             scheds.append(Scheduler(net, exp.dynamics, exp.faults, log=progress).start())
 
         net.reset_relay_window()  # judge the emulator on the measured phase only
         cpu, paused = CpuMeter().start(), PauseMeter().start()
         try:
             run_variants(exp, planned, net.agent_hosts(), out_dir, progress, on_run=checkpoint,
-                         before_run=replay_dynamics if per_run else None, on_failure=failed)
+                         before_run=healthy if per_run else None, on_ready=replay_dynamics if per_run else None,
+                         on_failure=failed)
         finally:
             for sched in scheds:
                 sched.stop()

@@ -53,13 +53,14 @@ def run_agents(hosts: Hosts, plan, out_dir: Path, *, iterations: int = 1, seed: 
                compute_s: dict | None = None, stop_and_wait: bool = False, timeout_s: float = 120.0,
                progress: Callable[[str], None] = lambda m: None, predicted_s: float | None = None,
                probe: dict | None = None, clock_offset_ms: dict | None = None, policy=None,
-               driver=None) -> dict:
+               driver=None, on_ready: Callable[[], None] | None = None) -> dict:
     """Start a coordinator here and one agent per datacenter on ``hosts``, run ``plan``
     ``iterations`` times, and return the coordinator's results.  Agents are stopped
     (killed if need be) before returning, also on error.  ``probe``: passive probing
     ({chunk_bytes, chunk_num, estimator}); ``clock_offset_ms``: {dc: ms} shifts agents'
     clocks (tests); ``policy``: re-planning; ``driver``: a run-time driver instead of the
-    iterations (CREW's groups) (:class:`agents.coordinator.Coordinator`)."""
+    iterations (CREW's groups); ``on_ready()``: when the measured phase starts
+    (:class:`agents.coordinator.Coordinator`)."""
     from agents.coordinator import Coordinator
 
     offsets = hosts.clock_offsets()  # node -> testbed.clock.Offset of its host's clock from ours
@@ -73,7 +74,8 @@ def run_agents(hosts: Hosts, plan, out_dir: Path, *, iterations: int = 1, seed: 
                         stop_and_wait=stop_and_wait, timeout_s=timeout_s, bind=hosts.coordinator_bind,
                         progress=progress, health=hosts.health, predicted_s=predicted_s,
                         clock_offsets_ns={n: o.offset_ns for n, o in offsets.items()}, probe=probe,
-                        truth=hosts.truth(), policy=policy, driver=driver, sync_clocks=bool(probe or clock_offset_ms))
+                        truth=hosts.truth(), policy=policy, driver=driver, sync_clocks=bool(probe or clock_offset_ms),
+                        on_ready=on_ready)
     coord.start()
     try:
         sources = hosts.carry_paths(plan.paths()) if plan.paths() else {}

@@ -152,9 +152,10 @@ def test_plan_at_a_time_plans_on_the_rates_then(tmp_path):
 @pytest.mark.net
 def test_dynamics_per_run_replays_them_for_every_variant(netenv, tmp_path):
     """dynamics_per_run: each run starts on the healthy network and sees the change and the
-    fault at its own 0.3 s (events: the change, the restore before the second run, the change
-    again; the link cut, back up before the second run, cut again).  PS's hub is h2: h1-h3,
-    which the fault cuts for good, carries none of its data."""
+    fault 0.3 s into its measured phase (events: the change, the restore before the second
+    run, the change again; the link cut, back up before the second run, cut again), after its
+    first GO however long its agents took to start.  PS's hub is h2: h1-h3, which the fault
+    cuts for good, carries none of its data."""
     import json
     import subprocess
     import sys
@@ -172,8 +173,12 @@ def test_dynamics_per_run_replays_them_for_every_variant(netenv, tmp_path):
     res = subprocess.run([sys.executable, "-m", "testbed", "run", str(f), "--out", str(tmp_path / "o"), "--quiet",
                           "--no-report"], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
-    events = json.loads((tmp_path / "o" / "results.json").read_text())["events"]
+    out = json.loads((tmp_path / "o" / "results.json").read_text())
+    events = out["events"]
     rates = [(e["src"], e["dst"], e["rate_mbps"]) for e in events if e.get("event") == "rate"]
+    changed_s = [out["events_t0_s"] + e["t_s"] for e in events if e.get("event") == "rate" and e["rate_mbps"] == 20]
+    first_go_s = [run["iterations"][0]["go_ns"] / 1e9 for run in out["runs"]]
+    assert len(changed_s) == 4 and changed_s[0] > first_go_s[0] and changed_s[2] > first_go_s[1], (changed_s, first_go_s)
     change = sorted([("h1", "h2", 20.0), ("h2", "h1", 20.0)])
     assert sorted(rates[:2]) == change and sorted(rates[2:4]) == [("h1", "h2", 80.0), ("h2", "h1", 80.0)]
     assert sorted(rates[4:]) == change

@@ -1,8 +1,9 @@
 """Time-varying link rates and faults, applied live while agents run.
 
-Experiment keys (times in seconds from the start of the measured phase, i.e. when the
-agents are launched; they run on across repetitions -- with ``dynamics_per_run: true`` every
-run replays dynamics and faults from its own start on the healthy network instead):
+Experiment keys (times in seconds from when the first run's agents are launched, on one
+clock across all runs -- with ``dynamics_per_run: true`` every run's agents start on the
+healthy network and its dynamics and faults count from its measured phase's start, the
+moment its agents are all ready: its first GO, or CREW's window):
 
 ``dynamics:`` a list of
   * ``{at_s: 5, link: [h1, h2], rate_mbps: 50}`` — both directions, or ``rate_mbps: [ab, ba]``,
