@@ -723,10 +723,13 @@ def main(argv: list[str] | None = None) -> int:
     if command is not None:
         args.command = command
 
-    def on_term(signum, frame):
+    def on_signal(signum, frame):
         raise KeyboardInterrupt
 
-    signal.signal(signal.SIGTERM, on_term)
+    # SIGINT too: a command started in the background from a script inherits SIGINT ignored,
+    # and Python then never raises KeyboardInterrupt -- kill -INT must still tear it down
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, on_signal)
     try:
         return args.func(args)
     except ConfigError as e:

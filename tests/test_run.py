@@ -68,15 +68,24 @@ def _long_experiment(tmp_path, extra=""):
 
 
 def test_sigint_tears_everything_down(netenv, tmp_path):
+    """SIGINT tears the run down, also one started with SIGINT ignored (as a script's
+    background job is, which Python then never interrupts by itself)."""
     f = _long_experiment(tmp_path)
     p = subprocess.Popen([sys.executable, "-m", "testbed", "run", str(f), "--out", str(tmp_path / "o")],
-                         cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.time() + 60
-    while time.time() < deadline and not list((tmp_path / "o" / "agents").glob("*.json")):
-        time.sleep(0.2)
-    time.sleep(1.0)  # agents running
-    p.send_signal(signal.SIGINT)
-    _, err = p.communicate(timeout=60)
+                         cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    try:
+        deadline = time.time() + 60
+        while time.time() < deadline and not list((tmp_path / "o" / "agents").glob("*.json")):
+            time.sleep(0.2)
+        time.sleep(1.0)  # agents running
+        p.send_signal(signal.SIGINT)
+        _, err = p.communicate(timeout=60)
+    finally:
+        if p.poll() is None:  # never leave it running: the next tests would meet its network
+            p.kill()
+            p.wait()
+            _run_cli("clean")
     assert p.returncode == 130, err[-2000:]
     assert "interrupted" in err
     assert not _new(netenv), _new(netenv)
