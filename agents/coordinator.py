@@ -327,6 +327,7 @@ class Coordinator:
         self.limit_s = self.timeout_s + 4 * predicted_s if predicted_s else 10 * self.timeout_s
         self._addresses = addresses
         self._peer_ip = self._resolve_addresses(addresses)
+        self._ips_of: tuple[Plan | None, dict] = (None, {})  # another plan's addresses (_part), the last one's
         self._xfers = {op.xfer: (src, op.peer) for src, op in plan.transfers()}
         self.listener = socket.create_server(tuple(bind), backlog=socket.SOMAXCONN)
         self.address = self.listener.getsockname()[:2]
@@ -765,7 +766,9 @@ class Coordinator:
         """The program, peers (ip, data port) and scratch buffers of ``node`` in ``plan``
         (default: the current plan)."""
         plan = plan or self.plan
-        ips = self._peer_ip if plan is self.plan else self._resolve_addresses(self._addresses, plan)
+        if plan is not self.plan and self._ips_of[0] is not plan:  # (asked once per node of a new version)
+            self._ips_of = (plan, self._resolve_addresses(self._addresses, plan))
+        ips = self._peer_ip if plan is self.plan else self._ips_of[1]
         program = plan.programs.get(node, [])
         peers = {}
         for src, dst in ips:

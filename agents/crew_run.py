@@ -45,6 +45,7 @@ class TaskRun:
         self.link_timeout_s = float(opts.get("link_timeout_s") or 0.0)
         self.broken: dict[frozenset, dict] = {}  # {a, b} -> its fault record, while the link is down
         self.ahead: deque[Event] = deque()  # events received, not yet handled (_next)
+        self.unplaced: deque[Task] = deque()  # formed, placed one per turn of the loop (_form)
         self.later: list[tuple[float, str, int]] = []  # (monotonic, worker, round): re-queued after a pause
         self._pair_cache: dict[int, set] = {}
         self.chunk_times = bool(opts.get("chunk_times"))  # per-chunk arrival times in the records
@@ -85,9 +86,10 @@ class TaskRun:
             if now >= end and not self.ctl.running() and not self.detached:
                 break
             self._check_tasks(now, task_limit)
-            ev = self._next(now + 0.2)
-            if ev is not None:
+            ev = self._next(now + (0.0 if self.unplaced else 0.2))
+            while ev is not None:  # every report already received, before the next placement
                 self._on(ev)
+                ev = self._next(now) if self.ahead else None
             if len(self.nodes) - len(self.lost) < self.p:
                 self._fail(Lost(self.lost[-1], f"{len(self.nodes) - len(self.lost)} workers left (lost: "
                                 f"{', '.join(self.lost)}), fewer than a group of {self.p}: no group can form"))
@@ -96,6 +98,7 @@ class TaskRun:
                 self.ctl.ready(item[1], item[2])
             if time.monotonic() < end and not self.detached:
                 self._form(task_limit)
+            self._place_next()
         self._finish()
 
     def _controller_events(self, now: float) -> None:
@@ -129,10 +132,19 @@ class TaskRun:
                                          f"(state {t.state}, waiting for {', '.join(sorted(t.waiting))})"))
 
     def _form(self, task_limit: float) -> None:
-        """Every group the ready queue holds now, placed (or given up on)."""
+        """Every group the ready queue holds now, formed (placed by :meth:`_place_next`)."""
         for t in self.ctl.form():
             t.deadline = time.monotonic() + task_limit
             t.times["formed_ns"] = time.time_ns()
+            self.unplaced.append(t)
+
+    def _place_next(self) -> None:
+        """One formed task placed (or given up on) per turn of the loop, so the reports that
+        came meanwhile are read between placements (a placement plans over all n workers)."""
+        while self.unplaced and self.unplaced[0].state != "formed":  # stopped before its turn (a lost member)
+            self.unplaced.popleft()
+        if self.unplaced:
+            t = self.unplaced.popleft()
             if not self.place(t):
                 self._unplaceable(t, "no plan of the group avoids the broken links")
 
@@ -212,8 +224,9 @@ class TaskRun:
         self.enq_round[node] = int(data["round"])
         self.ctl.ready(node, int(data["round"]))
         self.late.discard(node)
-        if self.prescatter_for and (len(self.ctl.queue) >= self.p or time.monotonic() >= self.end
-                                    or node not in self.ctl.alive):
+        queued = [w for w, _ in self.ctl.queue]  # groups of p form from its front
+        completes = node in queued and (queued.index(node) + 1) % self.p == 0
+        if self.prescatter_for and (completes or time.monotonic() >= self.end or node not in self.ctl.alive):
             self.late.add(node)  # no early scatter: it completes a group now (or the window is over)
         elif self.prescatter_for:
             v, seq = self.pre_v[node], self.seq.get(node, -1) + 1

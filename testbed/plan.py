@@ -49,7 +49,7 @@ from __future__ import annotations
 
 import json
 from collections import defaultdict
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Iterable, Mapping
 
 import numpy as np
@@ -82,7 +82,7 @@ class Op:
     path: tuple[str, ...] = ()  # send only: the nodes it crosses, sender to peer (empty: routed)
 
     def to_dict(self) -> dict:
-        d = asdict(self)
+        d = {f.name: getattr(self, f.name) for f in fields(self)}  # (asdict's deep copies cost 3x)
         d["deps"] = list(self.deps)
         if self.path:
             d["path"] = list(self.path)

@@ -13,11 +13,12 @@ import heapq
 import networkx as nx
 
 
-def shortest_paths(graph: nx.DiGraph) -> dict[tuple[str, str], list[str]]:
+def shortest_paths(graph: nx.DiGraph, sources=None) -> dict[tuple[str, str], list[str]]:
     """Path (list of nodes, both ends included) for every ordered pair of distinct nodes
-    that are connected.  Weight: (delay_ms, hops, path) — lexicographic."""
+    that are connected, from each of ``sources`` (default: every node).  Weight:
+    (delay_ms, hops, path) — lexicographic."""
     paths: dict[tuple[str, str], list[str]] = {}
-    for src in graph.nodes:
+    for src in graph.nodes if sources is None else sources:
         best: dict[str, tuple] = {}
         heap = [(0.0, 0, [src])]
         while heap:
@@ -39,7 +40,8 @@ def data_paths(graph: nx.DiGraph) -> dict[tuple[str, str], list[str]]:
     """The path data between two datacenters takes in the emulator: the direct WAN link
     for neighbours (agents address a neighbour by its link address), the latency-shortest
     path otherwise (agents use the node address, which is routed)."""
-    paths = shortest_paths(graph)
+    n = graph.number_of_nodes()
+    paths = shortest_paths(graph, [u for u in graph.nodes if graph.out_degree(u) < n - 1])  # (full mesh: none)
     for u, v in graph.edges:
         paths[(u, v)] = [u, v]
     return paths

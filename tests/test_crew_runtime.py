@@ -721,6 +721,62 @@ def test_a_controller_bug_fails_the_run_naming_it_not_with_a_traceback():
                                    "queued with round 0 (in ready, crew.py:"), str(e.value)
 
 
+class _InstantAgents(_FakeCoordinator):
+    """Agents that answer at once: INSTALLED to a PLAN, ARMED to a TASK, TASK_DONE to a
+    START (its members ENQUEUE their next round), BYE to FINISH; every worker ENQUEUEs round
+    0 at BEGIN."""
+
+    def __init__(self, plan):
+        super().__init__(plan)
+        self.inbox, self.rounds = [], {}
+
+    def send(self, node, msg):
+        super().send(node, msg)
+        kind, answer = msg["msg"], []
+        if kind == "begin":
+            answer = [{"msg": "enqueue", "round": 0}]
+        elif kind == "plan":
+            answer = [{"msg": "installed", "version": msg["version"]}]
+        elif kind == "task":
+            self.rounds[msg["pid"]] = msg["rounds"]
+            answer = [{"msg": "armed", "pid": msg["pid"]}]
+        elif kind == "start":
+            rounds = self.rounds[msg["pid"]]
+            answer = [{"msg": "task_done", "pid": msg["pid"], "comm_start_ns": 1, "comm_done_ns": 2, "correct": True},
+                      *([{"msg": "enqueue", "round": rounds[node] + 1}] if node in rounds else [])]
+        elif kind == "finish":
+            answer = [{"msg": "bye"}]
+        self.inbox += [Received(node, a) for a in answer]
+
+    def next_event(self, deadline):
+        return self.inbox.pop(0) if self.inbox else None
+
+    def pending_events(self):
+        out, self.inbox = self.inbox, []
+        return out
+
+
+def test_the_controller_reads_every_report_received_before_placing_the_next_group():
+    """Groups formed together are placed one per turn of the controller's loop, every report
+    received meanwhile read before the next placement (a placement plans over all n workers:
+    a batch placed in one go left the first group's INSTALLED answers unread for seconds at
+    n = 32); a group formed in the window is placed after its end too, and the run ends."""
+    g = topogen.crew_mesh(6, 1).graph()
+    c = _InstantAgents(make_plan("crew", g, 3000, {}))
+    unread: list[int] = []
+
+    def plan_for(members, **kw):
+        unread.append(len(tr.installing) + sum(ev.msg["msg"] == "installed" for ev in c.inbox))
+        return make_plan("crew", g, 3000, {"active": list(members), **kw})
+
+    tr = TaskRun(c, {"p": 2, "window_s": 0.3, "plan_for": plan_for})
+    tr.run()
+    tm = tr.results()["tasks_mode"]
+    assert len(unread) >= 3 and not any(unread), unread  # the first batch formed three groups at once
+    assert tm["tasks"] and all(t["outcome"] == "done" for t in tm["tasks"]) and not tr.unplaced
+    assert sorted(n for n, m in c.sent if m["msg"] == "finish") == tr.nodes
+
+
 def _paced(plan, mbps: float):
     """``plan`` with every send paced at ``mbps`` (SO_MAX_PACING_RATE): loopback links with a rate."""
     from dataclasses import replace
