@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import ipaddress
 import json
+import os
 import shlex
 import sys
 import threading
@@ -362,7 +363,16 @@ class ClusterNetwork(WanNetwork):
         return {"topology": topo.to_dict(), "nodes": self.placement.on(name), "tunnels": tunnels,
                 "vxlan_port": sf.vxlan_port, "mtu": self.underlay["link_mtu"], "method": self.method,
                 "relay_procs": self.relay_procs, "seed": self.seed, "tcp_cc": self.tcp_cc,
-                "icmp_priority": self.icmp_priority}
+                "icmp_priority": self.icmp_priority, **self._relay_cores(name)}
+
+    def _relay_cores(self, name: str) -> dict:
+        """Local servers share this machine's cores: each one's relays get a part of them."""
+        from testbed.emulator.nsservers import core_share
+
+        if self.sf.local is None:
+            return {}
+        used = [n for n in self.sf.servers if self.placement.on(n)]
+        return {"relay_cores": core_share(used.index(name), len(used), os.cpu_count() or 1)}
 
     def _start_daemons(self) -> None:
         deadline_s = READY_S + 0.5 * len(self.topo.links)

@@ -122,6 +122,8 @@ def test_linkcheck_over_two_servers_within_the_single_machine_tolerances(servers
     assert crossing == {frozenset((link.a, link.b)) for j, link in enumerate(load_topology("small-3").links)
                         if j in cut}, res["directions"]
     assert set(res["cluster"]["servers"]) == {"s1", "s2"}
+    cores = [s["relay_layout"]["cpus"] for s in res["cluster"]["servers"].values()]  # this machine's, split
+    assert not set(cores[0]) & set(cores[1]) or os.cpu_count() == 1, cores
 
 
 def _run(tmp_path, *args, timeout=600, **kw):

@@ -91,7 +91,21 @@ def test_layout_one_relay_per_core_recorded():
     assert relay_mod.layout(links, cpus=8)["cpus"] == [0, 1, 2, 3]
     forced = relay_mod.layout(links, cpus=2, procs=3)
     assert forced["processes"] == 3 and forced["cpus"] == [0, 1, 0] and forced["rule"] == "requested"
+    share = relay_mod.layout(links, cpus=2, cores=[1])  # a namespace server's part of the machine
+    assert share["processes"] == 1 and share["cpus"] == [1] and "of its share" in share["rule"]
+    assert relay_mod.layout(links, cpus=8, cores=[4, 5])["cpus"] == [4, 5]
     json.dumps(lay)  # goes into results.json as is
+
+
+@pytest.mark.parametrize("n, cpus, want", [
+    (3, 2, [[0], [1], [0]]), (2, 2, [[0], [1]]), (2, 8, [[0, 1, 2, 3], [4, 5, 6, 7]]), (3, 8, [[0, 1], [2, 3, 4], [5, 6, 7]]),
+    (1, 2, [[0, 1]])])
+def test_local_servers_split_the_machine_s_cores(n, cpus, want):
+    """Namespace servers on one machine: every core used, no server without one, no two
+    servers on a core while each can have its own."""
+    from testbed.emulator.nsservers import core_share
+
+    assert [core_share(i, n, cpus) for i in range(n)] == want
 
 
 def test_kept_up_verdict():

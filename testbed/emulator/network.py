@@ -181,6 +181,7 @@ class Share:
     tunnels: dict[int, Tunnel]  # link index -> tunnel
     port: int = 4789  # VXLAN UDP port
     mtu: int = 1500  # of every WAN interface
+    relay_cores: tuple[int, ...] = ()  # the cores its relays use (empty: every core; relay.layout)
 
 
 def tunnel_name(j: int) -> str:
@@ -481,7 +482,7 @@ class WanNetwork:
                 ba=relay_mod.RelayDirection(max(0.0, link.ba.delay_ms - under), link.ba.jitter_ms, link.ba.loss,
                                             link.ba.distribution),
                 rate_mbps_max=max(link.ab.rate_mbps, link.ba.rate_mbps)))
-        lay = relay_mod.layout(links, os.cpu_count() or 1, self.relay_procs)
+        lay = relay_mod.layout(links, os.cpu_count() or 1, self.relay_procs, self.share.relay_cores if self.share else ())
         self.relay_layout = {k: v for k, v in lay.items() if k != "groups"}
         groups = lay["groups"]
         for k, group in enumerate(groups):

@@ -62,6 +62,15 @@ def sshd_binary() -> str | None:
     return path if os.access(path, os.X_OK) else None
 
 
+def core_share(i: int, n: int, cpus: int) -> list[int]:
+    """The cores the relays of local server ``i`` of ``n`` use on this ``cpus``-core machine:
+    a split of them, round robin where servers outnumber cores (every server's relays pinned
+    one per core put n of them on each core)."""
+    if n >= cpus:
+        return [i % cpus]
+    return list(range(i * cpus // n, (i + 1) * cpus // n))
+
+
 @dataclass
 class LocalServers:
     """``servers``: name -> underlay address; ``head``: this machine's address on the bridge;

@@ -108,7 +108,8 @@ def kill_namespace_processes(pids: list[int]) -> int:
 
 def _share(spec: dict) -> Share:
     return Share(nodes=tuple(spec["nodes"]), port=spec["vxlan_port"], mtu=spec["mtu"],
-                 tunnels={int(j): Tunnel(**t) for j, t in spec["tunnels"].items()})
+                 tunnels={int(j): Tunnel(**t) for j, t in spec["tunnels"].items()},
+                 relay_cores=tuple(spec.get("relay_cores", ())))
 
 
 def serve(spec: dict, requests) -> int:

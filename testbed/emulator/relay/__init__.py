@@ -193,7 +193,7 @@ def partition_links(links: Sequence[RelayLink], n: int) -> list[list[int]]:
 RTPRIO = 10  # SCHED_FIFO priority of every relay process
 
 
-def layout(links: Sequence[RelayLink], cpus: int, procs: int = 0) -> dict[str, Any]:
+def layout(links: Sequence[RelayLink], cpus: int, procs: int = 0, cores: Sequence[int] = ()) -> dict[str, Any]:
     """How many relay processes, on which cores, at which priority (recorded in results.json).
 
     Decided from measurement (docs/measurements/emulator-log.md): a relay's sends run the
@@ -203,13 +203,18 @@ def layout(links: Sequence[RelayLink], cpus: int, procs: int = 0) -> dict[str, A
     pinned, the longest call was 0.3 ms and p99 0.3 ms, and GScale's 19 links (7660 Mbit/s)
     kept up too.  SCHED_FIFO: its run-queue wait under full load averaged 2-4 us per
     timeslice (0.2 s in a 29 s window), while a CFS relay waits behind the TCP endpoints.
-    ``procs`` > 0 overrides the count (emulator.relay_procs)."""
-    n = procs if procs > 0 else max(1, min(cpus, len(links)))
+    ``procs`` > 0 overrides the count (emulator.relay_procs).  ``cores``: the cores this
+    network's relays may use (default: all ``cpus``): namespace servers sharing one machine
+    split its cores, or each server's relays pinned one per core would queue behind the
+    others' on the same core (SCHED_FIFO does not preempt its equal)."""
+    use = list(cores) or list(range(max(1, cpus)))
+    n = procs if procs > 0 else max(1, min(len(use), len(links)))
     groups = partition_links(links, n)
-    return {"processes": len(groups), "cpus": [k % max(1, cpus) for k in range(len(groups))],
+    rule = "requested" if procs > 0 else f"one per core{' of its share' if cores else ''} (at most one per link)"
+    return {"processes": len(groups), "cpus": [use[k % len(use)] for k in range(len(groups))],
             "rtprio": RTPRIO, "links": [len(g) for g in groups],
             "rate_mbps": [sum(links[i].rate_mbps_max for i in g) for g in groups],
-            "groups": groups, "rule": "requested" if procs > 0 else "one per core (at most one per link)"}
+            "groups": groups, "rule": rule}
 
 
 # ------------------------------------------------------------------- verdict
