@@ -326,8 +326,7 @@ class Coordinator:
         # communication of one iteration: the stall limit plus a margin over the prediction
         self.limit_s = self.timeout_s + 4 * predicted_s if predicted_s else 10 * self.timeout_s
         self._addresses = addresses
-        self._peer_ip = self._resolve_addresses(addresses)
-        self._ips_of: tuple[Plan | None, dict] = (None, {})  # another plan's addresses (_part), the last one's
+        self._peer_ip, self._ips_of = self._resolve_addresses(addresses), (None, {})  # _ips_of: _part's other plan
         self._xfers = {op.xfer: (src, op.peer) for src, op in plan.transfers()}
         self.listener = socket.create_server(tuple(bind), backlog=socket.SOMAXCONN)
         self.address = self.listener.getsockname()[:2]
