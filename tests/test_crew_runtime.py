@@ -758,9 +758,9 @@ class _InstantAgents(_FakeCoordinator):
 
 def test_the_controller_reads_every_report_received_before_placing_the_next_group():
     """Groups formed together are placed one per turn of the controller's loop, every report
-    received meanwhile read before the next placement (a placement plans over all n workers:
-    a batch placed in one go left the first group's INSTALLED answers unread for seconds at
-    n = 32); a group formed in the window is placed after its end too, and the run ends."""
+    received meanwhile read before the next placement (a placement plans over all n workers,
+    seconds at n = 32 on a loaded machine); a group formed in the window is placed after its
+    end too, and the run ends."""
     g = topogen.crew_mesh(6, 1).graph()
     c = _InstantAgents(make_plan("crew", g, 3000, {}))
     unread: list[int] = []
