@@ -366,7 +366,7 @@ class ClusterNetwork(WanNetwork):
                 "icmp_priority": self.icmp_priority, **self._relay_cores(name)}
 
     def _relay_cores(self, name: str) -> dict:
-        """Local servers share this machine's cores: each one's relays get a part of them."""
+        """Local servers share the cores of the machine they stand on: each one's relays get a part of them."""
         from testbed.emulator.nsservers import core_share
 
         if self.sf.local is None:

@@ -165,7 +165,7 @@ def test_gscale_on_three_servers_ring_mtree_and_netstorm_are_exact(servers, tmp_
     assert out["summary"]["correct"] is True
     assert sorted(r["variant"] for r in out["runs"]) == ["mtree", "netstorm", "ring"]
     assert set(out["cluster"]["servers"]) == {"s1", "s2", "s3"} and out["cluster"]["placement"]["cut_links"]
-    for i, name in enumerate(("s1", "s2", "s3")):  # the local servers' relays split this machine's cores
+    for i, name in enumerate(("s1", "s2", "s3")):  # local servers' relays split their machine's cores
         cpus = out["cluster"]["servers"][name]["relay_layout"]["cpus"]
         assert cpus and set(cpus) <= set(core_share(i, 3, os.cpu_count() or 1)), (name, cpus)
 
