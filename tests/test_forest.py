@@ -21,6 +21,7 @@ from testbed.planners.forest import (
     solve_weights,
     steiner_oracle,
 )
+from testbed.topology import load_topology
 
 REL = 1e-6
 
@@ -379,6 +380,38 @@ def _ancestors(prog):
         return memo[i]
 
     return {i: anc(i) for i in by}
+
+
+@pytest.mark.parametrize("pacing", ["all", "contended"])
+def test_pacing_modes(pacing):
+    """'all': every send at its flow's LP weight; 'contended': only where two or more flows
+    of one stage (reduce with overlapped broadcast, or pure broadcast) use a link direction,
+    their rates there scaled to fill it, and nothing paced elsewhere."""
+    g = load_topology("netstorm-internet2-9").graph()
+    length = 100_000
+    p = make_plan("forest", g, length, {"pace": True, "pacing": pacing})
+    run_check(p, g, length)
+    trees, caps = p.meta["trees"], capacities(g)
+    users = defaultdict(set)
+    for t in trees:
+        for u, v in t["edges"]:
+            users[(u, v, t["stage"] == "pure")].add(t["flow"])
+    paced = defaultdict(dict)
+    for n, prog in p.programs.items():
+        for op in (op for op in prog if op.kind == "send"):
+            key = (n, op.peer, trees[op.flow]["stage"] == "pure")
+            if pacing == "all":
+                assert op.rate_mbps == pytest.approx(trees[op.flow]["rate_mbps"])
+            elif len(users[key]) < 2:
+                assert op.rate_mbps == 0.0
+            else:
+                paced[key][op.flow] = op.rate_mbps
+    if pacing == "contended":
+        assert paced, "no link direction shared on NetStorm's overlay"
+        for key, rates in paced.items():
+            assert set(rates) == users[key]
+            total = sum(trees[f]["rate_mbps"] for f in rates)
+            assert sum(rates.values()) == pytest.approx(max(total, caps[key[:2]]))
 
 
 def test_pure_broadcast_waits_for_the_roots_whole_reduce():

@@ -687,20 +687,27 @@ def _tree_order(t: SteinerTree) -> list[tuple[str, int]]:
 
 
 def compile_forest(forest: Forest, nodes: list[str], length: int, active: list[str], *, chunks: int,
-                   scheme: str = "forest", pace: bool = False) -> tuple[Plan, list[dict]]:
+                   scheme: str = "forest", pace: bool = False, pacing: str = "all",
+                   caps: dict[tuple[str, str], float] | None = None) -> tuple[Plan, list[dict]]:
     """Compile a weighted forest into the plan IR (TopoAdapt Sec. III-C/V; the static
     piece assignment is ours, see the module doc).  Returns the plan and the flow table
     (one entry per tree and stage: kind, stage, tree, rate, elements).  With ``pace`` every
     transfer of a flow is paced at the flow's LP weight w (Mbit/s): the trees sharing a link
     get the bandwidths LP (4)/(8) allots them, which the shares assume (Property 3: all trees
-    finish together), instead of the transport's equal shares."""
+    finish together), instead of the transport's equal shares; ``pacing="contended"`` paces
+    only where flows of one stage contend (:func:`contended_rates`, on the capacities
+    ``caps``)."""
     w = forest.weights
     roots = [v for v in forest.roots if w.chi[v] > EPS]
     b = ProgramBuilder(nodes)
     flows: list[dict] = []
 
-    def rate_of(fi: int) -> float:
-        return flows[fi]["rate_mbps"] if pace else 0.0
+    paced: dict[tuple[int, str, str], float] = {}
+
+    def rate_of(fi: int, src: str, dst: str) -> float:
+        if not pace:
+            return 0.0
+        return flows[fi]["rate_mbps"] if pacing == "all" else paced.get((fi, src, dst), 0.0)
 
     def flow(tree: SteinerTree, stage: str, rate: float) -> int:
         flows.append({"tree": tree, "stage": stage, "rate_mbps": rate, "elements": 0})
@@ -712,6 +719,8 @@ def compile_forest(forest: Forest, nodes: list[str], length: int, active: list[s
                    if t.root == v and x > EPS] for v in roots}
     j_flows = {v: [(flow(t, "pure", x), t, x) for t, x in zip(forest.broadcast, w.w_j)
                    if t.root == v and x > EPS] for v in roots}
+    if pace and pacing == "contended":
+        paced = contended_rates(flows, caps or {})
     sizes = split_lengths(length, [w.chi[v] for v in roots]) if roots and length else [0] * len(roots)
     plan_pieces: dict[str, list[tuple[list, list]]] = {}
     off = 0
@@ -723,6 +732,29 @@ def compile_forest(forest: Forest, nodes: list[str], length: int, active: list[s
     _emit_broadcast(b, flows, roots, plan_pieces, nrounds, rate_of, *reduced)
     plan = Plan(scheme, list(nodes), length, b.programs, participants=list(active), receivers=list(active))
     return plan, flows
+
+
+def contended_rates(flows: list[dict], caps: dict[tuple[str, str], float]) -> dict[tuple[int, str, str], float]:
+    """Pacing only where flows contend, as :func:`testbed.plan.contended_pacing` does for
+    trees: on a link direction that two or more flows of one LP stage use (reduce and
+    overlapped broadcast share capacity, (8d); pure broadcast trees share it among
+    themselves, (4c)/(8e)), each flow's connection is paced at its weight scaled by
+    capacity / (the weights on the direction), filling it in the LP's proportions; a
+    direction one flow uses stays unpaced.  Returns {(flow, src, dst): rate_mbps}."""
+    users: dict[tuple[str, str, bool], list[int]] = defaultdict(list)
+    for fi, f in enumerate(flows):
+        for n, p in f["tree"].parent().items():
+            if p is not None:
+                edge = (n, p) if f["stage"] == "reduce" else (p, n)
+                users[(*edge, f["stage"] == "pure")].append(fi)
+    out = {}
+    for (a, b, _), fis in users.items():
+        if len(fis) < 2:
+            continue
+        total = sum(flows[fi]["rate_mbps"] for fi in fis)
+        scale = max(1.0, caps[(a, b)] / total) if total > 0 else 1.0
+        out.update({(fi, a, b): flows[fi]["rate_mbps"] * scale for fi in fis})
+    return out
 
 
 def _rounds(off: int, size: int, chunks: int, red: list, bc: list) -> list[tuple[list, list]]:
@@ -771,7 +803,7 @@ def _emit_reduce(b: ProgramBuilder, flows: list[dict], roots: list[str], plan_pi
                     if p is None:
                         continue
                     s, rid = b.transfer(n, p, o, ln, reduce=True, send_deps=got[n], channel=fi, flow=fi,
-                                        chunk=r, phase="reduce", rate_mbps=rate_of(fi))
+                                        chunk=r, phase="reduce", rate_mbps=rate_of(fi, n, p))
                     sends[n] = s
                     got[p].append(rid)
                 up_send[(fi, o)] = sends
@@ -805,7 +837,7 @@ def _emit_broadcast(b: ProgramBuilder, flows: list[dict], roots: list[str], plan
                         for c in children[n]:
                             mine = [up_send[key][c] for key in over if c in up_send[key]]
                             _, rid = b.transfer(n, c, o, ln, reduce=False, send_deps=have[n], recv_deps=mine,
-                                                channel=fi, flow=fi, chunk=r, rate_mbps=rate_of(fi),
+                                                channel=fi, flow=fi, chunk=r, rate_mbps=rate_of(fi, n, c),
                                                 phase="bcast" if stage == "pure" else "bcast-overlap")
                             have[c] = [rid]
                     flows[fi]["elements"] += ln
@@ -835,11 +867,14 @@ def _emit_broadcast(b: ProgramBuilder, flows: list[dict], roots: list[str], plan
                               "weight x height; our tie-break, the LP is bandwidth-only)"),
     pace=Param(bool, False, "pace every tree's transfers at its LP weight (the bandwidth the shares assume); "
                             "false = the transport shares links (measured faster, see the module doc)"),
+    pacing=Param(str, "contended", "with pace: 'all' paces every transfer at its flow's LP weight; 'contended' only "
+                                   "the flows of one stage sharing a link direction, scaled to fill it "
+                                   "(contended_rates)", ("all", "contended")),
 )
 def plan_forest(graph: nx.DiGraph, length: int, *, elem_bytes: int = 4, overlap: str = "partial",
                 active: list | None = None, relays: bool = True, max_trees: int = 64, chunks: int = 8,
                 oracle: str = "auto", max_iters: int = 200, gap: float = 1e-3, shallow: bool = True,
-                pace: bool = False) -> Plan:
+                pace: bool = False, pacing: str = "contended") -> Plan:
     """Topology-adaptive Steiner forest packing (TopoAdapt, INFOCOM'21): reduce and
     broadcast trees rooted at every active worker, packed by column generation with a
     minimum-Steiner-tree oracle, weighted by LP (4) or (8), each tree carrying a share of
@@ -847,7 +882,8 @@ def plan_forest(graph: nx.DiGraph, length: int, *, elem_bytes: int = 4, overlap:
     nodes = check_graph(graph, "forest", connected=False)  # reachability of the active workers below
     act, g = _active_workers(graph, nodes, active, relays)
     meta: dict = {"overlap": overlap, "active": act, "relays_allowed": relays,
-                  "chunks": chunks, "max_trees": max_trees, "shallow": shallow, "pace": pace}
+                  "chunks": chunks, "max_trees": max_trees, "shallow": shallow, "pace": pace,
+                  "pacing": pacing}
     if len(act) == 1:
         plan = Plan("forest", nodes, length, {n: [] for n in nodes}, participants=act, receivers=act)
         meta.update(trees=[], roots={act[0]: {"chi_mbps": None, "share": 1.0}})
@@ -859,7 +895,7 @@ def plan_forest(graph: nx.DiGraph, length: int, *, elem_bytes: int = 4, overlap:
     forest = prune_forest(forest, caps, max_trees, shallow=shallow)
     if forest.weights.objective <= EPS:
         raise RuntimeError("forest LP found no bandwidth")
-    plan, flows = compile_forest(forest, nodes, length, act, chunks=chunks, pace=pace)
+    plan, flows = compile_forest(forest, nodes, length, act, chunks=chunks, pace=pace, pacing=pacing, caps=caps)
     w = forest.weights
     total = w.objective
     used = set().union(*(f["tree"].nodes() for f in flows)) if flows else set()
