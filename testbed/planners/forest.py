@@ -52,14 +52,17 @@ Pipeline of this module (Sec. IV-V, end-to-end procedure of the note Sec. 3.7):
    a J flow; with ``"partial"`` the K flows carry the fraction sum w_k / chi_v of every
    round as soon as it is reduced (the root's FIFO of Sec. V).
 
-The weights size the pieces; with ``pace`` they are also every flow's sending rate
-(``Op.rate_mbps``).  Unpaced (the default), trees sharing a link get the transport's equal
-shares and finish far apart (bench efficiency: on NetStorm's overlay, 16 MB, the
-first tree done at 0.12 of the CCT) -- yet paced is slower, predicted (4.73 s vs 3.22 s)
-and measured (5.11 s vs 3.44 s, one run each, shared machine): a paced tree cannot use the
-capacity its link-mates leave idle while they fill or drain their pipelines (deep Steiner
-trees, up to 8 hops, with 4 rounds), and pure broadcast trees wait for the whole reduce.
-``plan.meta`` reports the LP rates per tree.
+The weights size the pieces; with ``pace`` they are also the flows' sending rates
+(``Op.rate_mbps``): every flow's (``pacing="all"``), or, as MTREE and BLINK do, only those
+of flows sharing a link direction, scaled to fill it (``"contended"``).  Unpaced (the
+default), trees sharing a link get the transport's equal shares and finish far apart
+(bench efficiency: on NetStorm's overlay, 16 MB, the first tree done at 0.12 of the CCT) --
+yet both pacings are slower, predicted and measured (NetStorm's overlay, 16 MB, bbr, one run,
+mean of three iterations: unpaced 2.85 s, contended 3.38 s;
+docs/measurements/2026-11-29-forest-pacing.md): a paced tree cannot use the capacity its
+link-mates leave idle while they fill or drain their pipelines (deep Steiner trees, up to 8
+hops), and pure broadcast trees wait for the whole reduce.  ``plan.meta`` reports the LP
+rates per tree.
 """
 
 from __future__ import annotations
@@ -856,7 +859,8 @@ def _emit_broadcast(b: ProgramBuilder, flows: list[dict], roots: list[str], plan
                              "heaviest first, every root keeps its best tree, weights re-solved); 0 = no limit",
                    ge=0),
     chunks=Param(int, 8, "pipelined sub-chunks (rounds) per root's data (Property 2 pipelining); 8 ran faster than 4 "
-                         "on NetStorm's overlay at 64 MB (docs/measurements/2026-11-26-efficiency.md)", ge=1),
+                         "on NetStorm's overlay at 64 MB (docs/measurements/2026-11-26-efficiency.md) and than "
+                         "32 or 64 at 16 MB (docs/measurements/2026-11-29-forest-pacing.md)", ge=1),
     oracle=Param(str, "auto", "minimum Steiner tree oracle A: auto/heuristic = Edmonds when all nodes are "
                               "terminals (exact), else best of shortest-path heuristic and pruned arborescence; "
                               "exact = MILP (small graphs)", choices=ORACLES),
