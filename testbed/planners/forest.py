@@ -698,19 +698,12 @@ def compile_forest(forest: Forest, nodes: list[str], length: int, active: list[s
     transfer of a flow is paced at the flow's LP weight w (Mbit/s): the trees sharing a link
     get the bandwidths LP (4)/(8) allots them, which the shares assume (Property 3: all trees
     finish together), instead of the transport's equal shares; ``pacing="contended"`` paces
-    only where flows of one stage contend (:func:`contended_rates`, on the capacities
-    ``caps``)."""
+    only where flows of one stage contend (:func:`contended_rates`, on the link capacities
+    ``caps``, which it then needs)."""
     w = forest.weights
     roots = [v for v in forest.roots if w.chi[v] > EPS]
     b = ProgramBuilder(nodes)
     flows: list[dict] = []
-
-    paced: dict[tuple[int, str, str], float] = {}
-
-    def rate_of(fi: int, src: str, dst: str) -> float:
-        if not pace:
-            return 0.0
-        return flows[fi]["rate_mbps"] if pacing == "all" else paced.get((fi, src, dst), 0.0)
 
     def flow(tree: SteinerTree, stage: str, rate: float) -> int:
         flows.append({"tree": tree, "stage": stage, "rate_mbps": rate, "elements": 0})
@@ -722,8 +715,13 @@ def compile_forest(forest: Forest, nodes: list[str], length: int, active: list[s
                    if t.root == v and x > EPS] for v in roots}
     j_flows = {v: [(flow(t, "pure", x), t, x) for t, x in zip(forest.broadcast, w.w_j)
                    if t.root == v and x > EPS] for v in roots}
-    if pace and pacing == "contended":
-        paced = contended_rates(flows, caps or {})
+    paced = contended_rates(flows, caps) if pace and pacing == "contended" else {}
+
+    def rate_of(fi: int, src: str, dst: str) -> float:
+        if not pace:
+            return 0.0
+        return flows[fi]["rate_mbps"] if pacing == "all" else paced.get((fi, src, dst), 0.0)
+
     sizes = split_lengths(length, [w.chi[v] for v in roots]) if roots and length else [0] * len(roots)
     plan_pieces: dict[str, list[tuple[list, list]]] = {}
     off = 0
