@@ -869,14 +869,14 @@ def _emit_broadcast(b: ProgramBuilder, flows: list[dict], roots: list[str], plan
                               "weight x height; our tie-break, the LP is bandwidth-only)"),
     pace=Param(bool, False, "pace every tree's transfers at its LP weight (the bandwidth the shares assume); "
                             "false = the transport shares links (measured faster, see the module doc)"),
-    pacing=Param(str, "contended", "with pace: 'all' paces every transfer at its flow's LP weight; 'contended' only "
+    pacing=Param(str, "all", "with pace: 'all' paces every transfer at its flow's LP weight; 'contended' only "
                                    "the flows of one stage sharing a link direction, scaled to fill it "
                                    "(contended_rates)", ("all", "contended")),
 )
 def plan_forest(graph: nx.DiGraph, length: int, *, elem_bytes: int = 4, overlap: str = "partial",
                 active: list | None = None, relays: bool = True, max_trees: int = 64, chunks: int = 8,
                 oracle: str = "auto", max_iters: int = 200, gap: float = 1e-3, shallow: bool = True,
-                pace: bool = False, pacing: str = "contended") -> Plan:
+                pace: bool = False, pacing: str = "all") -> Plan:
     """Topology-adaptive Steiner forest packing (TopoAdapt, INFOCOM'21): reduce and
     broadcast trees rooted at every active worker, packed by column generation with a
     minimum-Steiner-tree oracle, weighted by LP (4) or (8), each tree carrying a share of
