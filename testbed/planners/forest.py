@@ -870,8 +870,8 @@ def _emit_broadcast(b: ProgramBuilder, flows: list[dict], roots: list[str], plan
     pace=Param(bool, False, "pace every tree's transfers at its LP weight (the bandwidth the shares assume); "
                             "false = the transport shares links (measured faster, see the module doc)"),
     pacing=Param(str, "all", "with pace: 'all' paces every transfer at its flow's LP weight; 'contended' only "
-                                   "the flows of one stage sharing a link direction, scaled to fill it "
-                                   "(contended_rates)", ("all", "contended")),
+                             "the flows of one stage sharing a link direction, scaled to fill it (contended_rates)",
+                 ("all", "contended")),
 )
 def plan_forest(graph: nx.DiGraph, length: int, *, elem_bytes: int = 4, overlap: str = "partial",
                 active: list | None = None, relays: bool = True, max_trees: int = 64, chunks: int = 8,
