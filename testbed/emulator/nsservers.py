@@ -197,6 +197,8 @@ def remove(names: list[str]) -> None:
                 deadline = time.monotonic() + (10 if sig == signal.SIGTERM else 3)  # a server tears down
                 while pids and namespace_pids(ns) and time.monotonic() < deadline:
                     time.sleep(0.05)
+            # the underlay veth's end here goes now, not with the namespace's asynchronous teardown
+            subprocess.run(["ip", "link", "del", _veth(ns[len(NS_PREFIX):])], capture_output=True)
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)
     if BRIDGE in names:
         subprocess.run(["ip", "link", "del", BRIDGE], capture_output=True)
