@@ -507,15 +507,22 @@ def contended_pacing(trees: list[Tree], capacity: dict[tuple[str, str], float]) 
         for c, p in t.edges():
             load[(c, p)].append(ti)
             load[(p, c)].append(ti)
+    return fill_contended(load, [t.rate_mbps for t in trees], capacity)
+
+
+def fill_contended(users: dict[tuple, list[int]], rates: list[float],
+                   capacity: dict[tuple[str, str], float]) -> dict[tuple[int, str, str], float]:
+    """The scaling of :func:`contended_pacing`: ``users`` maps a key whose first two items
+    are a link direction (a, b) to the indices of what shares it; where two or more share
+    it, each with a rate above 0 is paced at ``rates[i]`` x capacity / (their rates' sum)
+    (never below its rate).  Returns {(index, a, b): rate_mbps}."""
     out = {}
-    for (a, b), users in load.items():
-        if len(set(users)) < 2:
+    for (a, b, *_), idx in users.items():
+        if len(set(idx)) < 2:
             continue
-        total = sum(trees[ti].rate_mbps for ti in users)
+        total = sum(rates[i] for i in idx)
         scale = max(1.0, capacity[(a, b)] / total) if total > 0 else 1.0
-        for ti in users:
-            if trees[ti].rate_mbps > 0:
-                out[(ti, a, b)] = trees[ti].rate_mbps * scale
+        out.update({(i, a, b): rates[i] * scale for i in idx if rates[i] > 0})
     return out
 
 

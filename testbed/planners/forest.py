@@ -57,9 +57,8 @@ The weights size the pieces; with ``pace`` they are also the flows' sending rate
 of flows sharing a link direction, scaled to fill it (``"contended"``).  Unpaced (the
 default), trees sharing a link get the transport's equal shares and finish far apart
 (bench efficiency: on NetStorm's overlay, 16 MB, the first tree done at 0.12 of the CCT) --
-yet both pacings are slower, predicted and measured (NetStorm's overlay, 16 MB, bbr, one run,
-mean of three iterations: unpaced 2.85 s, contended 3.38 s;
-docs/measurements/2026-11-29-forest-pacing.md): a paced tree cannot use the capacity its
+yet both pacings are slower, predicted and measured on NetStorm's overlay
+(docs/measurements/2026-11-29-forest-pacing.md): a paced tree cannot use the capacity its
 link-mates leave idle while they fill or drain their pipelines (deep Steiner trees, up to 8
 hops), and pure broadcast trees wait for the whole reduce.  ``plan.meta`` reports the LP
 rates per tree.
@@ -77,7 +76,7 @@ import numpy as np
 from scipy import sparse
 from scipy.optimize import Bounds, LinearConstraint, linprog, milp
 
-from testbed.plan import Plan, ProgramBuilder, Tree, split_lengths
+from testbed.plan import Plan, ProgramBuilder, Tree, fill_contended, split_lengths
 from testbed.planners import NODES, Param, ParamError, planner
 from testbed.planners.common import check_graph, min_arborescence
 
@@ -748,14 +747,7 @@ def contended_rates(flows: list[dict], caps: dict[tuple[str, str], float]) -> di
             if p is not None:
                 edge = (n, p) if f["stage"] == "reduce" else (p, n)
                 users[(*edge, f["stage"] == "pure")].append(fi)
-    out = {}
-    for (a, b, _), fis in users.items():
-        if len(fis) < 2:
-            continue
-        total = sum(flows[fi]["rate_mbps"] for fi in fis)
-        scale = max(1.0, caps[(a, b)] / total) if total > 0 else 1.0
-        out.update({(fi, a, b): flows[fi]["rate_mbps"] * scale for fi in fis})
-    return out
+    return fill_contended(users, [f["rate_mbps"] for f in flows], caps)
 
 
 def _rounds(off: int, size: int, chunks: int, red: list, bc: list) -> list[tuple[list, list]]:
