@@ -352,13 +352,17 @@ class WanNetwork:
 
     def _make_tunnels(self) -> None:
         """Each cut link's VXLAN device: made here, on the underlay, then moved (and renamed)
-        into the namespace it serves; the kernel keeps its UDP socket on the underlay."""
+        into the namespace it serves; the kernel keeps its UDP socket on the underlay.  GRO
+        off, as on every local link's veth: a receiver behind a tunnel otherwise gets its
+        segments coalesced, acknowledges fewer, larger packets, and flows sharing a cut link
+        split it differently from flows sharing a local one."""
         for j, host, name in self._tunnel_ends:
             t = self.share.tunnels[j]
             dev = tunnel_name(j)
             for argv in (["ip", "link", "add", dev, "type", "vxlan", "id", str(t.vni), "local", t.local,
                           "remote", t.remote, "dstport", str(self.share.port), "nolearning"],
                          ["ip", "link", "set", dev, "mtu", str(self.share.mtu)],
+                         ["ethtool", "-K", dev, "gro", "off"],
                          ["ip", "link", "set", dev, "netns", str(host.pid), "name", name]):
                 res = subprocess.run(argv, capture_output=True, text=True)
                 if res.returncode != 0:
