@@ -57,7 +57,7 @@ from testbed.plan import Op
 
 from . import clock, wire
 from .crew_worker import WorkerLoop
-from .executor import Executor, LinkGate, Stalled
+from .executor import SUBBLOCK_BYTES, Executor, LinkGate, Stalled
 from .inputs import expected_sum, make_input
 from .probe import Prober, Sample
 from .protocol import Aborted, Msg, message
@@ -89,6 +89,7 @@ class Job:
     iterations: int = 1
     compute_s: list[float] = field(default_factory=list)  # per iteration (last value repeats)
     stop_and_wait: bool = False
+    subblock_bytes: int = SUBBLOCK_BYTES  # cut-through: arrived bytes applied (and forwarded) at a time
     timeout_s: float = 60.0
     wait_s: float = 600.0  # longest wait for the coordinator's next message (GO, FINISH)
     limit_s: float | None = None  # longest one iteration's communication may take
@@ -324,7 +325,8 @@ class Agent:
         ``link_fifo``: its sends take turns with the other such versions' (:meth:`gate`)."""
         job = self.job
         ex = Executor(self.name, program, length=job.length, scratch=scratch, dtype=job.dtype,
-                      stop_and_wait=job.stop_and_wait, timeout_s=job.timeout_s, limit_s=job.limit_s,
+                      stop_and_wait=job.stop_and_wait, subblock_bytes=job.subblock_bytes,
+                      timeout_s=job.timeout_s, limit_s=job.limit_s,
                       on_chunk=self._on_chunk if self.prober else None, nodes=job.nodes, aux=aux,
                       connect=lambda peer, ch: self._data_connection(version, peers, peer, ch),
                       on_missing=lambda it, xfers: self.send(message(Msg.MISSING, version=version,

@@ -519,6 +519,12 @@ def _bench_options(args) -> tuple[dict, str | None]:
                 raise ValueError
         except ValueError:
             return options, f"--rates {args.rates!r}: not a list of rates in Mbit/s > 0"
+    if args.delay_ms is not None:
+        if args.name != "dataplane":
+            return options, "--delay-ms applies to bench dataplane only"
+        if args.delay_ms < 0:
+            return options, f"--delay-ms {args.delay_ms:g}: not a delay in ms >= 0"
+        options["delay"] = args.delay_ms
     try:
         _check_bench_options(options)
     except ConfigError as e:
@@ -708,6 +714,8 @@ def _verb_bench(sub) -> None:
     b.add_argument("--sizes", help="efficiency, peers: comma-separated model sizes before the scale (e.g. 16MB,64MB); "
                                    "dataplane: chunk sizes (default 4KB,64KB,1MB,16MB,64MB)")
     b.add_argument("--rates", help="dataplane: comma-separated rates in Mbit/s of the emulated link (default 100)")
+    b.add_argument("--delay-ms", type=float, help="dataplane: the emulated link's one-way delay (default 30; 0: the "
+                                                  "link is shaped by HTB alone, with no delay relay)")
     b.add_argument("--schemes", help="efficiency, peers: comma-separated schemes (default: the tree schemes)")
     b.add_argument("--topologies", help="efficiency, peers: comma-separated topologies among the benchmarked ones")
     b.add_argument("--out", help="output folder")

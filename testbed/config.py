@@ -30,9 +30,11 @@ Format (YAML; every key but ``name``, ``topology`` and ``scheme.name`` is option
                                  # max_late_ms: relay p99 lateness above which results.json
                                  # says the emulation did not keep up; tcp_cc: congestion
                                  # control of every datacenter host (never the machine's default)
-    agents: {timeout_s: 120, stop_and_wait: false, clock_offset_ms: {}}
-                                 # clock_offset_ms: {dc: ms} shifts that agent's clock (tests of
-                                 # the clock-offset correction; real hosts have their own)
+    agents: {timeout_s: 120, stop_and_wait: false, subblock_bytes: 64KiB, clock_offset_ms: {}}
+                                 # subblock_bytes: how many arrived bytes of a chunk an agent adds
+                                 # (and forwards, cut-through) at a time; clock_offset_ms: {dc: ms}
+                                 # shifts that agent's clock (tests of the clock-offset correction;
+                                 # real hosts have their own)
     dynamics: []                 # live rate changes, see testbed/emulator/dynamics.py
     dynamics_per_run: false      # true: every run (variant x repetition) starts on the healthy
                                  # network and replays the dynamics and faults from its measured
@@ -60,6 +62,7 @@ from typing import Any
 
 import yaml
 
+from agents.executor import SUBBLOCK_BYTES
 from testbed.checks import Checker
 from testbed.emulator import DEFAULT_TCP_CC
 from testbed.emulator.shaping import CHOICES as SHAPING_CHOICES
@@ -75,7 +78,7 @@ DEFAULTS: dict[str, Any] = {
     "repetitions": 1,
     "workload": {"size": "1MB", "model": None, "dtype": "float32", "iterations": 1, "warmup": 1, "compute_s": 0},
     "emulator": {"method": "auto", "relay_procs": 0, "max_late_ms": 2.0, "tcp_cc": DEFAULT_TCP_CC},
-    "agents": {"timeout_s": 120.0, "stop_and_wait": False, "clock_offset_ms": {}},
+    "agents": {"timeout_s": 120.0, "stop_and_wait": False, "subblock_bytes": SUBBLOCK_BYTES, "clock_offset_ms": {}},
     "dynamics": [],
     "dynamics_per_run": False,
     "faults": [],
@@ -166,6 +169,7 @@ class EmulatorSettings:
 class AgentSettings:
     timeout_s: float
     stop_and_wait: bool
+    subblock_bytes: int  # agents.executor's cut-through sub-block
     clock_offset_ms: dict  # dc -> ms its agent's clock is shifted by (tests of the correction)
 
 
@@ -351,6 +355,19 @@ def _schemes(c: Checker, exp: dict, nodes: list[str]) -> None:
         exp["variants"][i] = {"label": label, "scheme": _scheme(c, v["scheme"], f"{key}.scheme", nodes)}
 
 
+def _size(c: Checker, value, key: str, minimum: int) -> int:
+    """A size (``4MB``, ``64KB`` or a number of bytes) of at least ``minimum`` bytes, checked."""
+    from testbed import workloads
+
+    try:
+        nbytes = workloads.parse_size(value)
+    except (ValueError, TypeError) as e:
+        c.fail(key, str(e))
+    if nbytes < minimum:
+        c.fail(key, "must be > 0" if minimum == 1 else f"must be at least {minimum} bytes, got {nbytes:g}")
+    return int(nbytes)
+
+
 def _workload(c: Checker, w: dict, scale: float, nodes: list[str]) -> None:
     """``workload`` checked, its ``bytes`` and ``length`` (after ``scale``) added in place."""
     from testbed import workloads
@@ -362,12 +379,7 @@ def _workload(c: Checker, w: dict, scale: float, nodes: list[str]) -> None:
         c.choice(w["model"], "workload.model", sorted(workloads.MODELS))
         nbytes = workloads.model_bytes(w["model"], w["dtype"])
     else:
-        try:
-            nbytes = workloads.parse_size(w["size"])
-        except (ValueError, TypeError) as e:
-            c.fail("workload.size", str(e))
-        if nbytes <= 0:
-            c.fail("workload.size", "must be > 0")
+        nbytes = _size(c, w["size"], "workload.size", minimum=1)
     itemsize = workloads.dtype_bytes(w["dtype"])
     w["bytes"] = max(itemsize, int(nbytes * scale) // itemsize * itemsize)
     w["length"] = w["bytes"] // itemsize
@@ -392,6 +404,7 @@ def _settings(c: Checker, exp: dict, nodes: list[str]) -> None:
     c.number(a["timeout_s"], "agents.timeout_s", positive=True)
     if not isinstance(a["stop_and_wait"], bool):
         c.fail("agents.stop_and_wait", f"expected true or false, got {a['stop_and_wait']!r}")
+    a["subblock_bytes"] = _size(c, a["subblock_bytes"], "agents.subblock_bytes", minimum=8)
     if not isinstance(exp["dynamics_per_run"], bool):
         c.fail("dynamics_per_run", f"expected true or false, got {exp['dynamics_per_run']!r}")
     c.mapping(a["clock_offset_ms"], "agents.clock_offset_ms")

@@ -161,9 +161,6 @@ TCP_PACED_SHARE = 1448 / 1500
 # workers: the measured CCT grew by ~2 ms per extra transfer per node when the same plans were
 # cut into more chunks (MTREE 17 -> 160 chunks per tree, forest 4 -> 32 rounds).
 EXECUTOR_TRANSFER_S = 0.002
-# The executor's cut-through sub-block (agents.executor.SUBBLOCK_BYTES): a send streams from the
-# receives it depends on once their first sub-block is in.
-EXECUTOR_SUBBLOCK_BYTES = 64 << 10
 
 
 def predict(plan: Plan, graph: nx.DiGraph, *, elem_bytes: int = 4, stop_and_wait: bool = False,
@@ -193,7 +190,7 @@ def predict(plan: Plan, graph: nx.DiGraph, *, elem_bytes: int = 4, stop_and_wait
       left.  A single transfer therefore takes α + size/rate exactly.
     * A recv completes once its data has arrived and its deps are met.  Reduction
       compute time is ignored.
-    * ``cut_through_bytes`` > 0 (the executor's cut-through, :data:`EXECUTOR_SUBBLOCK_BYTES`):
+    * ``cut_through_bytes`` > 0 (the executor's cut-through sub-block, ``agents.subblock_bytes``):
       a send longer than that which depends on a receive joins its connection's FIFO once
       each of its unmet deps is a receive whose deps are met and whose first
       ``cut_through_bytes`` have arrived; while it streams, a virtual link holds it to the

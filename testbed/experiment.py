@@ -81,7 +81,7 @@ def build_plan(exp: Experiment, scheme: dict | None = None, *, source: str = "",
     a = scheme.get("adaptive")  # the agents forward cut-through unless they probe: agents.executor
     prediction = costmodel.predict(plan, graph, elem_bytes=w.elem_bytes, stop_and_wait=exp.agents.stop_and_wait,
                                    tcp=True, transfer_s=costmodel.EXECUTOR_TRANSFER_S,
-                                   cut_through_bytes=0 if a else costmodel.EXECUTOR_SUBBLOCK_BYTES)
+                                   cut_through_bytes=0 if a else exp.agents.subblock_bytes)
     # The optimum is a packing of reduce/broadcast trees over every node, a bound for an AllReduce
     # of all of them; a partial reduce (CREW's group P, forest's active workers) has none here.
     partial = set(plan.contributing()) != set(plan.nodes) or set(plan.finishing()) != set(plan.nodes)
@@ -129,7 +129,8 @@ def _run_once(exp: Experiment, v: Variant, plan: Plan, prediction: dict, rep: in
     opts = runtime.options(runtime.RunContext(exp, v.scheme, plan, hosts.truth(), seed, n_its))
     opts.setdefault("compute_s", compute_times(w.compute_s, plan.nodes, n_its, seed))
     return run_agents(hosts, plan, out_dir, iterations=n_its, seed=seed, dtype=w.dtype,
-                      stop_and_wait=a.stop_and_wait, timeout_s=a.timeout_s, progress=progress,
+                      stop_and_wait=a.stop_and_wait, subblock_bytes=a.subblock_bytes, timeout_s=a.timeout_s,
+                      progress=progress,
                       predicted_s=prediction["cct_s"], clock_offset_ms=a.clock_offset_ms, on_ready=on_ready, **opts)
 
 

@@ -50,8 +50,8 @@ class Hosts(Protocol):
 
 
 def run_agents(hosts: Hosts, plan, out_dir: Path, *, iterations: int = 1, seed: int = 0, dtype: str = "float32",
-               compute_s: dict | None = None, stop_and_wait: bool = False, timeout_s: float = 120.0,
-               progress: Callable[[str], None] = lambda m: None, predicted_s: float | None = None,
+               compute_s: dict | None = None, stop_and_wait: bool = False, subblock_bytes: int | None = None,
+               timeout_s: float = 120.0, progress: Callable[[str], None] = lambda m: None, predicted_s: float | None = None,
                probe: dict | None = None, clock_offset_ms: dict | None = None, policy=None,
                driver=None, on_ready: Callable[[], None] | None = None) -> dict:
     """Start a coordinator here and one agent per datacenter on ``hosts``, run ``plan``
@@ -59,8 +59,8 @@ def run_agents(hosts: Hosts, plan, out_dir: Path, *, iterations: int = 1, seed: 
     (killed if need be) before returning, also on error.  ``probe``: passive probing
     ({chunk_bytes, chunk_num, estimator}); ``clock_offset_ms``: {dc: ms} shifts agents'
     clocks (tests); ``policy``: re-planning; ``driver``: a run-time driver instead of the
-    iterations (CREW's groups); ``on_ready()``: when the measured phase starts
-    (:class:`agents.coordinator.Coordinator`)."""
+    iterations (CREW's groups); ``subblock_bytes``: the executors' cut-through sub-block
+    (None: theirs); ``on_ready()``: when the measured phase starts (:class:`agents.coordinator.Coordinator`)."""
     from agents.coordinator import Coordinator
 
     offsets = hosts.clock_offsets()  # node -> testbed.clock.Offset of its host's clock from ours
@@ -71,8 +71,8 @@ def run_agents(hosts: Hosts, plan, out_dir: Path, *, iterations: int = 1, seed: 
         secret_file.write_text(secrets.token_hex(32))
     coord = Coordinator(plan, addresses=hosts.addresses(), data_port=None, secret=secret_file.read_text(),
                         iterations=iterations, seed=seed, dtype=dtype, compute_s=compute_s,
-                        stop_and_wait=stop_and_wait, timeout_s=timeout_s, bind=hosts.coordinator_bind,
-                        progress=progress, health=hosts.health, predicted_s=predicted_s,
+                        stop_and_wait=stop_and_wait, subblock_bytes=subblock_bytes, timeout_s=timeout_s,
+                        bind=hosts.coordinator_bind, progress=progress, health=hosts.health, predicted_s=predicted_s,
                         clock_offsets_ns={n: o.offset_ns for n, o in offsets.items()}, probe=probe,
                         truth=hosts.truth(), policy=policy, driver=driver, sync_clocks=bool(probe or clock_offset_ms),
                         on_ready=on_ready)

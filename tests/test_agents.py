@@ -174,11 +174,12 @@ def test_handshake_mutual_and_refusals():
 def test_job_round_trip():
     plan = relay_plan()
     with Coordinator(plan, addresses={n: f"10.0.0.{i + 1}" for i, n in enumerate(plan.nodes)}, data_port=7100,
-                     secret=b"s", iterations=3, compute_s={"a": [0.5, 0.1]}, bind=("127.0.0.1", 0)) as c:
+                     secret=b"s", iterations=3, compute_s={"a": [0.5, 0.1]}, subblock_bytes=8192,
+                     bind=("127.0.0.1", 0)) as c:
         for n in plan.nodes:
             job = c.make_job(n)
             back = Job.from_dict(json.loads(json.dumps({"msg": "job", "job": job.to_dict()}))["job"])
-            assert back == job and back.program == plan.programs[n]
+            assert back == job and back.program == plan.programs[n] and back.subblock_bytes == 8192
     assert back.name == "c" and back.participants == ["a", "b"] and back.receivers == ["a", "b", "c"]
     assert Job.from_dict(json.loads(json.dumps(c.make_job("r").to_dict()))).scratch == plan.scratch["r"]
     assert c.make_job("a").peers == {"r": ("10.0.0.3", 7100), "c": ("10.0.0.4", 7100)}

@@ -350,8 +350,19 @@ def test_cut_through_forwards_at_the_slower_hops_pace(r1, r2, second_child):
                                    rel=1e-6)
 
 
-def test_cut_through_model_uses_the_executors_sub_block():
+def test_cut_through_model_uses_the_experiments_sub_block():
+    """The prediction models the sub-block the agents are given: the default is the
+    executor's own, and another ``agents.subblock_bytes`` changes the prediction."""
     from agents.executor import SUBBLOCK_BYTES
-    from testbed.costmodel import EXECUTOR_SUBBLOCK_BYTES
+    from testbed import config
+    from testbed.experiment import build_plan
 
-    assert EXECUTOR_SUBBLOCK_BYTES == SUBBLOCK_BYTES
+    def built(**agents):
+        return config.validate({"name": "t", "topology": "quick-5", "scheme": {"name": "mtree"},
+                                "workload": {"size": "4MB"}, "agents": agents}, "<t>")
+
+    default = built()
+    assert default.agents.subblock_bytes == SUBBLOCK_BYTES
+    small = built(subblock_bytes="8KiB")
+    assert small.agents.subblock_bytes == 8192
+    assert build_plan(small).prediction["cct_s"] < build_plan(default).prediction["cct_s"]

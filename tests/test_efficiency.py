@@ -156,6 +156,8 @@ def cli(*args):
     (["bench", "efficiency", "--schemes", "nosuch"], "--schemes"),
     (["bench", "peers", "--topologies", "mars-3"], "--topologies"),
     (["bench", "ring", "--sizes", "1MB"], "--sizes"),
+    (["bench", "ring", "--delay-ms", "0"], "--delay-ms"),
+    (["bench", "dataplane", "--delay-ms", "-1"], "--delay-ms"),
 ])
 def test_bench_options_rejected_with_one_line(args, culprit, tmp_path):
     r = cli(*args, "--out", str(tmp_path / "o"))
