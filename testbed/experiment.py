@@ -130,8 +130,8 @@ def _run_once(exp: Experiment, v: Variant, plan: Plan, prediction: dict, rep: in
     opts.setdefault("compute_s", compute_times(w.compute_s, plan.nodes, n_its, seed))
     return run_agents(hosts, plan, out_dir, iterations=n_its, seed=seed, dtype=w.dtype,
                       stop_and_wait=a.stop_and_wait, subblock_bytes=a.subblock_bytes, timeout_s=a.timeout_s,
-                      progress=progress,
-                      predicted_s=prediction["cct_s"], clock_offset_ms=a.clock_offset_ms, on_ready=on_ready, **opts)
+                      progress=progress, predicted_s=prediction["cct_s"], clock_offset_ms=a.clock_offset_ms,
+                      on_ready=on_ready, **opts)
 
 
 def _failed_run(v: Variant, rep: int, e: TestbedError) -> FailedRun:
