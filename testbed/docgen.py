@@ -166,7 +166,8 @@ KEY_DOCS: dict[str, str] = {
     "agents.stop_and_wait": "execute one transfer at a time per node (for checking the cost model)",
     "agents.subblock_bytes": "cut-through granularity: an agent adds (or copies) a chunk's arrived bytes this many at "
                              "a time and forwards what it has added; a chunk no longer than this is stored and "
-                             "forwarded whole (a size: `16KiB`, or bytes); the prediction models the same value",
+                             "forwarded whole (a size: `16KiB`, or bytes); the prediction models the same value; "
+                             "agents that probe (`adaptive`) store and forward every chunk",
     "agents.clock_offset_ms": "`{dc: ms}`: shift an agent's clock (tests of the clock-offset correction)",
     "dynamics": "live rate changes: `{at_s, link, rate_mbps, direction}`, `{trace: file.csv}`, "
                 "`{redraw: {lo, hi, every_s, seed}}` ([below](#dynamics-and-faults))",
