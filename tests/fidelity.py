@@ -13,8 +13,9 @@ def fidelity(measure, problems, attempts: int = 3):
     and if every attempt was stolen from the test is skipped, saying so.  A failure without
     steal is measured once more: a defect of the emulator repeats, a one-off disturbance of
     the machine does not (a freshly booted machine runs its own timers beside the suite).
-    Two such failures fail the test; a pass after one warns, naming it.
-    Returns the passing result."""
+    Two such failures fail the test; a pass after one warns, naming it; one that cannot be
+    measured again (every later attempt stolen from) is as undecided as all stolen: skipped,
+    naming it.  Returns the passing result."""
     from testbed.results import STEAL_MAX
 
     stolen, failed = [], []
@@ -31,5 +32,6 @@ def fidelity(measure, problems, attempts: int = 3):
         failed.append(f"{bad} (hypervisor steal {steal:.1%}, not the cause)")
         assert len(failed) < 2, "twice out of tolerance: " + "; ".join(failed)
     if failed:
-        pytest.fail(f"out of tolerance, and not measurable again (steal {', '.join(stolen)}): {failed[0]}")
+        pytest.skip(f"out of tolerance once, then not measurable again (the hypervisor took {', '.join(stolen)} of "
+                    f"the CPU): {failed[0]}")
     pytest.skip(f"the hypervisor took {', '.join(stolen)} of the CPU during each attempt: fidelity not measurable now")
