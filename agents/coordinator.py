@@ -810,7 +810,6 @@ class Coordinator:
         """What completed so far (complete after :meth:`run`)."""
         out = {"scheme": self.plan.scheme, "nodes": list(self.plan.nodes), "length": self.plan.length,
                "dtype": self.dtype, "seed": self.seed, "stop_and_wait": self.stop_and_wait,
-               "subblock_bytes": self.subblock_bytes,
                "iterations": self._iterations, "transfers": {"columns": TRANSFER_COLUMNS, "rows": self._rows},
                "estimates": {**self.net.report(), **self._trains_report()}, "switches": self.switches,
                "resend_requests": self.resend_requests,
