@@ -41,6 +41,28 @@ def test_train_rate_shrugs_off_a_few_datagrams_handed_over_together():
     assert train_rate(arrivals, sent(64)) == pytest.approx(50.0, rel=0.02)
 
 
+def test_train_rate_is_none_when_a_burst_took_most_of_its_pairs():
+    """A train an emulated 50 Mbit/s link carried (receive and send times in us, as the agent
+    recorded them): the sender was descheduled for 6.3 ms after datagram 21, the link went idle,
+    and its shaper passed the next five at once; the pairs starting among them read 51-100
+    Mbit/s, their median 67."""
+    rx = [0, 42, 294, 298, 301, 304, 484, 702, 941, 1195, 1427, 1673, 1915, 2158, 2396, 2712, 2890, 3128,
+          3376, 3615, 3850, 6791, 6803, 6808, 6811, 6813, 7046, 7271, 7500, 7756, 7984, 8250, 8484, 8719]
+    tx = [0, 51, 342, 351, 357, 363, 369, 388, 395, 399, 403, 407, 411, 414, 429, 443, 448, 462, 467, 479,
+          491, 6786, 6855, 6863, 6869, 6874, 6880, 6893, 6898, 6902, 6906, 6909, 6913, 6917]
+    us = 1000
+    assert train_rate([t * us for t in rx], [t * us for t in tx]) is None
+
+
+def test_train_rate_keeps_pairs_of_datagrams_sent_on_together():
+    """Two frames due close together that a relay sends in one call are no burst: a train of
+    such pairs reads the link."""
+    arrivals = spaced(32, 50.0)
+    for i in range(17, 32, 3):  # every third frame of the second half 2 us after its predecessor
+        arrivals[i] = arrivals[i - 1] + 2000
+    assert train_rate(arrivals, sent(32)) == pytest.approx(50.0, rel=0.05)
+
+
 def test_train_rate_counts_only_what_arrived():
     """Datagrams dropped at the shaper's queue took no link time: the rest keep their spacing."""
     arrivals = spaced(40, 50.0)  # the 40 that got through of a longer train
