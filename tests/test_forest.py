@@ -14,6 +14,7 @@ from testbed.errors import ConfigError
 from testbed.plan import check_allreduce
 from testbed.planners import make_plan, schemes
 from testbed.planners.forest import (
+    AUTO_BUDGETS,
     SteinerTree,
     capacities,
     min_arborescence,
@@ -24,6 +25,7 @@ from testbed.planners.forest import (
 from testbed.topology import load_topology
 
 REL = 1e-6
+LP = {"max_trees": 64}  # the packing the paper's LP values are checked on (no budget search)
 
 
 def digraph(caps: dict[tuple[str, str], float], delay: float = 1.0) -> nx.DiGraph:
@@ -126,8 +128,8 @@ def test_overlap_lp8_beats_lp4_on_asymmetric_triangle():
     act = ["a", "b", "c"]
     assert brute_force_optimum(g, act, "none") == pytest.approx(3.0)
     assert brute_force_optimum(g, act, "partial") == pytest.approx(4.0)
-    p4 = make_plan("forest", g, 1200, {"overlap": "none"})
-    p8 = make_plan("forest", g, 1200, {"overlap": "partial"})
+    p4 = make_plan("forest", g, 1200, {**LP, "overlap": "none"})
+    p8 = make_plan("forest", g, 1200, {**LP, "overlap": "partial"})
     assert p4.meta["sum_chi_mbps"] == pytest.approx(3.0, rel=REL)
     assert p8.meta["sum_chi_mbps"] == pytest.approx(4.0, rel=REL)
     # overlapped broadcast trees carry data; T_comm = 2|C| / sum chi in both models
@@ -145,7 +147,7 @@ def test_sec6b_homogeneous_complete_graph_equals_ps():
     for n in (4, 5):
         g = topogen.full_mesh(n, rate_mbps=100).graph()
         for overlap in ("none", "partial"):
-            p = make_plan("forest", g, 1000, {"overlap": overlap})
+            p = make_plan("forest", g, 1000, {**LP, "overlap": overlap})
             assert p.meta["sum_chi_mbps"] == pytest.approx(100.0 * n, rel=REL)
             assert all(t["height"] == 1 for t in p.meta["trees"])
             kinds = sorted((t["kind"], t["root"]) for t in p.meta["trees"])
@@ -167,8 +169,8 @@ def relay_graph():
 def test_inactive_worker_relays_when_it_helps():
     g = relay_graph()
     act = ["a", "b"]
-    with_relay = make_plan("forest", g, 1000, {"active": act})
-    without = make_plan("forest", g, 1000, {"active": act, "relays": False})
+    with_relay = make_plan("forest", g, 1000, {**LP, "active": act})
+    without = make_plan("forest", g, 1000, {**LP, "active": act, "relays": False})
     # reduce to a: b->a (1) plus b->c->a (100); likewise towards b; broadcast mirrored
     assert with_relay.meta["sum_chi_mbps"] == pytest.approx(202.0, rel=REL)
     assert without.meta["sum_chi_mbps"] == pytest.approx(2.0, rel=REL)
@@ -187,7 +189,7 @@ def test_star_with_inactive_centre():
     at the other leaves: w = 100/3 per root, sum chi = 400/3."""
     g = topogen.star(5, rate_mbps=100).graph()
     act = ["n1", "n2", "n3", "n4"]
-    p = make_plan("forest", g, 999, {"active": act, "chunks": 3})
+    p = make_plan("forest", g, 999, {**LP, "active": act, "chunks": 3})
     assert p.meta["sum_chi_mbps"] == pytest.approx(400 / 3, rel=REL)
     assert p.meta["relays_used"] == ["n0"]
     for t in p.meta["trees"]:
@@ -448,6 +450,21 @@ def test_max_trees_prunes_and_resolves():
     assert full.meta["sum_chi_mbps"] == pytest.approx(450.0, rel=1e-6)
 
 
+def test_auto_budget_is_the_one_the_cost_model_predicts_fastest():
+    """``max_trees: auto`` (the default): every budget of AUTO_BUDGETS predicted, the least
+    chosen, and the plan is the one that budget given outright compiles (NetStorm's overlay
+    at 16 MB: 8 of 25 trees, predicted 2.16 s against 2.58 s with all)."""
+    g = load_topology("netstorm-internet2-9").graph()
+    auto = make_plan("forest", g, 4_000_000, {})
+    cct = auto.meta["budget_cct_s"]
+    assert set(cct) == {str(b) for b in AUTO_BUDGETS}
+    chosen = auto.meta["max_trees"]
+    assert cct[str(chosen)] == min(cct.values()) < cct["64"]
+    fixed = make_plan("forest", g, 4_000_000, {"max_trees": chosen})
+    assert auto.to_dict()["programs"] == fixed.to_dict()["programs"]
+    assert len(fixed.meta["trees"]) < len(make_plan("forest", g, 4_000_000, {"max_trees": 64}).meta["trees"])
+
+
 @pytest.mark.parametrize("length", [1, 2, 5])
 def test_tiny_lengths(length):
     g = topogen.star(5).graph()
@@ -474,6 +491,9 @@ def test_params_and_errors():
         make_plan("forest", g, 10, {"overlap": "full"})
     with pytest.raises(ConfigError):
         make_plan("forest", g, 10, {"chunks": 0})
+    for bad in ("many", -1, 2.5):
+        with pytest.raises(ConfigError, match="max_trees"):
+            make_plan("forest", g, 10, {"max_trees": bad})
     # a and b only connected through c: unreachable if relays are forbidden
     h = digraph(sym({("a", "c"): 1, ("c", "b"): 1}))
     with pytest.raises(ConfigError):
@@ -496,6 +516,6 @@ IPM_STATUS_15 = {
 def test_interior_point_failure_falls_back(name):
     caps, act = IPM_STATUS_15[name]
     g = digraph(caps)
-    p = make_plan("forest", g, 997, {"active": act, "overlap": "none", "oracle": "exact"})
+    p = make_plan("forest", g, 997, {**LP, "active": act, "overlap": "none", "oracle": "exact"})
     assert p.meta["sum_chi_mbps"] == pytest.approx(brute_force_optimum(g, act, "none"), rel=1e-3)
     run_check(p, g, 997, participants=act)

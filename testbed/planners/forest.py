@@ -41,7 +41,10 @@ Pipeline of this module (Sec. IV-V, end-to-end procedure of the note Sec. 3.7):
 4. :func:`prune_forest` -- ``max_trees`` (our addition, an execution budget): keep at most
    that many reduce trees and that many broadcast trees -- heaviest first, each root
    keeping its best tree of each kind while the budget allows -- halving the surplus per
-   round and re-solving the LP after each round.
+   round and re-solving the LP after each round.  ``max_trees: auto`` (the default) compiles
+   the forest at each budget of ``AUTO_BUDGETS`` and keeps the plan the cost model
+   (:func:`testbed.costmodel.predict`) predicts fastest: fewer trees mean fewer, larger
+   pieces and fewer deep pipelines to fill, at some cost in packing.
 5. :func:`compile_forest` -- the plan IR.  Root v's range is cut into ``chunks`` rounds
    (pipelined sub-chunks, Property 2); every round is split among v's reduce trees by
    w_i and, independently, among its broadcast flows by weight (K flows by w_k, J flows
@@ -836,6 +839,9 @@ def _emit_broadcast(b: ProgramBuilder, flows: list[dict], roots: list[str], plan
                     flows[fi]["elements"] += ln
 
 
+AUTO_BUDGETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 64)  # max_trees: auto tries these
+
+
 @planner(
     "forest", REFERENCE,
     overlap=Param(str, "partial", "reduce/broadcast overlap: none = LP (4), broadcast after reduce; partial = "
@@ -845,9 +851,10 @@ def _emit_broadcast(b: ProgramBuilder, flows: list[dict], roots: list[str], plan
                                            "Inactive nodes may relay inside Steiner trees", kind=NODES),
     relays=Param(bool, True, "let inactive workers relay (Steiner trees); false = trees over the active "
                              "workers' induced subgraph only"),
-    max_trees=Param(int, 64, "keep at most this many reduce and this many broadcast trees (pruned in rounds, "
-                             "heaviest first, every root keeps its best tree, weights re-solved); 0 = no limit",
-                   ge=0),
+    max_trees=Param((int, str), "auto", "keep at most this many reduce and this many broadcast trees (pruned in "
+                                        "rounds, heaviest first, every root keeps its best tree, weights re-solved); "
+                                        f"0 = no limit; 'auto' = whichever of {', '.join(map(str, AUTO_BUDGETS))} the "
+                                        "cost model predicts fastest (plan.meta budget_cct_s)"),
     chunks=Param(int, 8, "pipelined sub-chunks (rounds) per root's data (Property 2 pipelining); 8 ran faster than 4 "
                          "on NetStorm's overlay at 64 MB (docs/measurements/2026-11-26-efficiency.md) and than "
                          "32 or 64 at 16 MB (docs/measurements/2026-11-29-forest-pacing.md)", ge=1),
@@ -866,7 +873,7 @@ def _emit_broadcast(b: ProgramBuilder, flows: list[dict], roots: list[str], plan
                  ("all", "contended")),
 )
 def plan_forest(graph: nx.DiGraph, length: int, *, elem_bytes: int = 4, overlap: str = "partial",
-                active: list | None = None, relays: bool = True, max_trees: int = 64, chunks: int = 8,
+                active: list | None = None, relays: bool = True, max_trees: int | str = "auto", chunks: int = 8,
                 oracle: str = "auto", max_iters: int = 200, gap: float = 1e-3, shallow: bool = True,
                 pace: bool = False, pacing: str = "all") -> Plan:
     """Topology-adaptive Steiner forest packing (TopoAdapt, INFOCOM'21): reduce and
@@ -886,10 +893,15 @@ def plan_forest(graph: nx.DiGraph, length: int, *, elem_bytes: int = 4, overlap:
     all_terminals = set(act) == set(g.nodes)
     forest = pack_forest(g, act, overlap=overlap, oracle=oracle, max_iters=max_iters, gap=gap, shallow=shallow)
     caps = capacities(g)
-    forest = prune_forest(forest, caps, max_trees, shallow=shallow)
-    if forest.weights.objective <= EPS:
-        raise RuntimeError("forest LP found no bandwidth")
-    plan, flows = compile_forest(forest, nodes, length, act, chunks=chunks, pace=pace, pacing=pacing, caps=caps)
+
+    def compiled(budget: int) -> tuple[Forest, Plan, list[dict]]:
+        pruned = prune_forest(forest, caps, budget, shallow=shallow)
+        if pruned.weights.objective <= EPS:
+            raise RuntimeError("forest LP found no bandwidth")
+        return (pruned, *compile_forest(pruned, nodes, length, act, chunks=chunks, pace=pace, pacing=pacing,
+                                        caps=caps))
+    forest, plan, flows, meta["max_trees"], cct = _budgeted(compiled, max_trees, graph, elem_bytes)
+    meta.update({"budget_cct_s": cct} if cct else {})
     w = forest.weights
     total = w.objective
     used = set().union(*(f["tree"].nodes() for f in flows)) if flows else set()
@@ -909,6 +921,32 @@ def plan_forest(graph: nx.DiGraph, length: int, *, elem_bytes: int = 4, overlap:
     })
     plan.meta.update(meta)
     return plan
+
+
+def _budgeted(compiled, max_trees: int | str, graph: nx.DiGraph, elem_bytes: int
+              ) -> tuple[Forest, Plan, list[dict], int, dict[str, float]]:
+    """The pruned forest, its plan and flows (``compiled(budget)``), the budget, and with
+    ``max_trees: auto`` every budget's predicted CCT (s, else empty): of the budgets in
+    AUTO_BUDGETS the one whose plan :func:`testbed.costmodel.predict` (for the agents'
+    defaults) finishes first.  Our addition: fewer trees mean fewer, larger pieces and fewer
+    deep pipelines to fill, at some cost in packing; which budget is fastest depends on the
+    topology and the size (docs/measurements/2026-12-02-forest-budget.md)."""
+    from agents.executor import SUBBLOCK_BYTES
+    from testbed import costmodel
+
+    if max_trees != "auto":
+        if not isinstance(max_trees, int) or max_trees < 0:
+            raise ParamError("max_trees", f"expected an integer >= 0 or 'auto', got {max_trees!r}")
+        return (*compiled(max_trees), max_trees, {})
+    best, cct = None, {}
+    for budget in AUTO_BUDGETS:
+        forest, plan, flows = compiled(budget)
+        cct[str(budget)] = costmodel.predict(plan, graph, elem_bytes=elem_bytes, tcp=True,
+                                             transfer_s=costmodel.EXECUTOR_TRANSFER_S,
+                                             cut_through_bytes=SUBBLOCK_BYTES)["cct_s"]
+        if best is None or cct[str(budget)] < cct[str(best[3])]:
+            best = (forest, plan, flows, budget)
+    return (*best, cct)
 
 
 def _active_workers(graph: nx.DiGraph, nodes: list[str], active: list | None, relays: bool
