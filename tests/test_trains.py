@@ -54,7 +54,7 @@ def test_train_rate_is_none_when_a_burst_took_most_of_its_pairs():
     assert train_rate([t * us for t in rx], [t * us for t in tx]) is None
 
 
-def test_train_rate_keeps_pairs_of_datagrams_sent_on_together():
+def test_train_rate_keeps_frames_a_relay_sent_two_at_a_time():
     """Two frames due close together that a relay sends in one call are no burst: a train of
     such pairs reads the link."""
     arrivals = spaced(32, 50.0)
