@@ -88,10 +88,10 @@ def train_rate(arrivals: list[int], sends: list[int], frame_bytes: int = FRAME) 
 def burst_members(rx: np.ndarray, tx: np.ndarray, run: int) -> np.ndarray:
     """Which datagrams arrived in a burst: ``run`` or more consecutive gaps each no slower than
     sent (receive gap < DISPERSED x send gap), i.e. ``run`` + 1 datagrams handed over together.
-    Measured on this testbed: a sender descheduled mid-train lets the link go idle, and the
-    shaper's burst allowance then passes the next few datagrams at once (as at a train's start);
-    a relay held up passes what queued meanwhile at once.  Pairs that start in such a burst
-    read 1.3-1.8x the rate.  Shorter runs (the relay sending two frames due close together in
+    A sender descheduled mid-train lets the link go idle, and the shaper's burst allowance then
+    passes the next few datagrams at once (as at a train's start); a relay held up passes what
+    queued meanwhile at once.  Pairs that start in such a burst read 1.3-1.8x the rate
+    (docs/measurements/2026-12-02-train-bursts.md).  Shorter runs (the relay sending two frames due close together in
     one call) move too few pairs to move the median: ``run`` is h // 8, at least 2."""
     close = np.diff(rx) < DISPERSED * np.abs(np.diff(tx))
     counts = np.convolve(close.astype(np.int64), np.ones(run, dtype=np.int64), mode="valid")
