@@ -376,9 +376,9 @@ class Fake:
         self.sent.append(obj)
 a, b = Fake("a"), Fake("b")
 slow = {f"s{i}": [f"10.9.0.{10 + i}", 9] for i in range(150)}
-wa = LinkWatch(a, {"b": ["10.9.1.1", b.data_port], **slow}, 0.8)
-wb = LinkWatch(b, {"a": ["10.9.1.1", a.data_port]}, 0.8)
-time.sleep(4)
+wa = LinkWatch(a, {"b": ["10.9.1.1", b.data_port], **slow}, 2.0)
+wb = LinkWatch(b, {"a": ["10.9.1.1", a.data_port]}, 2.0)
+time.sleep(6)
 wa.close()
 wb.close()
 print(json.dumps({"a": a.sent, "b": b.sent}))
@@ -390,7 +390,9 @@ def test_link_watch_hears_a_live_peer_while_other_peers_links_hold_its_heartbeat
     """In a network namespace of its own: 150 peers whose heartbeats wait in an 8 kbit/s queue
     (so they stay charged to the sending socket) and one live peer on this host.  Neither end
     of the live pair reports the other lost: the slow peers' queues must not fill the buffer
-    the live peer's heartbeats leave from, nor stall the thread that hears them."""
+    the live peer's heartbeats leave from, nor stall the thread that hears them.  The timeout
+    (2 s) is far above a loaded machine's scheduling pauses and the second watch's start; a
+    watch stalled behind the slow queues is silent for the whole run."""
     res = subprocess.run(["unshare", "--net", sys.executable, "-c", LINK_WATCH_BEHIND_SLOW_QUEUES, str(REPO)],
                          capture_output=True, text=True, timeout=60)
     assert res.returncode == 0, res.stderr[-2000:]
