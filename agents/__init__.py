@@ -14,7 +14,7 @@
 
 Results of :meth:`agents.coordinator.Coordinator.run` / :func:`agents.local.run_local`::
 
-    {"scheme", "nodes", "length", "dtype", "seed", "stop_and_wait",
+    {"scheme", "nodes", "length", "dtype", "seed", "stop_and_wait", "connections",
      "iterations": [{"iteration", "go_ns", "cct_s", "iteration_s", "correct",
                      "workers": {node: {"go_ns", "compute_end_ns", "comm_start_ns",
                                         "comm_done_ns", "receiver", "correct", "max_abs_err",

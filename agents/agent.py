@@ -90,6 +90,7 @@ class Job:
     compute_s: list[float] = field(default_factory=list)  # per iteration (last value repeats)
     stop_and_wait: bool = False
     subblock_bytes: int = SUBBLOCK_BYTES  # cut-through: arrived bytes applied (and forwarded) at a time
+    links: str = "channel"  # data connections: one per plan channel, or one per peer shared (agents.executor)
     timeout_s: float = 60.0
     wait_s: float = 600.0  # longest wait for the coordinator's next message (GO, FINISH)
     limit_s: float | None = None  # longest one iteration's communication may take
@@ -325,7 +326,7 @@ class Agent:
         ``link_fifo``: its sends take turns with the other such versions' (:meth:`gate`)."""
         job = self.job
         ex = Executor(self.name, program, length=job.length, scratch=scratch, dtype=job.dtype,
-                      stop_and_wait=job.stop_and_wait, subblock_bytes=job.subblock_bytes,
+                      stop_and_wait=job.stop_and_wait, subblock_bytes=job.subblock_bytes, links=job.links,
                       timeout_s=job.timeout_s, limit_s=job.limit_s,
                       on_chunk=self._on_chunk if self.prober else None, nodes=job.nodes, aux=aux,
                       connect=lambda peer, ch: self._data_connection(version, peers, peer, ch),

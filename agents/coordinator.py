@@ -71,7 +71,7 @@ from testbed.plan import Plan
 
 from . import wire
 from .agent import Job
-from .executor import SUBBLOCK_BYTES
+from .executor import LINKS, SUBBLOCK_BYTES, links_for
 from .netstate import NetState
 from .protocol import (
     TRANSFER_COLUMNS,
@@ -301,7 +301,7 @@ class Coordinator:
     def __init__(self, plan: Plan, *, addresses: Mapping, data_port: int | None, secret: bytes | str,
                  iterations: int = 1, seed: int = 0, dtype: str = "float32",
                  compute_s: Mapping[str, list[float] | float] | None = None, stop_and_wait: bool = False,
-                 subblock_bytes: int | None = None, timeout_s: float = 60.0, bind: tuple[str, int] = ("0.0.0.0", 0),
+                 subblock_bytes: int | None = None, links: str = "channel", timeout_s: float = 60.0, bind: tuple[str, int] = ("0.0.0.0", 0),
                  progress: Callable[[str], None] | None = None, register_timeout_s: float | None = None,
                  health: Callable[[], str | None] | None = None, predicted_s: float | None = None,
                  handshake_s: float = wire.HANDSHAKE_TIMEOUT_S, check_startup: bool = False,
@@ -316,6 +316,9 @@ class Coordinator:
         self.iterations, self.seed, self.dtype = int(iterations), int(seed), dtype
         self.stop_and_wait, self.timeout_s = bool(stop_and_wait), float(timeout_s)
         self.subblock_bytes = int(subblock_bytes or SUBBLOCK_BYTES)
+        if links not in LINKS:
+            raise ValueError(f"links {links!r}: one of {', '.join(LINKS)}")
+        self.links = links
         self.register_timeout_s = float(register_timeout_s or timeout_s)
         self.compute_s = {n: ([float(v)] if isinstance(v, (int, float)) else [float(x) for x in v])
                           for n, v in (compute_s or {}).items()}
@@ -790,13 +793,19 @@ class Coordinator:
                    receivers=plan.finishing(), program=program, peers=peers,
                    scratch=scratch, dtype=self.dtype, seed=self.seed,
                    iterations=self.iterations, compute_s=self.compute_s.get(node, []),
-                   stop_and_wait=self.stop_and_wait, subblock_bytes=self.subblock_bytes, timeout_s=self.timeout_s,
+                   stop_and_wait=self.stop_and_wait, subblock_bytes=self.subblock_bytes, links=self.links_used(),
+                   timeout_s=self.timeout_s,
                    mode=self.driver.mode if self.driver else "iterations",
                    wait_s=self._iteration_limit() + self.ready_limit() + self.silence_s, limit_s=self.limit_s,
                    probe=({"chunk_bytes": int(self.probe["chunk_bytes"]), "chunk_num": int(self.probe["chunk_num"]),
                            "from_iteration": int(self.probe.get("from_iteration", 0)),
                            "trains": self._train_targets(node)} if self.probe else None),
                    aux=self._aux_part(node))
+
+    def links_used(self) -> str:
+        """The agents' data connections (:func:`agents.executor.links_for`)."""
+        return links_for(self.links, self.plan, stop_and_wait=self.stop_and_wait, probing=bool(self.probe),
+                         versions=bool(self.driver or self.policy))
 
     def ready_limit(self) -> float:
         """JOB to READY: peers connect (retrying while they start) and authenticate."""
@@ -809,7 +818,7 @@ class Coordinator:
     def results(self) -> dict:
         """What completed so far (complete after :meth:`run`)."""
         out = {"scheme": self.plan.scheme, "nodes": list(self.plan.nodes), "length": self.plan.length,
-               "dtype": self.dtype, "seed": self.seed, "stop_and_wait": self.stop_and_wait,
+               "dtype": self.dtype, "seed": self.seed, "stop_and_wait": self.stop_and_wait, "connections": self.links_used(),
                "iterations": self._iterations, "transfers": {"columns": TRANSFER_COLUMNS, "rows": self._rows},
                "estimates": {**self.net.report(), **self._trains_report()}, "switches": self.switches,
                "resend_requests": self.resend_requests,

@@ -18,6 +18,14 @@ How bytes flow (threads):
   per-chunk hand-off through a central thread; the caller's thread runs
   :meth:`Executor.run`, which only starts the iteration and waits for its end or an error.
 
+Shared links (``links="shared"``): one connection per peer carries every plan channel to it.
+Each channel keeps its sender thread and its order (a tree's chunks go in the order they
+became ready), but writes its transfers as DATA frames flagged ``FLAG_PIECE`` of at most a
+sub-block each, taking turns on the connection in weighted fair order (:class:`SharedLink`:
+the channels' rates as weights, not caps; no pacing); the receiver reads each piece after
+the bytes of that transfer before it.  A link direction then carries one TCP flow whatever
+the number of trees on it, and a tree with nothing ready leaves its share to the others.
+
 Cut-through (``cut_through``, on by default): a send longer than a sub-block whose unmet deps
 are all active receives whose frames have begun to arrive is handed to its sender at once;
 the sender writes the header and streams each byte of the block as soon as every receive it
@@ -114,6 +122,7 @@ from .wire import (
     DATA,
     FLAG_ACK_REQ,
     FLAG_AUX,
+    FLAG_PIECE,
     FLAG_WITHDRAWN,
     SEND_SLICE,
     TYPE_NAMES,
@@ -139,6 +148,19 @@ SO_MAX_PACING_RATE = getattr(socket, "SO_MAX_PACING_RATE", 47)  # Linux value
 AUX_CHANNEL = -1  # the data connections that carry auxiliary chunks (plans use channels >= 0)
 SUBBLOCK_BYTES = 64 << 10  # a receive's arrived bytes are applied (and streamed on) this many at a time
 POLL_S = 0.5  # how often a waiting sender thread looks at the executor's closing flag
+LINKS = ("channel", "shared")  # a data connection per plan channel, or one per peer (:class:`SharedLink`)
+DEFAULT_LINKS = "shared"  # an experiment's default (agents.links); the library's is a connection per channel
+SHARED_UNSENT_BYTES = 256 << 10  # a shared connection's TCP_NOTSENT_LOWAT: its turns are taken near the wire
+
+
+def links_for(links: str, plan, *, stop_and_wait: bool = False, probing: bool = False,
+              versions: bool = False) -> str:
+    """The data connections a run uses: ``links``, unless shared links cannot carry it --
+    stop-and-wait, probing, plan versions installed at run time (re-planning, CREW's groups),
+    auxiliary paths or sends on named paths need whole frames per connection: then one per
+    channel."""
+    whole = stop_and_wait or probing or versions or plan.aux.get("paths") or any(op.path for _, op in plan.transfers())
+    return "channel" if whole else links
 
 
 def aux_lane(upstream: int) -> int:
@@ -226,6 +248,49 @@ class LinkGate:
             self._cv.notify_all()
 
 
+class SharedLink:
+    """One connection to a peer that several plan channels share (``links="shared"``): each
+    channel's sender thread writes its transfers as pieces of at most a sub-block, one piece
+    at a time, and the link serves the channels with a piece ready in weighted fair order
+    (start-time fair queueing: a channel's tag grows by a piece's bytes over its weight; the
+    waiting channel with the least tag goes next; one idle restarts from the tag in service).
+    It is work-conserving (a channel with nothing ready leaves its share to the others) and
+    gives backlogged channels the link in proportion to their weights: the plan's rates of
+    trees sharing a link direction, as shares rather than caps.  With TCP_NOTSENT_LOWAT the
+    kernel holds few unsent bytes, so the order of turns is the order on the wire."""
+
+    def __init__(self, sock: socket.socket, weights: dict[int, float]):
+        self.sock, self.weights = sock, weights
+        self._cv = threading.Condition()
+        self._tag = dict.fromkeys(weights, 0.0)
+        self._waiting: set[int] = set()
+        self._busy, self._now = False, 0.0
+        self.users = len(weights)  # sender threads still using the socket (the last one closes it)
+        if sock.family in (socket.AF_INET, socket.AF_INET6):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NOTSENT_LOWAT, SHARED_UNSENT_BYTES)
+
+    def write(self, channel: int, header: Header, payload, stop) -> None:
+        """Send one frame in ``channel``'s turn; ExecError once ``stop()`` is true."""
+        with self._cv:
+            if channel not in self._waiting:
+                self._tag[channel] = max(self._tag[channel], self._now)
+                self._waiting.add(channel)
+            while self._busy or min(self._waiting, key=lambda c: (self._tag[c], c)) != channel:
+                if stop():
+                    self._waiting.discard(channel)
+                    raise ExecError("closed while waiting for the shared connection")
+                self._cv.wait(POLL_S)
+            self._waiting.discard(channel)
+            self._busy, self._now = True, self._tag[channel]
+            self._tag[channel] += max(1, len(payload)) / self.weights[channel]
+        try:
+            send_frame(self.sock, header, payload)
+        finally:
+            with self._cv:
+                self._busy = False
+                self._cv.notify_all()
+
+
 class Relayed:
     """A relayed chunk's payload while it arrives (cut-through): bytes [0, ``filled``) of
     ``buf`` are in; the relay's receiving thread calls :meth:`progress` and, if its upstream
@@ -296,14 +361,23 @@ class Executor:
                  dtype="float32", stop_and_wait: bool = False, timeout_s: float = 60.0,
                  limit_s: float | None = None, on_chunk=None, nodes: list[str] | None = None,
                  aux: dict | None = None, connect=None, on_missing=None, gate=None,
-                 cut_through: bool = True, subblock_bytes: int = SUBBLOCK_BYTES):
+                 cut_through: bool = True, subblock_bytes: int = SUBBLOCK_BYTES, links: str = "channel"):
         """``nodes``: the plan's nodes (route entries index them); ``aux``: {"paths": [[src,
         relays..., dst]] through this node, "primary_busy_bound", "aux_queue_length",
         "resend_after_s"}; ``connect(peer, channel)``: an authenticated data socket (a relay's
         next hop on first use); ``on_missing(iteration, [[src, xfer], ...])``: ask for re-sends;
         ``gate(peer)``: the :class:`LinkGate` of the link to ``peer`` (FL-FCFS across executors);
         ``cut_through``: stream a send as the receives it depends on arrive (else store and
-        forward); ``subblock_bytes``: how many arrived bytes of a receive are applied at a time."""
+        forward); ``subblock_bytes``: how many arrived bytes of a receive are applied at a time;
+        ``links``: a data connection per plan channel (``"channel"``), or one per peer that the
+        channels share (``"shared"``, :class:`SharedLink`; not with stop-and-wait, a link gate,
+        a probing hook or auxiliary paths, which need whole frames per connection)."""
+        if links not in LINKS:
+            raise ValueError(f"links {links!r}: one of {', '.join(LINKS)}")
+        self.shared = links == "shared"
+        if self.shared and (stop_and_wait or gate or on_chunk or (aux or {}).get("paths")):
+            raise ValueError("links 'shared' needs whole frames per connection with stop-and-wait, a link gate, "
+                             "a probing hook or auxiliary paths")
         self.name = name
         # probing hooks, called in the receiver thread: on_chunk(peer, None) when a chunk's header
         # arrived, on_chunk(peer, (bytes, send_ts_ns, first_ns, last_ns, channel, mid_ns, mid_bytes))
@@ -327,6 +401,10 @@ class Executor:
         self._reset_run(-1)
         self._init_aux(nodes or [], aux or {}, connect, on_missing)
 
+    def _conn(self, peer: str, channel: int) -> tuple[str, int]:
+        """The connection a plan channel to ``peer`` is carried on."""
+        return (peer, 0) if self.shared and not is_aux(channel) else (peer, channel)
+
     def _init_graph(self) -> None:
         """The program's dependency graph by op index, each op's view of its buffer, and a
         receive buffer per recv op (which transfer on which connection it expects)."""
@@ -349,7 +427,7 @@ class Executor:
             if op.kind == RECV:
                 self._rbuf[i] = np.zeros(op.length, self.dtype)
                 self._rbuf[i].fill(0)  # touch the pages now, not during the first transfer
-                self._expect[(op.peer, op.channel)][op.xfer] = i
+                self._expect[self._conn(op.peer, op.channel)][op.xfer] = i
             elif op.kind == SEND:
                 self._out_keys.add((op.peer, op.channel))
 
@@ -366,6 +444,7 @@ class Executor:
         self._rx_bytes = [0] * n  # bytes of the current iteration's data arrived, per recv op
         self._rx_iter = [-1] * n  # iteration _rx_bytes counts (its frame's header arrived)
         self._rx_times: list[tuple] = [()] * n  # (send_ts, first, last, withdrawn) of the data arrived whole
+        self._rx_first = [0] * n  # when the first piece of the current iteration's data arrived (shared links)
         self._tx_bytes = [0] * n  # bytes sent, per send op
         self._active = [-1] * n  # recv op: iteration in which its deps are met (its data is applied as it arrives)
         self._applied = [0] * n  # recv op: bytes of its data applied (in iteration _active)
@@ -422,31 +501,40 @@ class Executor:
     # -- connections -----------------------------------------------------------
     def outgoing(self) -> list[tuple[str, int]]:
         """(peer, channel) pairs this node must open connections to."""
-        return sorted(self._out_keys)
+        return sorted({self._conn(*k) for k in self._out_keys})
 
     def incoming(self) -> list[tuple[str, int]]:
         """(peer, channel) pairs this node expects connections from."""
         return sorted(self._expect)
 
     def attach_outgoing(self, peer: str, channel: int, sock: socket.socket) -> None:
-        key = (peer, channel)
-        rate = max((op.rate_mbps for op in self.prog if op.kind == SEND and (op.peer, op.channel) == key),
-                   default=0.0)
-        if rate > 0:  # TCP paces internally (no fq needed) once a maximum rate is set
-            sock.setsockopt(socket.SOL_SOCKET, SO_MAX_PACING_RATE, int(rate * 1e6 / 8))
+        """Take the data connection to ``peer`` on ``channel`` and start its sender thread (with
+        shared links, one per plan channel the connection carries)."""
+        key, shared = (peer, channel), self.shared and not is_aux(channel)
+        keys = sorted(k for k in self._out_keys if k[0] == peer and not is_aux(k[1])) if shared else [key]
+        rates = {k[1]: max((op.rate_mbps for op in self.prog if op.kind == SEND and (op.peer, op.channel) == k),
+                           default=0.0) for k in keys}
+        link = None
+        if shared:  # the plan's rates are the channels' weights (all unpaced: equal shares)
+            link = SharedLink(sock, rates if all(rates.values()) else dict.fromkeys(rates, 1.0))
+        elif rates[channel] > 0:  # TCP paces internally (no fq needed) once a maximum rate is set
+            sock.setsockopt(socket.SOL_SOCKET, SO_MAX_PACING_RATE, int(rates[channel] * 1e6 / 8))
         # a send that moves no byte for timeout_s fails; on an auxiliary path it is given up sooner
         sock.settimeout((self._resend_after or self.timeout_s) if is_aux(channel) else self.timeout_s)
         with self._lock:  # an auxiliary connection may also be one a relay opens on first use
             if self._closing:  # closed while this connection was being opened (a version given up on)
                 close_quietly(sock)
                 raise ExecError(f"data connection to {peer} channel {channel}: the executor is closed")
-            if (key not in self._out_keys and not is_aux(channel)) or key in self._senders:
+            expected = (channel == 0 and keys) if shared else (key in self._out_keys or is_aux(channel))
+            if not expected or any(k in self._senders for k in keys):
                 raise ProtocolError(f"no (further) data connection to {peer} channel {channel} expected")
-            box = _Outbox(self._lock)
-            self._senders[key] = (sock, box)
-            self._out_keys.add(key)
-        threading.Thread(target=self._send_loop, args=(key, sock, box), daemon=True,
-                         name=f"send-{peer}-{channel}").start()
+            boxes = {k: _Outbox(self._lock) for k in keys}
+            for k, box in boxes.items():
+                self._senders[k] = (sock, box)
+                self._out_keys.add(k)
+        for k, box in boxes.items():
+            threading.Thread(target=self._send_loop, args=(k, sock, box, link), daemon=True,
+                             name=f"send-{peer}-{k[1]}").start()
 
     def attach_incoming(self, peer: str, channel: int, sock: socket.socket) -> None:
         """Accept an authenticated connection from ``peer``; ProtocolError if unexpected."""
@@ -467,9 +555,14 @@ class Executor:
     def _tick(self, _n: int = 0) -> None:
         self._progress = time.monotonic()
 
-    def _close_own(self, sock: socket.socket) -> None:
-        """Close the socket of the calling thread's connection (see the module docstring)."""
+    def _close_own(self, sock: socket.socket, link: SharedLink | None = None) -> None:
+        """Close the socket of the calling thread's connection (see the module docstring); a
+        shared one once its last sender thread ends."""
         with self._lock:
+            if link is not None:
+                link.users -= 1
+                if link.users:
+                    return
             close_quietly(sock)
 
     def _fail(self, exc: Exception) -> None:
@@ -510,23 +603,42 @@ class Executor:
                 front = min(front, max(lo, s0))
         return (front - s0) * size
 
+    def _wait_ready(self, box: _Outbox, i: int, it: int, sent: int) -> int:
+        """Bytes of send ``i``'s block ready to go, once there are more than ``sent``."""
+        with self._lock:
+            while (ready := self._ready_bytes(i, it)) <= sent:
+                if self._closing:
+                    raise ExecError("closed while streaming")
+                box.cv.wait(POLL_S)
+        return ready
+
     def _stream(self, sock: socket.socket, box: _Outbox, i: int, it: int, header: Header) -> None:
         """Cut-through: ``header``, then send ``i``'s block as the receives it depends on apply it."""
         send_frame(sock, header)
         mv, sent = memoryview(self._views[i]).cast("B"), 0
         total = mv.nbytes
         while sent < total:
-            with self._lock:
-                while (ready := self._ready_bytes(i, it)) <= sent:
-                    if self._closing:
-                        raise ExecError("closed while streaming")
-                    box.cv.wait(POLL_S)
+            ready = self._wait_ready(box, i, it, sent)
             while sent < ready:
                 sent += sock.send(mv[sent:min(ready, sent + SEND_SLICE)])
                 self._tx_bytes[i] = sent
                 self._progress = time.monotonic()
 
-    def _send_loop(self, key: tuple[str, int], sock: socket.socket, box: _Outbox) -> None:
+    def _send_pieces(self, link: SharedLink, channel: int, box: _Outbox, i: int, it: int, header: Header) -> None:
+        """Shared link: send ``i``'s block in pieces of at most a sub-block, each in ``channel``'s
+        turn, as the receives it depends on apply it (cut-through) or at once if its deps are met."""
+        mv, sent = memoryview(self._views[i]).cast("B"), 0
+        total, piece = mv.nbytes, header._replace(flags=header.flags | FLAG_PIECE)
+        while True:
+            end = min(self._wait_ready(box, i, it, sent) if sent < total else sent, sent + self.subblock)
+            link.write(channel, piece._replace(payload_len=end - sent), mv[sent:end], lambda: self._closing)
+            sent = self._tx_bytes[i] = end
+            self._progress = time.monotonic()
+            if sent >= total:
+                return
+
+    def _send_loop(self, key: tuple[str, int], sock: socket.socket, box: _Outbox,
+                   link: SharedLink | None = None) -> None:
         """One connection's sender thread: :meth:`_send_items` until closing; every way it can
         fail becomes the run's error (an auxiliary path is given up instead), and the socket it
         owns is closed and the link turns of the sends it will not make are passed on."""
@@ -534,7 +646,7 @@ class Executor:
         broken = (OSError, Truncated) if is_aux(ch) else ()  # an auxiliary path is given up, not fatal
         current = [None]  # the item being sent, for the error paths
         try:
-            self._send_items(key, sock, box, current)
+            self._send_items(key, sock, box, current, link)
         except broken as e:
             self._give_up(key, sock, box, current[0], e)
         except Closed:
@@ -550,7 +662,7 @@ class Executor:
         except Exception as e:  # no thread dies silently
             self._fail(ExecError(f"sender to {peer} (channel {ch}) failed: {type(e).__name__}: {e}"))
         finally:
-            self._close_own(sock)
+            self._close_own(sock, link)
             if self._gate:  # the sends still queued here will not happen: their turns pass
                 with self._lock:
                     rest = list(box.items) + ([current[0]] if current[0] is not None else [])
@@ -559,10 +671,12 @@ class Executor:
                     if r[0] is not None and r[0] in self._tickets:
                         self._gate(peer).release(self._tickets.pop(r[0]))
 
-    def _send_items(self, key: tuple[str, int], sock: socket.socket, box: _Outbox, current: list) -> None:
+    def _send_items(self, key: tuple[str, int], sock: socket.socket, box: _Outbox, current: list,
+                    link: SharedLink | None) -> None:
         """Send the items queued in ``box`` as they come (``current[0]``: the one being sent)
         until the executor closes: a relayed or re-sent chunk as it is, a send withdrawn (no
-        payload), streamed (cut-through) or whole, each in its link turn under FL-FCFS."""
+        payload), streamed (cut-through) or whole, each in its link turn under FL-FCFS; on a
+        ``link`` shared with other channels, in pieces."""
         peer = key[0]
         hbuf = bytearray(64)
         flags = FLAG_ACK_REQ if self.stop_and_wait else 0
@@ -599,7 +713,9 @@ class Executor:
             header = Header(DATA, phase_code(op.phase), flags | (FLAG_AUX if route else 0), it,
                             op.xfer, op.flow, op.chunk, view.nbytes, start, route)
             try:
-                if payload is None and self._wait[i]:
+                if link is not None:
+                    self._send_pieces(link, key[1], box, i, it, header)
+                elif payload is None and self._wait[i]:
                     self._stream(sock, box, i, it, header)
                 else:
                     send_frame(sock, header, view, self._count(self._tx_bytes, i))
@@ -701,6 +817,9 @@ class Executor:
             if h.flags & FLAG_WITHDRAWN:  # no payload: the receiver has the chunk
                 self._withdrawn_arrived(sock, h, i, first)
                 continue
+            if h.flags & FLAG_PIECE:
+                self._piece_arrived(sock, h, i, first)
+                continue
             if aux or (i, h.op_id) in self._asked:  # a copy may also come the other way: commit once
                 self._receive_copy(sock, h, i, peer, ch, first)
                 continue
@@ -716,6 +835,31 @@ class Executor:
             if h.flags & FLAG_ACK_REQ:
                 send_frame(sock, Header(ACK, op_id=h.op_id, xfer=h.xfer, send_ts_ns=last))
             self._arrived(i, it, h.payload_len, (h.send_ts_ns, first, last, False))
+
+    def _piece_arrived(self, sock: socket.socket, h: Header, i: int, first: int) -> None:
+        """The next bytes of recv ``i``'s data (a shared connection), read into its buffer after
+        the bytes before them and applied as they come once the op is active."""
+        if not self.shared:
+            raise ProtocolError(f"transfer {h.xfer}: a piece on a connection of one channel")
+        it = h.op_id
+        at = self._rx_bytes[i] if self._rx_iter[i] == it and self._got[i] != it else 0
+        self._check(h, i, at)
+        if not at:
+            with self._lock:
+                self._rx_iter[i], self._rx_bytes[i], self._rx_first[i] = it, 0, first
+                if self._active[i] == it:  # a send streaming from it may start
+                    self._work.extend(u for u in self._users[i] if self._is_send[u])
+                    self._drain(it)
+        progress = self._progress_fn(i, it)
+
+        def tick(n: int) -> None:
+            self._rx_at = time.monotonic()
+            progress(at + n)
+        end = at + h.payload_len
+        recv_into_exact(sock, memoryview(self._rbuf[i]).cast("B")[at:end], f"transfer {h.xfer}", tick)
+        self._rx_bytes[i] = end
+        if end == self._rbuf[i].nbytes:
+            self._arrived(i, it, end, (h.send_ts_ns, self._rx_first[i], time.time_ns(), False))
 
     def _withdrawn_arrived(self, sock: socket.socket, h: Header, i: int, first: int) -> None:
         """A withdrawn chunk of recv ``i`` (no payload: the receiver has it) arrived at ``first``."""
@@ -860,10 +1004,14 @@ class Executor:
             self._put(key, (None, h, None, payload))
 
 
-    def _check(self, h: Header, i: int) -> None:
-        """Every header field against recv op ``i`` (the transfer it names)."""
+    def _check(self, h: Header, i: int, at: int | None = None) -> None:
+        """Every header field against recv op ``i`` (the transfer it names); ``at``: a piece
+        of its data that follows the ``at`` bytes already arrived."""
         op, want = self.prog[i], 0 if h.flags & FLAG_WITHDRAWN else self._rbuf[i].nbytes
-        if h.payload_len != want:
+        if at is not None and at + h.payload_len > want:
+            raise ProtocolError(f"transfer {h.xfer}: a piece of {h.payload_len} bytes after {at} overruns its "
+                                f"{want} bytes")
+        if at is None and h.payload_len != want:
             raise ProtocolError(f"transfer {h.xfer} has {h.payload_len} bytes, expected {want}")
         if h.op_id < self.iteration:
             raise ProtocolError(f"late frame: transfer {h.xfer} of iteration {h.op_id} arrived in "

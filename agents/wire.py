@@ -13,7 +13,9 @@ off   size    field          meaning
 7     1       flags          ``FLAG_ACK_REQ``: the receiver must answer with an ACK;
                              ``FLAG_AUX``: an auxiliary chunk, source-routed by ``route``;
                              ``FLAG_WITHDRAWN``: no payload, the receiver has the chunk already
-                             (CREW's non-blocking scatter, §IV-A2)
+                             (CREW's non-blocking scatter, §IV-A2);
+                             ``FLAG_PIECE``: the payload is the next bytes of the transfer,
+                             not all of it (a shared connection interleaves transfers' pieces)
 8     4       op_id          iteration number
 12    4       xfer           transfer id from the plan
 16    4       flow           flow label from the plan
@@ -75,7 +77,8 @@ TYPE_NAMES = {HELLO: "HELLO", AUTH: "AUTH", CTRL: "CTRL", DATA: "DATA", ACK: "AC
 FLAG_ACK_REQ = 0x01
 FLAG_AUX = 0x02
 FLAG_WITHDRAWN = 0x04
-FLAGS_KNOWN = FLAG_ACK_REQ | FLAG_AUX | FLAG_WITHDRAWN
+FLAG_PIECE = 0x08
+FLAGS_KNOWN = FLAG_ACK_REQ | FLAG_AUX | FLAG_WITHDRAWN | FLAG_PIECE
 RESERVED = bytes(7)
 
 PHASES = ("", "reduce", "bcast", "reduce-scatter", "all-gather", "scatter", "gather", "relay")
@@ -169,6 +172,9 @@ def decode_header(buf, max_payload: int) -> Header:
     if flags & FLAG_WITHDRAWN and (plen or rlen or typ != DATA):
         raise ProtocolError(f"a withdrawn transfer is a DATA frame without payload or route, got "
                             f"{TYPE_NAMES[typ]} with {plen} bytes and a route of {rlen}")
+    if flags & FLAG_PIECE and (flags & ~FLAG_PIECE or rlen or typ != DATA):
+        raise ProtocolError(f"a piece is a DATA frame of a direct transfer without other flags, got "
+                            f"{TYPE_NAMES[typ]} with flags 0x{flags:02x} and a route of {rlen}")
     if phase >= len(PHASES) and phase != PHASE_OTHER:
         raise ProtocolError(f"unknown phase code {phase}")
     if reserved != RESERVED:

@@ -30,9 +30,11 @@ Format (YAML; every key but ``name``, ``topology`` and ``scheme.name`` is option
                                  # max_late_ms: relay p99 lateness above which results.json
                                  # says the emulation did not keep up; tcp_cc: congestion
                                  # control of every datacenter host (never the machine's default)
-    agents: {timeout_s: 120, stop_and_wait: false, subblock_bytes: 64KiB, clock_offset_ms: {}}
+    agents: {timeout_s: 120, stop_and_wait: false, subblock_bytes: 64KiB, links: shared, clock_offset_ms: {}}
                                  # subblock_bytes: how many arrived bytes of a chunk an agent adds
-                                 # (and forwards, cut-through) at a time; clock_offset_ms: {dc: ms}
+                                 # (and forwards, cut-through) at a time; links: shared (one TCP
+                                 # connection per neighbour, trees' pieces in weighted fair order)
+                                 # or channel (one per tree, paced); clock_offset_ms: {dc: ms}
                                  # shifts that agent's clock (tests of the clock-offset correction;
                                  # real hosts have their own)
     dynamics: []                 # live rate changes, see testbed/emulator/dynamics.py
@@ -62,7 +64,7 @@ from typing import Any
 
 import yaml
 
-from agents.executor import SUBBLOCK_BYTES
+from agents.executor import DEFAULT_LINKS, LINKS, SUBBLOCK_BYTES
 from testbed.checks import Checker
 from testbed.emulator import DEFAULT_TCP_CC
 from testbed.emulator.shaping import CHOICES as SHAPING_CHOICES
@@ -78,7 +80,8 @@ DEFAULTS: dict[str, Any] = {
     "repetitions": 1,
     "workload": {"size": "1MB", "model": None, "dtype": "float32", "iterations": 1, "warmup": 1, "compute_s": 0},
     "emulator": {"method": "auto", "relay_procs": 0, "max_late_ms": 2.0, "tcp_cc": DEFAULT_TCP_CC},
-    "agents": {"timeout_s": 120.0, "stop_and_wait": False, "subblock_bytes": SUBBLOCK_BYTES, "clock_offset_ms": {}},
+    "agents": {"timeout_s": 120.0, "stop_and_wait": False, "subblock_bytes": SUBBLOCK_BYTES, "links": DEFAULT_LINKS,
+               "clock_offset_ms": {}},
     "dynamics": [],
     "dynamics_per_run": False,
     "faults": [],
@@ -170,6 +173,7 @@ class AgentSettings:
     timeout_s: float
     stop_and_wait: bool
     subblock_bytes: int  # agents.executor's cut-through sub-block
+    links: str  # agents.executor's data connections: per channel, or shared per peer
     clock_offset_ms: dict  # dc -> ms its agent's clock is shifted by (tests of the correction)
 
 
@@ -405,6 +409,7 @@ def _settings(c: Checker, exp: dict, nodes: list[str]) -> None:
     if not isinstance(a["stop_and_wait"], bool):
         c.fail("agents.stop_and_wait", f"expected true or false, got {a['stop_and_wait']!r}")
     a["subblock_bytes"] = _size(c, a["subblock_bytes"], "agents.subblock_bytes", minimum=8)
+    c.choice(a["links"], "agents.links", LINKS)
     if not isinstance(exp["dynamics_per_run"], bool):
         c.fail("dynamics_per_run", f"expected true or false, got {exp['dynamics_per_run']!r}")
     c.mapping(a["clock_offset_ms"], "agents.clock_offset_ms")

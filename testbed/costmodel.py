@@ -109,7 +109,9 @@ def max_min_rates(classes: dict[tuple[int, ...], int], cap: list[float]) -> dict
     """Max-min fair rate of one flow of each class by progressive filling.
 
     ``classes`` maps a flow's link-id tuple to the number of flows with exactly those
-    links (identical flows get identical rates, so they are filled together).  Repeatedly
+    links (identical flows get identical rates, so they are filled together), or to their
+    total weight: a flow of weight w is w flows of one unit (weighted max-min), and the
+    rate returned is one unit's.  Repeatedly
     the link with the smallest fair share (remaining capacity / unfrozen flows) freezes
     its flows at that share.  Shares only grow as flows freeze, so a heap of link shares
     with lazy invalidation finds the next bottleneck: O(Σ path lengths · log links).
@@ -150,6 +152,7 @@ def max_min_rates(classes: dict[tuple[int, ...], int], cap: list[float]) -> dict
 
 PACE_PREFIX = "pace "  # names of the virtual links that model paced connections
 STREAM_PREFIX = "stream "  # names of the virtual links that hold a cut-through send to its upstream's pace
+WEIGHT_PREFIX = "weight "  # names of the uncapped virtual links that mark a weight class (shared links)
 # TCP payload per shaped byte at MTU 1500 with timestamps: MSS 1448 in a 1514-byte Ethernet frame
 # (HTB shapes frames: a link of rate R carries R x 1448/1514 of payload), and per IP byte (the
 # kernel paces a connection's IP packets, 1500 bytes per 1448 of payload).
@@ -163,8 +166,21 @@ TCP_PACED_SHARE = 1448 / 1500
 EXECUTOR_TRANSFER_S = 0.002
 
 
+def _shared_weights(ops: _Ops) -> dict[tuple[str, str, int], float]:
+    """Shared links' weight of each connection (src, dst, channel): its largest rate where
+    every channel from src to dst has one, else 1 (:class:`agents.executor.SharedLink`)."""
+    rates: dict[tuple[str, str], dict[int, float]] = {}
+    for i, op in enumerate(ops.ops):
+        if ops.is_send[i]:
+            chans = rates.setdefault((ops.node[i], op.peer), {})
+            chans[op.channel] = max(chans.get(op.channel, 0.0), op.rate_mbps)
+    return {(s, d, ch): (r if all(chans.values()) else 1.0)
+            for (s, d), chans in rates.items() for ch, r in chans.items()}
+
+
 def predict(plan: Plan, graph: nx.DiGraph, *, elem_bytes: int = 4, stop_and_wait: bool = False,
-            tcp: bool = False, transfer_s: float = 0.0, trace: bool = False, cut_through_bytes: float = 0.0) -> dict:
+            tcp: bool = False, transfer_s: float = 0.0, trace: bool = False, cut_through_bytes: float = 0.0,
+            links: str = "channel") -> dict:
     """Flow-level, max-min fair discrete-event simulation of ``plan`` on ``graph``.
 
     * An op is ready when its ``deps`` have completed.  A ready send joins the FIFO of
@@ -176,7 +192,10 @@ def predict(plan: Plan, graph: nx.DiGraph, *, elem_bytes: int = 4, stop_and_wait
       neighbours, else latency-shortest); flows sharing a directed link share its
       rate max-min fairly (progressive filling, recomputed whenever the set of flows
       changes).  A paced send (``Op.rate_mbps``) also crosses a virtual link of that
-      rate private to its connection.
+      rate private to its connection.  ``links="shared"`` (the executor's shared links,
+      ``agents.links``): no pacing; the channels a node sends to one peer keep their FIFOs
+      and share by weight (weighted max-min), the weights being their rates where every
+      channel to that peer has one, else equal.
     * The send completes when its last byte has left (``stop_and_wait``: one route RTT
       later, when the acknowledgement is back, and only then can the connection send
       again — TSEngine-style stop-and-wait, NetStorm App. B).  With ``tcp`` the rates are
@@ -204,7 +223,7 @@ def predict(plan: Plan, graph: nx.DiGraph, *, elem_bytes: int = 4, stop_and_wait
     if the plan deadlocks.
     """
     sim = _Simulation(plan, graph, elem_bytes=elem_bytes, stop_and_wait=stop_and_wait, tcp=tcp,
-                      transfer_s=transfer_s, cut_through_bytes=cut_through_bytes)
+                      transfer_s=transfer_s, cut_through_bytes=cut_through_bytes, links=links)
     sim.run()
     sim.check_complete()
     out = _report(plan, sim.ops, sim.routes, sim.done, sim.per_link, stop_and_wait, transfer_s)
@@ -221,12 +240,13 @@ class _Simulation:
     connections' FIFOs, the transmitting flows and the pending events, at time ``t``."""
 
     def __init__(self, plan: Plan, graph: nx.DiGraph, *, elem_bytes: int, stop_and_wait: bool, tcp: bool,
-                 transfer_s: float, cut_through_bytes: float) -> None:
+                 transfer_s: float, cut_through_bytes: float, links: str = "channel") -> None:
         self.ops = ops = _Ops(plan)
         self.routes = _Routes(graph, TCP_LINK_SHARE if tcp else 1.0)
         self.stop_and_wait, self.transfer_s, self.cut_through_bytes = stop_and_wait, transfer_s, cut_through_bytes
         n_ops = len(ops.ops)
-        self._route_sends(elem_bytes, tcp)
+        self.link_weight: dict[int, float] = {}  # weight link -> the weight of the flows crossing it
+        self._route_sends(elem_bytes, tcp, links == "shared")
         self.cap = cap = self.routes.cap
         self.deps_of: list[list[int]] = [[] for _ in range(n_ops)]
         for d in range(n_ops):
@@ -267,8 +287,9 @@ class _Simulation:
         self.t = 0.0
         self.work = deque(i for i in range(n_ops) if self.unmet[i] == 0)
 
-    def _route_sends(self, elem_bytes: int, tcp: bool) -> None:
-        """Each send's links (with its connection's pacing link), one-way delay, RTT, size and connection."""
+    def _route_sends(self, elem_bytes: int, tcp: bool, shared: bool) -> None:
+        """Each send's links (with its connection's pacing link, or with shared links its
+        weight's link), one-way delay, RTT, size and connection."""
         ops, routes = self.ops, self.routes
         n_ops = len(ops.ops)
         self.links: list[tuple[int, ...]] = [()] * n_ops
@@ -278,12 +299,22 @@ class _Simulation:
         self.conn = [0] * n_ops
         self.conn_id: dict[tuple[str, str, int], int] = {}
         paced: dict[tuple[str, str, int], int] = {}  # connection -> its virtual pacing link
+        weights = _shared_weights(ops) if shared else {}
+        weight_link: dict[float, int] = {}
         for i, op in enumerate(ops.ops):
             if not ops.is_send[i]:
                 continue
             src = ops.node[i]
             self.links[i], self.alpha[i], _ = routes.get(src, op.peer, op.path)
-            if op.rate_mbps > 0:  # a paced connection: a private virtual link at its rate
+            w = weights.get((src, op.peer, op.channel), 1.0)
+            if w != 1.0:  # shared links: a weight class, marked by an uncapped virtual link
+                if w not in weight_link:
+                    weight_link[w] = len(routes.cap)
+                    self.link_weight[weight_link[w]] = w
+                    routes.cap.append(float("inf"))
+                    routes.names.append(WEIGHT_PREFIX + f"{w:g}")
+                self.links[i] = self.links[i] + (weight_link[w],)
+            elif op.rate_mbps > 0 and not shared:  # a paced connection: a private virtual link at its rate
                 key = (src, op.peer, op.channel)
                 if key not in paced:
                     paced[key] = len(routes.cap)
@@ -365,11 +396,20 @@ class _Simulation:
                     on_link[l].discard(k)
         sub = {k: len(members[k]) for k in comp if members.get(k)}
         basis.update(sub)
-        for key, r in max_min_rates(sub, self.cap).items():
+        weight = {k: self._weight(k) for k in sub}
+        for key, r in max_min_rates({k: n * weight[k] for k, n in sub.items()}, self.cap).items():
+            r *= weight[key]
             if self.class_rate.get(key) != r:
                 self.class_rate[key] = r
                 for i in members[key]:
                     self.set_rate(i, r)
+
+    def _weight(self, key: tuple[int, ...]) -> float:
+        """The weight of a class's flows (1 unless shared links gave them another)."""
+        w = 1.0
+        for l in key:
+            w *= self.link_weight.get(l, 1.0)
+        return w
 
     def rate_fresh(self) -> None:
         """Flows started since the last re-share take their class's rate (one that replaced an
@@ -522,7 +562,7 @@ def _report(plan: Plan, ops: _Ops, routes: _Routes, done: list[float], per_link:
         if not ops.is_send[i]:
             result = max(result, done[i])
             phase_end[op.phase] = max(phase_end.get(op.phase, 0.0), done[i])
-    real = [l for l, name in enumerate(routes.names) if not name.startswith((PACE_PREFIX, STREAM_PREFIX))]
+    real = [l for l, name in enumerate(routes.names) if not name.startswith((PACE_PREFIX, STREAM_PREFIX, WEIGHT_PREFIX))]
     busy = {l: per_link[l] / routes.cap[l] for l in real}  # at the payload rate the model gives the link
     bott = max(real, key=lambda l: (busy[l], routes.names[l]), default=None)
     return {

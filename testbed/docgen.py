@@ -168,6 +168,12 @@ KEY_DOCS: dict[str, str] = {
                              "a time and forwards what it has added; a chunk no longer than this is stored and "
                              "forwarded whole (a size: `16KiB`, or bytes); the prediction models the same value; "
                              "agents that probe (`adaptive`) store and forward every chunk",
+    "agents.links": "the agents' data connections: `shared`, one TCP connection per neighbour that carries "
+                    "every tree's transfers in pieces of a sub-block, served in weighted fair order (the plan's "
+                    "rates as weights, not caps: a tree with nothing ready leaves its share to the others); or "
+                    "`channel`, a connection per plan channel (per tree), paced at the plan's rates where it has "
+                    "them.  Runs that probe, re-plan, form groups, stop and wait or use auxiliary paths use "
+                    "`channel` (each run's record says which: `connections`); the prediction models the same",
     "agents.clock_offset_ms": "`{dc: ms}`: shift an agent's clock (tests of the clock-offset correction)",
     "dynamics": "live rate changes: `{at_s, link, rate_mbps, direction}`, `{trace: file.csv}`, "
                 "`{redraw: {lo, hi, every_s, seed}}` ([below](#dynamics-and-faults))",
@@ -518,6 +524,8 @@ RESULTS_FIELDS: list[tuple[str, str, str]] = [
     ("runs", "", "one entry per variant and repetition, in the order run"),
     ("runs[].variant", "", "the variant's label"),
     ("runs[].repetition", "", "repetition number, from 0"),
+    ("runs[].connections", "", "the agents' data connections in this run: `shared` (one per neighbour) or "
+                               "`channel` (one per tree; `agents.links`)"),
     ("runs[].cct_s", "s", "mean CCT of the run's measured iterations (with `groups`: of its completed tasks)"),
     ("runs[].warmup_cct_s", "s", "CCT of each warm-up iteration (not in any statistic)"),
     ("runs[].correct", "", "every worker's result equal to the exact sum in every iteration"),

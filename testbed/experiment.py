@@ -63,6 +63,7 @@ def build_plan(exp: Experiment, scheme: dict | None = None, *, source: str = "",
     """The plan of a validated experiment's scheme (default: the main one), its prediction and
     bound -- pure planning, no network.  What the planner rejects (a disconnected topology,
     a parameter) is a ConfigError naming ``source`` and ``key``."""
+    from agents.executor import links_for
     from testbed import costmodel
     from testbed.planners import make_plan
     from testbed.planners.bound import optimum
@@ -79,9 +80,11 @@ def build_plan(exp: Experiment, scheme: dict | None = None, *, source: str = "",
     plan.validate()
     runtime.check_plan(exp, scheme, plan, source=source or exp.name, key=key)
     a = scheme.get("adaptive")  # the agents forward cut-through unless they probe: agents.executor
+    links = links_for(exp.agents.links, plan, stop_and_wait=exp.agents.stop_and_wait, probing=bool(a),
+                      versions=bool(a or scheme.get("groups")))
     prediction = costmodel.predict(plan, graph, elem_bytes=w.elem_bytes, stop_and_wait=exp.agents.stop_and_wait,
                                    tcp=True, transfer_s=costmodel.EXECUTOR_TRANSFER_S,
-                                   cut_through_bytes=0 if a else exp.agents.subblock_bytes)
+                                   cut_through_bytes=0 if a else exp.agents.subblock_bytes, links=links)
     # The optimum is a packing of reduce/broadcast trees over every node, a bound for an AllReduce
     # of all of them; a partial reduce (CREW's group P, forest's active workers) has none here.
     partial = set(plan.contributing()) != set(plan.nodes) or set(plan.finishing()) != set(plan.nodes)
@@ -129,7 +132,8 @@ def _run_once(exp: Experiment, v: Variant, plan: Plan, prediction: dict, rep: in
     opts = runtime.options(runtime.RunContext(exp, v.scheme, plan, hosts.truth(), seed, n_its))
     opts.setdefault("compute_s", compute_times(w.compute_s, plan.nodes, n_its, seed))
     return run_agents(hosts, plan, out_dir, iterations=n_its, seed=seed, dtype=w.dtype,
-                      stop_and_wait=a.stop_and_wait, subblock_bytes=a.subblock_bytes, timeout_s=a.timeout_s,
+                      stop_and_wait=a.stop_and_wait, subblock_bytes=a.subblock_bytes, links=a.links,
+                      timeout_s=a.timeout_s,
                       progress=progress, predicted_s=prediction["cct_s"], clock_offset_ms=a.clock_offset_ms,
                       on_ready=on_ready, **opts)
 
@@ -277,7 +281,7 @@ def _summarise_run(rep: int, label: str, result: dict, warmup: int = 0) -> dict:
     for it in its:
         it["warmup"] = it["iteration"] < warmup
     incorrect = sorted({n for it in its for n, wk in it["workers"].items() if not wk.get("correct", True)})
-    return {"variant": label, "repetition": rep,
+    return {"variant": label, "repetition": rep, "connections": result.get("connections", "channel"),
             "cct_s": stats([it["cct_s"] for it in its if not it["warmup"]])["mean"],
             "warmup_cct_s": [it["cct_s"] for it in its if it["warmup"]],  # cold: TCP start on fresh connections
             "iterations": its, "correct": all(it["correct"] for it in its) and not incorrect,

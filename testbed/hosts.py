@@ -51,6 +51,7 @@ class Hosts(Protocol):
 
 def run_agents(hosts: Hosts, plan, out_dir: Path, *, iterations: int = 1, seed: int = 0, dtype: str = "float32",
                compute_s: dict | None = None, stop_and_wait: bool = False, subblock_bytes: int | None = None,
+               links: str = "channel",
                timeout_s: float = 120.0, progress: Callable[[str], None] = lambda m: None, predicted_s: float | None = None,
                probe: dict | None = None, clock_offset_ms: dict | None = None, policy=None,
                driver=None, on_ready: Callable[[], None] | None = None) -> dict:
@@ -60,7 +61,7 @@ def run_agents(hosts: Hosts, plan, out_dir: Path, *, iterations: int = 1, seed: 
     ({chunk_bytes, chunk_num, estimator}); ``clock_offset_ms``: {dc: ms} shifts agents'
     clocks (tests); ``policy``: re-planning; ``driver``: a run-time driver instead of the
     iterations (CREW's groups); ``subblock_bytes``: the executors' cut-through sub-block
-    (None: theirs); ``on_ready()``: when the measured phase starts (:class:`agents.coordinator.Coordinator`)."""
+    (None: theirs); ``links``: their data connections (:class:`agents.executor.Executor`); ``on_ready()``: when the measured phase starts (:class:`agents.coordinator.Coordinator`)."""
     from agents.coordinator import Coordinator
 
     offsets = hosts.clock_offsets()  # node -> testbed.clock.Offset of its host's clock from ours
@@ -71,7 +72,7 @@ def run_agents(hosts: Hosts, plan, out_dir: Path, *, iterations: int = 1, seed: 
         secret_file.write_text(secrets.token_hex(32))
     coord = Coordinator(plan, addresses=hosts.addresses(), data_port=None, secret=secret_file.read_text(),
                         iterations=iterations, seed=seed, dtype=dtype, compute_s=compute_s,
-                        stop_and_wait=stop_and_wait, subblock_bytes=subblock_bytes, timeout_s=timeout_s,
+                        stop_and_wait=stop_and_wait, subblock_bytes=subblock_bytes, links=links, timeout_s=timeout_s,
                         bind=hosts.coordinator_bind, progress=progress, health=hosts.health, predicted_s=predicted_s,
                         clock_offsets_ns={n: o.offset_ns for n, o in offsets.items()}, probe=probe,
                         truth=hosts.truth(), policy=policy, driver=driver, sync_clocks=bool(probe or clock_offset_ms),

@@ -26,7 +26,9 @@ Semantics (the agent executor and :func:`interpret` implement exactly this):
   one channel share one ordered byte stream, different channels do not block each
   other.  ``flow``, ``chunk`` and ``phase`` label transfers for timing reports.
 * ``rate_mbps`` (sends; 0 = unpaced) caps the sending rate of that connection (the
-  executor sets the socket's pacing rate to the largest rate of its sends).  Planners
+  executor sets the socket's pacing rate to the largest rate of its sends); where the
+  executor shares one connection among a peer's channels (``agents.links: shared``) the rates
+  are the channels' weights in its fair order instead of caps.  Planners
   that allocate rates to trees (MTREE, BLINK, forest packing) use it so trees sharing a
   link get their planned rates instead of TCP's equal shares.
 * ``path`` (sends; empty = the network's own routing): the nodes the transfer crosses,

@@ -20,11 +20,13 @@ import pytest
 from agents import wire
 from agents.agent import Job
 from agents.coordinator import Coordinator
-from agents.executor import ExecError, Executor
+from agents.executor import ExecError, Executor, links_for
 from agents.inputs import bound, expected_sum, make_input
 from agents.local import LocalCluster, local_address, run_local
 from testbed.errors import ConfigError, RunError
 from testbed.plan import RECV, SEND, Op, Plan, ProgramBuilder, Tree, interpret, split_lengths, trees_plan
+from testbed.planners import make_plan
+from testbed.topology import load_topology
 
 
 # -- plans -------------------------------------------------------------------------
@@ -142,6 +144,12 @@ def test_header_round_trip_and_validation():
                 w._replace(type=wire.CTRL)):
         with pytest.raises(wire.ProtocolError, match="withdrawn"):
             wire.decode_header(wire.encode_header(bad), 4000)
+    p = wire.Header(wire.DATA, flags=wire.FLAG_PIECE, xfer=5, payload_len=16)  # a piece of a direct transfer
+    assert wire.decode_header(wire.encode_header(p), 4000) == p
+    for bad in (p._replace(flags=wire.FLAG_PIECE | wire.FLAG_AUX, route=(1, 5, 2)),
+                p._replace(flags=wire.FLAG_PIECE | wire.FLAG_ACK_REQ), p._replace(type=wire.CTRL)):
+        with pytest.raises(wire.ProtocolError, match="a piece is"):
+            wire.decode_header(wire.encode_header(bad), 4000)
 
 
 def test_handshake_mutual_and_refusals():
@@ -184,6 +192,28 @@ def test_job_round_trip():
     assert Job.from_dict(json.loads(json.dumps(c.make_job("r").to_dict()))).scratch == plan.scratch["r"]
     assert c.make_job("a").peers == {"r": ("10.0.0.3", 7100), "c": ("10.0.0.4", 7100)}
     assert c.make_job("a").compute_for(2) == 0.1
+
+
+def test_shared_links_only_where_the_run_allows_them():
+    """``links="shared"`` reaches the agents' jobs unless the run needs whole frames per
+    connection (stop-and-wait; probing, re-planning and drivers are the same rule); an unknown
+    value is refused."""
+    plan = two_tree_plan(length=64, chunks=2)
+    addrs = {n: f"10.0.0.{i + 1}" for i, n in enumerate(plan.nodes)}
+    for opts, want in (({}, "channel"), ({"links": "shared"}, "shared"),
+                       ({"links": "shared", "stop_and_wait": True}, "channel")):
+        with Coordinator(plan, addresses=addrs, data_port=7100, secret=b"s", bind=("127.0.0.1", 0), **opts) as c:
+            assert {c.make_job(n).links for n in plan.nodes} == {want}, opts
+    with pytest.raises(ValueError, match="links 'mux'"):
+        Coordinator(plan, addresses=addrs, data_port=7100, secret=b"s", bind=("127.0.0.1", 0), links="mux")
+    g = load_topology("quick-5").graph()
+    aux = {"primary_busy_bound": 0, "aux_queue_length": 2, "max_paths": 2, "disjoint": "node", "idle_only": False}
+    for scheme, params, opts in (("mtree", {}, {"probing": True}), ("mtree", {}, {"versions": True}),
+                                 ("mst", {}, {}), ("multitree", {"variant": "bfs"}, {})):
+        other = make_plan(scheme, g, 1000, params, aux=aux if scheme == "mst" else None)
+        assert other.aux.get("paths") or any(op.path for _, op in other.transfers()) or opts, scheme
+        assert links_for("shared", other, **opts) == "channel", (scheme, params, opts)
+    assert links_for("shared", make_plan("mtree", g, 1000)) == "shared"
 
 
 def test_per_node_address_view_and_missing_address():
@@ -289,6 +319,8 @@ def test_a_connection_opened_after_the_executor_closed_is_refused_and_closed():
     (lambda: wire.encode_header(wire.Header(wire.CTRL, payload_len=2)) + b"{}", "from a .*unexpected CTRL"),
     (lambda: b"GARBAGE!" * 8, "from a .*bad magic"),
     (lambda: wire.encode_header(_data(5, 16)) + b"\0" * 8, "from a .*middle of a transfer 5"),
+    (lambda: wire.encode_header(_data(5, 8)._replace(flags=wire.FLAG_PIECE)) + b"\0" * 8,
+     "from a .*a piece on a connection of one channel"),
 ])
 def test_executor_rejects_malformed_data(lone_receiver, frame, match):
     ex, sa = lone_receiver
@@ -301,6 +333,31 @@ def test_executor_rejects_malformed_data(lone_receiver, frame, match):
         ex.run(0)
     assert time.monotonic() - t < 2  # at once, not after a timeout
     assert _closed_by_peer(sa)  # the executor closed the connection (else recv times out)
+
+
+def test_a_shared_connection_takes_pieces_in_order_and_refuses_one_that_overruns():
+    """Shared links: a transfer's pieces (8 + 8 bytes) are read one after the other into its
+    block; a piece that would run past the transfer's end is refused at once, naming it."""
+    ex = Executor("b", [Op(0, RECV, "a", 5, 0, 4, reduce=True)], length=4, timeout_s=1.0, links="shared")
+    sa, sb = socket.socketpair()
+    sa.settimeout(5)
+    ex.attach_incoming("a", 0, sb)
+    try:
+        ex.prepare(np.ones(4, np.float32))
+        piece = _data(5, 8)._replace(flags=wire.FLAG_PIECE)
+        wire.send_frame(sa, piece, np.array([1, 2], np.float32))
+        wire.send_frame(sa, piece, np.array([3, 4], np.float32))
+        ex.run(0)
+        assert ex.bufs["x"].tolist() == [2, 3, 4, 5]
+        ex.prepare(None)
+        wire.send_frame(sa, piece._replace(op_id=1), np.array([1, 2], np.float32))
+        sa.sendall(wire.encode_header(piece._replace(op_id=1, payload_len=12)) + bytes(12))
+        with pytest.raises(wire.ProtocolError, match="transfer 5: a piece of 12 bytes after 8 overruns its 16"):
+            ex.run(1)
+        assert _closed_by_peer(sa)
+    finally:
+        ex.close()
+        sa.close()
 
 
 def test_executor_peer_close_and_timeout_name_the_peer(lone_receiver):

@@ -39,6 +39,7 @@ BROKEN = {
     "bad_tcp_cc": (GOOD + "emulator: {tcp_cc: 'fast please'}\n", "emulator.tcp_cc"),
     "tiny_subblock": (GOOD + "agents: {subblock_bytes: 4}\n", "agents.subblock_bytes: must be at least 8 bytes"),
     "bad_subblock": (GOOD + "agents: {subblock_bytes: big}\n", "agents.subblock_bytes: cannot parse size"),
+    "bad_links": (GOOD + "agents: {links: mux}\n", "agents.links: expected one of channel, shared, got 'mux'"),
     # what only planning finds (validate runs the planners, no network)
     "disconnected": (textwrap.dedent("""\
         name: t

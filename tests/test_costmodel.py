@@ -366,3 +366,26 @@ def test_cut_through_model_uses_the_experiments_sub_block():
     small = built(subblock_bytes="8KiB")
     assert small.agents.subblock_bytes == 8192
     assert build_plan(small).prediction["cct_s"] < build_plan(default).prediction["cct_s"]
+
+
+def test_shared_links_share_by_the_rates_as_weights_and_conserve_work():
+    """``links="shared"``: two channels a->b paced at 30 and 10 Mbit/s on a 100 Mbit/s link
+    take 75 and 25 Mbit/s while both send, and the one left takes the whole link (work
+    conserving); as caps (a connection per channel) they keep 30 and 10.  A channel without a
+    rate makes the shares equal."""
+    g = build([("a", "b")], rate=100, delay=0)
+    size = 1_000_000  # 4 MB each
+
+    def plan(r0, r1):
+        b = ProgramBuilder(["a", "b"])
+        b.transfer("a", "b", 0, size, reduce=False, channel=0, rate_mbps=r0)
+        b.transfer("a", "b", size, size, reduce=False, channel=1, rate_mbps=r1)
+        return Plan("two", ["a", "b"], 2 * size, b.programs)
+    mbit = size * 4 * 8 / 1e6  # 32 Mbit each
+    shared = predict(plan(30, 10), g, links="shared", trace=True)
+    left = sorted(row[4] for row in shared["trace"])
+    assert left[0] == pytest.approx(mbit / 75)  # the heavier at 75 Mbit/s while both send
+    assert left[1] == pytest.approx(2 * mbit / 100)  # the link never idles: the lighter takes it all after
+    assert predict(plan(30, 10), g)["cct_s"] == pytest.approx(mbit / 10)  # as caps: the slower one's 3.2 s
+    equal = sorted(row[4] for row in predict(plan(30, 0), g, links="shared", trace=True)["trace"])
+    assert equal == pytest.approx([2 * mbit / 100] * 2)  # one channel without a rate: equal shares

@@ -25,10 +25,7 @@ def run_in_process(plan, iterations=2, seed=3, **options):
     final ``x`` per iteration, and every executor's timings of the last one."""
     exs = {n: Executor(n, plan.programs.get(n, []), length=plan.length, scratch=plan.scratch.get(n),
                        timeout_s=20, **options) for n in plan.nodes}
-    pairs = set()
-    for n, prog in plan.programs.items():
-        pairs.update((n, op.peer, op.channel) for op in prog if op.kind == SEND)
-    for src, dst, ch in sorted(pairs):
+    for src, dst, ch in sorted((n, *key) for n, ex in exs.items() for key in ex.outgoing()):
         a, b = socket.socketpair()
         exs[src].attach_outgoing(dst, ch, a)
         exs[dst].attach_incoming(src, ch, b)
@@ -128,13 +125,51 @@ def test_loopback_chain_cut_through_and_store_and_forward_are_exact():
         loopback_chain(1 << 12, 2, iterations=1, subblock_bytes="not a size")
 
 
+@pytest.mark.parametrize("links", ["channel", "shared"])
 @pytest.mark.parametrize("scheme", sorted(schemes()))
-def test_every_scheme_is_exact_with_cut_through_in_small_sub_blocks(scheme):
+def test_every_scheme_is_exact_with_cut_through_in_small_sub_blocks(scheme, links):
     """Every registered scheme's plan on quick-5, its executors streaming in sub-blocks of 64
-    bytes (every transfer of this size cut through), equals the reference interpreter's."""
+    bytes (every transfer of this size cut through), with a connection per channel or one per
+    peer that the channels share (pieces of 64 bytes interleaved), equals the reference
+    interpreter's."""
     plan = make_plan(scheme, load_topology("quick-5").graph(), 20_011)
-    outs, _ = run_in_process(plan, iterations=1, subblock_bytes=64)
+    if links == "shared" and plan.aux.get("paths"):
+        with pytest.raises(ValueError, match="auxiliary paths"):
+            run_in_process(plan, iterations=1, links=links)
+        return
+    outs, _ = run_in_process(plan, iterations=2, subblock_bytes=64, links=links)
     for got, inputs in outs:
         want = interpret(plan, inputs)
         for n in plan.finishing():
             assert np.array_equal(got[n], want[n]), n
+
+
+def test_a_shared_link_serves_backlogged_channels_by_weight_and_idles_for_none():
+    """Two channels' writers on one connection (weights 3 and 1), both with pieces waiting
+    while the reader drains slowly: the link gives them 3:1 of its frames; once the heavier one
+    has sent all of its pieces the other's go back to back (no turn is kept for it)."""
+    from agents.executor import SharedLink
+
+    a, b = socket.socketpair()
+    a.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+    link, piece = SharedLink(a, {0: 3.0, 1: 1.0}), bytes(16 << 10)
+
+    def writer(ch, n):
+        for _ in range(n):
+            link.write(ch, wire.Header(wire.DATA, xfer=ch, payload_len=len(piece)), piece, lambda: False)
+    threads = [threading.Thread(target=writer, args=(0, 30)), threading.Thread(target=writer, args=(1, 30))]
+    for t in threads:
+        t.start()
+    order, hbuf = [], bytearray(64)
+    for _ in range(60):
+        h = wire.recv_header(b, hbuf, 1 << 20)
+        wire.recv_into_exact(b, memoryview(bytearray(h.payload_len)), "piece")
+        order.append(h.xfer)
+        threading.Event().wait(0.002)
+    for t in threads:
+        t.join(10)
+    a.close()
+    b.close()
+    assert 22 <= order[4:36].count(0) <= 26, order  # 3:1 while both wait: 24 of 32
+    last0 = max(k for k, c in enumerate(order) if c == 0)
+    assert set(order[last0 + 1:]) == {1} and order.count(1) == 30, order

@@ -149,7 +149,9 @@ def test_errors_found_while_planning_carry_the_key_path():
 
 @pytest.mark.net
 def test_every_scheme_gives_exact_results_on_a_real_network(netenv, tmp_path):
-    """Real Mininet WAN, real agent processes, real TCP: every registered scheme once."""
+    """Real Mininet WAN, real agent processes, real TCP: every registered scheme once with each
+    kind of data connection (one per neighbour shared by the trees, one per tree)."""
+    from agents.executor import LINKS, links_for
     from testbed.emulator.hosts import EmulatedHosts
     from testbed.emulator.network import WanNetwork
     from testbed.hosts import run_agents
@@ -159,6 +161,7 @@ def test_every_scheme_gives_exact_results_on_a_real_network(netenv, tmp_path):
     with WanNetwork(topo) as net:
         for name in SCHEMES:
             plan = make_plan(name, graph, 5_000)
-            res = run_agents(EmulatedHosts(net), plan, tmp_path / name, timeout_s=60)
-            assert all(it["correct"] for it in res["iterations"]), name
-            assert res["iterations"][0]["cct_s"] > 0, name
+            for links in LINKS:
+                res = run_agents(EmulatedHosts(net), plan, tmp_path / f"{name}-{links}", timeout_s=60, links=links)
+                assert all(it["correct"] for it in res["iterations"]), (name, links)
+                assert res["iterations"][0]["cct_s"] > 0 and res["connections"] == links_for(links, plan), name

@@ -931,7 +931,7 @@ def _budgeted(compiled, max_trees: int | str, graph: nx.DiGraph, elem_bytes: int
     defaults) finishes first.  Our addition: fewer trees mean fewer, larger pieces and fewer
     deep pipelines to fill, at some cost in packing; which budget is fastest depends on the
     topology and the size (docs/measurements/2026-12-02-forest-budget.md)."""
-    from agents.executor import SUBBLOCK_BYTES
+    from agents.executor import DEFAULT_LINKS, SUBBLOCK_BYTES
     from testbed import costmodel
 
     if max_trees != "auto":
@@ -943,7 +943,7 @@ def _budgeted(compiled, max_trees: int | str, graph: nx.DiGraph, elem_bytes: int
         forest, plan, flows = compiled(budget)
         cct[str(budget)] = costmodel.predict(plan, graph, elem_bytes=elem_bytes, tcp=True,
                                              transfer_s=costmodel.EXECUTOR_TRANSFER_S,
-                                             cut_through_bytes=SUBBLOCK_BYTES)["cct_s"]
+                                             cut_through_bytes=SUBBLOCK_BYTES, links=DEFAULT_LINKS)["cct_s"]
         if best is None or cct[str(budget)] < cct[str(best[3])]:
             best = (forest, plan, flows, budget)
     return (*best, cct)
