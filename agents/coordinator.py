@@ -71,7 +71,7 @@ from testbed.plan import Plan
 
 from . import wire
 from .agent import Job
-from .executor import LINKS, SUBBLOCK_BYTES, links_for
+from .executor import SUBBLOCK_BYTES, check_links, links_for
 from .netstate import NetState
 from .protocol import (
     TRANSFER_COLUMNS,
@@ -315,10 +315,7 @@ class Coordinator:
         self.plan, self.secret, self.data_port = plan, wire.as_secret(secret), data_port
         self.iterations, self.seed, self.dtype = int(iterations), int(seed), dtype
         self.stop_and_wait, self.timeout_s = bool(stop_and_wait), float(timeout_s)
-        self.subblock_bytes = int(subblock_bytes or SUBBLOCK_BYTES)
-        if links not in LINKS:
-            raise ValueError(f"links {links!r}: one of {', '.join(LINKS)}")
-        self.links = links
+        self.subblock_bytes, self.links = int(subblock_bytes or SUBBLOCK_BYTES), check_links(links)
         self.register_timeout_s = float(register_timeout_s or timeout_s)
         self.compute_s = {n: ([float(v)] if isinstance(v, (int, float)) else [float(x) for x in v])
                           for n, v in (compute_s or {}).items()}

@@ -153,6 +153,13 @@ DEFAULT_LINKS = "shared"  # an experiment's default (agents.links); the library'
 SHARED_UNSENT_BYTES = 256 << 10  # a shared connection's TCP_NOTSENT_LOWAT: its turns are taken near the wire
 
 
+def check_links(links: str) -> str:
+    """``links`` if it is one of :data:`LINKS`, else ValueError."""
+    if links not in LINKS:
+        raise ValueError(f"links {links!r}: one of {', '.join(LINKS)}")
+    return links
+
+
 def links_for(links: str, plan, *, stop_and_wait: bool = False, probing: bool = False,
               versions: bool = False) -> str:
     """The data connections a run uses: ``links``, unless shared links cannot carry it --
@@ -372,9 +379,7 @@ class Executor:
         ``links``: a data connection per plan channel (``"channel"``), or one per peer that the
         channels share (``"shared"``, :class:`SharedLink`; not with stop-and-wait, a link gate,
         a probing hook or auxiliary paths, which need whole frames per connection)."""
-        if links not in LINKS:
-            raise ValueError(f"links {links!r}: one of {', '.join(LINKS)}")
-        self.shared = links == "shared"
+        self.shared = check_links(links) == "shared"
         if self.shared and (stop_and_wait or gate or on_chunk or (aux or {}).get("paths")):
             raise ValueError("links 'shared' needs whole frames per connection with stop-and-wait, a link gate, "
                              "a probing hook or auxiliary paths")
@@ -675,8 +680,8 @@ class Executor:
                     link: SharedLink | None) -> None:
         """Send the items queued in ``box`` as they come (``current[0]``: the one being sent)
         until the executor closes: a relayed or re-sent chunk as it is, a send withdrawn (no
-        payload), streamed (cut-through) or whole, each in its link turn under FL-FCFS; on a
-        ``link`` shared with other channels, in pieces."""
+        payload), in pieces (a shared ``link``), streamed (cut-through) or whole, each in its
+        link turn under FL-FCFS."""
         peer = key[0]
         hbuf = bytearray(64)
         flags = FLAG_ACK_REQ if self.stop_and_wait else 0
@@ -713,17 +718,23 @@ class Executor:
             header = Header(DATA, phase_code(op.phase), flags | (FLAG_AUX if route else 0), it,
                             op.xfer, op.flow, op.chunk, view.nbytes, start, route)
             try:
-                if link is not None:
-                    self._send_pieces(link, key[1], box, i, it, header)
-                elif payload is None and self._wait[i]:
-                    self._stream(sock, box, i, it, header)
-                else:
-                    send_frame(sock, header, view, self._count(self._tx_bytes, i))
+                self._write(sock, box, link, key[1], i, it, header, payload)
             finally:
                 if t is not None:
                     self._gate(peer).release(self._tickets.pop(i), sock)
             self._await_ack(sock, hbuf, op, it)
             self._sent(box, i, it, start, False)
+
+    def _write(self, sock: socket.socket, box: _Outbox, link: SharedLink | None, channel: int, i: int, it: int,
+               header: Header, copy) -> None:
+        """Write send ``i``: in pieces on a shared ``link``, streamed as its deps apply it
+        (cut-through), else whole (from ``copy``, an auxiliary path's, if given)."""
+        if link is not None:
+            self._send_pieces(link, channel, box, i, it, header)
+        elif copy is None and self._wait[i]:
+            self._stream(sock, box, i, it, header)
+        else:
+            send_frame(sock, header, self._views[i] if copy is None else copy, self._count(self._tx_bytes, i))
 
     def _sent(self, box: _Outbox, i: int, it: int, start: int, without: bool) -> None:
         """Send ``i`` of iteration ``it`` is written: it completes once its deps have (a

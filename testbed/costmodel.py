@@ -192,10 +192,8 @@ def predict(plan: Plan, graph: nx.DiGraph, *, elem_bytes: int = 4, stop_and_wait
       neighbours, else latency-shortest); flows sharing a directed link share its
       rate max-min fairly (progressive filling, recomputed whenever the set of flows
       changes).  A paced send (``Op.rate_mbps``) also crosses a virtual link of that
-      rate private to its connection.  ``links="shared"`` (the executor's shared links,
-      ``agents.links``): no pacing; the channels a node sends to one peer keep their FIFOs
-      and share by weight (weighted max-min), the weights being their rates where every
-      channel to that peer has one, else equal.
+      rate private to its connection; with ``links="shared"`` (``agents.links``) instead
+      a weight: weighted max-min, the rates of a node's channels to a peer as weights.
     * The send completes when its last byte has left (``stop_and_wait``: one route RTT
       later, when the acknowledgement is back, and only then can the connection send
       again — TSEngine-style stop-and-wait, NetStorm App. B).  With ``tcp`` the rates are

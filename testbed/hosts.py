@@ -51,8 +51,7 @@ class Hosts(Protocol):
 
 def run_agents(hosts: Hosts, plan, out_dir: Path, *, iterations: int = 1, seed: int = 0, dtype: str = "float32",
                compute_s: dict | None = None, stop_and_wait: bool = False, subblock_bytes: int | None = None,
-               links: str = "channel",
-               timeout_s: float = 120.0, progress: Callable[[str], None] = lambda m: None, predicted_s: float | None = None,
+               links: str = "channel", timeout_s: float = 120.0, progress: Callable[[str], None] = lambda m: None, predicted_s: float | None = None,
                probe: dict | None = None, clock_offset_ms: dict | None = None, policy=None,
                driver=None, on_ready: Callable[[], None] | None = None) -> dict:
     """Start a coordinator here and one agent per datacenter on ``hosts``, run ``plan``
