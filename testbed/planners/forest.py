@@ -55,16 +55,17 @@ Pipeline of this module (Sec. IV-V, end-to-end procedure of the note Sec. 3.7):
    a J flow; with ``"partial"`` the K flows carry the fraction sum w_k / chi_v of every
    round as soon as it is reduced (the root's FIFO of Sec. V).
 
-The weights size the pieces; with ``pace`` they are also the flows' sending rates
-(``Op.rate_mbps``): every flow's (``pacing="all"``), or, as MTREE and BLINK do, only those
-of flows sharing a link direction, scaled to fill it (``"contended"``).  Unpaced (the
-default), trees sharing a link get the transport's equal shares and finish far apart
-(bench efficiency: on NetStorm's overlay, 16 MB, the first tree done at 0.12 of the CCT) --
-yet both pacings are slower, predicted and measured on NetStorm's overlay
-(docs/measurements/2026-11-29-forest-pacing.md): a paced tree cannot use the capacity its
-link-mates leave idle while they fill or drain their pipelines (deep Steiner trees, up to 8
-hops), and pure broadcast trees wait for the whole reduce.  ``plan.meta`` reports the LP
-rates per tree.
+The weights size the pieces; with ``pace`` they are also the flows' rates (``Op.rate_mbps``):
+every flow's (``pacing="all"``), or, as MTREE and BLINK do, only those of flows sharing a
+link direction, scaled to fill it (``"contended"``) -- caps on a connection per tree, weights
+on the agents' shared links (``agents.links``).  Unpaced (the default), trees sharing a link
+take equal shares and finish far apart (bench efficiency: on NetStorm's overlay, 16 MB, the
+first tree done at 0.12-0.36 of the CCT).  As caps both pacings are slower, predicted and
+measured on NetStorm's overlay (docs/measurements/2026-11-29-forest-pacing.md): a paced tree
+cannot use the capacity its link-mates leave idle while they fill or drain their pipelines
+(deep Steiner trees, up to 8 hops), and pure broadcast trees wait for the whole reduce; as
+weights pacing measured as fast as none (docs/measurements/2026-12-02-shared-links.md).
+``plan.meta`` reports the LP rates per tree.
 """
 
 from __future__ import annotations
