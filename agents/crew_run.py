@@ -267,8 +267,9 @@ class TaskRun:
         if t is not None and t.state in ("abandoned", "repaired"):  # its executors were told to stop
             if kind == Msg.TASK_DONE and node in t.members:
                 self.ctl.moved_on(node, t.rounds[node])
-                if t.state == "abandoned":
-                    self._done_after_abandon(t, node, data)
+                again = self.ctl.tasks.get(self.ctl.member_of.get(node, -1))
+                if t.state == "abandoned" and not (again not in (None, t) and again.rounds[node] == t.rounds[node]):
+                    self._done_after_abandon(t, node, data)  # (else its re-queued round is in a task: that one credits it)
             return
         want = "arming" if kind == Msg.ARMED else "running"
         if t is None or t.state != want or node not in t.waiting:

@@ -352,13 +352,14 @@ def _summary(ids_by_peer: dict[str, list[int]]) -> str:
 class _Outbox:
     """The frames waiting for one connection's sender thread: ``items`` (guarded by the
     executor's lock) and ``cv`` (on that lock), notified when an item is added or data a
-    queued send streams from has been applied."""
+    queued send streams from has been applied; ``ended`` once that thread has ended."""
 
-    __slots__ = ("items", "cv")
+    __slots__ = ("items", "cv", "ended")
 
     def __init__(self, lock: threading.Lock):
         self.items: deque = deque()
         self.cv = threading.Condition(lock)
+        self.ended = False
 
 
 class Executor:
@@ -668,13 +669,13 @@ class Executor:
             self._fail(ExecError(f"sender to {peer} (channel {ch}) failed: {type(e).__name__}: {e}"))
         finally:
             self._close_own(sock, link)
-            if self._gate:  # the sends still queued here will not happen: their turns pass
-                with self._lock:
-                    rest = list(box.items) + ([current[0]] if current[0] is not None else [])
-                    box.items.clear()
-                for r in rest:
-                    if r[0] is not None and r[0] in self._tickets:
-                        self._gate(peer).release(self._tickets.pop(r[0]))
+            with self._lock:  # the sends still queued here will not happen: their turns pass
+                box.ended = True
+                rest = list(box.items) + ([current[0]] if current[0] is not None else [])
+                box.items.clear()
+            for r in rest if self._gate else ():
+                if r[0] is not None and r[0] in self._tickets:
+                    self._gate(peer).release(self._tickets.pop(r[0]))
 
     def _send_items(self, key: tuple[str, int], sock: socket.socket, box: _Outbox, current: list,
                     link: SharedLink | None) -> None:
@@ -1148,7 +1149,7 @@ class Executor:
             self._kept[op.xfer] = (it, i, copy)
         else:
             self._load[op.peer] += 1
-            if self._gate:
+            if self._gate and not self._senders[(op.peer, op.channel)][1].ended:  # (else it would hold the link)
                 self._tickets[i] = self._gate(op.peer).ticket(self)
             self._put((op.peer, op.channel), (i, it, (), None))
     def prepare(self, x: np.ndarray | None) -> None:

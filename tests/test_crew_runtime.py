@@ -706,6 +706,23 @@ def test_a_done_crossing_an_abandon_drops_the_member_s_re_queue_of_that_round():
     assert list(tr.ctl.queue) == [("n1", 1)]
 
 
+def test_a_done_crossing_an_abandon_after_its_re_queue_formed_a_group_is_credited_once():
+    """As above, but the member's re-queue of its round already formed a new task with another
+    worker when its DONE of the abandoned task comes: the new task runs that round again and
+    credits it; the abandoned record does not (each worker's rounds counted once, §IV-B)."""
+    tr, a = _first_task_running()
+    _done(tr, "n0", a.pid)
+    _report(tr, "n1", "link_lost", peer="n0")
+    _report(tr, "n2", "enqueue", round=0)
+    c, = tr.ctl.form()
+    assert a.state == "abandoned" and c.rounds == {"n1": 0, "n2": 0}
+    _done(tr, "n1", a.pid)
+    rec, = [r for r in tr.records if r["pid"] == a.pid]
+    assert set(rec["members_done"]) == {"n0"}
+    held = [d["round"] for r in tr.records for m, d in r["members_done"].items() if m == "n1"]
+    assert held == []  # n1's round 0 is the new task's to credit
+
+
 def test_a_controller_bug_fails_the_run_naming_it_not_with_a_traceback():
     """An exception of the driver's own (its state broke) is a run failure laid to the
     coordinator: one message with the exception and where it was raised (the CLI's one
@@ -1040,3 +1057,36 @@ def test_groups_controller_down_is_validated():
             config.validate({**base, "scheme": {"name": "crew", "groups": {"p": 2, "window_s": 5,
                                                                            "controller_down": bad}}})
         assert e.value.key == key, e.value
+
+
+def test_a_send_ready_after_its_connection_broke_takes_no_turn_on_the_link():
+    """FL-FCFS: a version whose connection to b broke (its run failed, its sender to b ended)
+    still receives; a send to b that becomes ready then takes no ticket of b's gate, which
+    would hold every later task's sends to b until this version is closed."""
+    import socket
+
+    from agents import wire
+    from agents.executor import ExecError, Executor, LinkGate
+    from testbed.plan import RECV, SEND, Op
+
+    gate = LinkGate()
+    prog = [Op(0, RECV, "c", 1, 0, 4), Op(1, SEND, "b", 2, 0, 4, deps=(0,)), Op(2, SEND, "b", 3, 4, 4)]
+    ex = Executor("a", prog, length=8, timeout_s=5.0, gate=lambda peer: gate)
+    to_b, b_end = socket.socketpair()
+    c_end, from_c = socket.socketpair()
+    try:
+        ex.attach_outgoing("b", 0, to_b)
+        ex.attach_incoming("c", 0, from_c)
+        b_end.close()  # b is gone: the first send to it breaks the connection
+        ex.prepare(None)
+        with pytest.raises(ExecError, match="to b"):
+            ex.run(0)
+        wire.send_frame(c_end, wire.Header(wire.DATA, xfer=1, payload_len=16), np.zeros(4, np.float32))
+        deadline = time.monotonic() + 5
+        while ex._done[0] != 0 and time.monotonic() < deadline:  # the receive completes, the send is ready
+            time.sleep(0.01)
+        assert ex._done[0] == 0 and ex._dispatched[1]
+        assert not gate._pending, gate._pending
+    finally:
+        ex.close()
+        c_end.close()
