@@ -292,9 +292,11 @@ class WorkerLoop:
                 agent.post(message(Msg.ROUND_DONE))
         except Exception as e:
             log.error("task %d failed: %s", pid, e)
-            agent.send(message(Msg.TASK_FAILED, pid=pid, message=f"{type(e).__name__}: {e}"))
-            self.running.pop(pid, None)  # before the check: an ABANDON seen running retires it here, else there
             if pid in self.abandoned or agent.detached is not None:  # (its frames must not meet a later task)
+                self.retire(ex)
+            agent.send(message(Msg.TASK_FAILED, pid=pid, message=f"{type(e).__name__}: {e}"))
+            self.running.pop(pid, None)
+            if pid in self.abandoned:  # an ABANDON that came meanwhile found it running: only aborted
                 self.retire(ex)
 
     def check(self, ex, rounds: dict) -> dict:
