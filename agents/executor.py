@@ -153,6 +153,12 @@ DEFAULT_LINKS = "shared"  # an experiment's default (agents.links); the library'
 SHARED_UNSENT_BYTES = 256 << 10  # a shared connection's TCP_NOTSENT_LOWAT: its turns are taken near the wire
 
 
+def link_weights(rates: dict[int, float]) -> dict[int, float]:
+    """The weights of the channels sharing one connection, from their rates: the rates where
+    every channel has one, else equal shares (:class:`SharedLink`)."""
+    return dict(rates) if all(rates.values()) else dict.fromkeys(rates, 1.0)
+
+
 def check_links(links: str) -> str:
     """``links`` if it is one of :data:`LINKS`, else ValueError."""
     if links not in LINKS:
@@ -522,7 +528,7 @@ class Executor:
                            default=0.0) for k in keys}
         link = None
         if shared:  # the plan's rates are the channels' weights (all unpaced: equal shares)
-            link = SharedLink(sock, rates if all(rates.values()) else dict.fromkeys(rates, 1.0))
+            link = SharedLink(sock, link_weights(rates))
         elif rates[channel] > 0:  # TCP paces internally (no fq needed) once a maximum rate is set
             sock.setsockopt(socket.SOL_SOCKET, SO_MAX_PACING_RATE, int(rates[channel] * 1e6 / 8))
         # a send that moves no byte for timeout_s fails; on an auxiliary path it is given up sooner

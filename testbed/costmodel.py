@@ -22,6 +22,7 @@ from itertools import count
 
 import networkx as nx
 
+from agents.executor import link_weights
 from testbed.plan import SEND, Plan, PlanError
 from testbed.routing import data_paths
 
@@ -168,14 +169,13 @@ EXECUTOR_TRANSFER_S = 0.002
 
 def _shared_weights(ops: _Ops) -> dict[tuple[str, str, int], float]:
     """Shared links' weight of each connection (src, dst, channel): its largest rate where
-    every channel from src to dst has one, else 1 (:class:`agents.executor.SharedLink`)."""
+    every channel from src to dst has one, else 1 (:func:`agents.executor.link_weights`)."""
     rates: dict[tuple[str, str], dict[int, float]] = {}
     for i, op in enumerate(ops.ops):
         if ops.is_send[i]:
             chans = rates.setdefault((ops.node[i], op.peer), {})
             chans[op.channel] = max(chans.get(op.channel, 0.0), op.rate_mbps)
-    return {(s, d, ch): (r if all(chans.values()) else 1.0)
-            for (s, d), chans in rates.items() for ch, r in chans.items()}
+    return {(s, d, ch): w for (s, d), chans in rates.items() for ch, w in link_weights(chans).items()}
 
 
 def predict(plan: Plan, graph: nx.DiGraph, *, elem_bytes: int = 4, stop_and_wait: bool = False,
