@@ -416,22 +416,31 @@ def test_pacing_modes(pacing):
             assert sum(rates.values()) == pytest.approx(max(total, caps[key[:2]]))
 
 
-def test_pure_broadcast_waits_for_the_roots_whole_reduce():
+@pytest.mark.parametrize("barrier", [True, False])
+def test_pure_broadcast_waits_for_the_roots_whole_reduce_unless_told_not_to(barrier):
     g = digraph(TRIANGLE_OVERLAP)
-    p = make_plan("forest", g, 600, {"overlap": "partial", "chunks": 4})
+    p = make_plan("forest", g, 600, {"overlap": "partial", "chunks": 4, "barrier": barrier})
     trees = p.meta["trees"]
-    saw_k = False
+    saw_k = saw_j = False
     for v in p.nodes:
         prog = p.programs[v]
         anc = _ancestors(prog)
         red_in = {op.id for op in prog if op.kind == "recv" and op.phase == "reduce" and trees[op.flow]["root"] == v}
         for op in prog:
-            if op.kind == "send" and trees[op.flow]["root"] == v and op.phase == "bcast":
-                assert red_in <= anc[op.id]  # J: after the whole reduce stage of v
-            if op.kind == "send" and trees[op.flow]["root"] == v and op.phase == "bcast-overlap":
+            if op.kind != "send" or trees[op.flow]["root"] != v or op.phase not in ("bcast", "bcast-overlap"):
+                continue
+            mine = {r.id for r in prog if r.id in red_in and r.offset < op.offset + op.length
+                    and op.offset < r.offset + r.length}
+            assert mine and mine <= anc[op.id]  # never before its own data is reduced
+            whole = red_in <= anc[op.id]
+            if op.phase == "bcast":  # J: after the whole reduce stage of v, with the barrier
+                saw_j = True
+                assert whole if barrier else (not whole or op.chunk == 3)
+            else:  # K: as soon as its round is reduced
                 saw_k = True
-                assert not red_in <= anc[op.id] or op.chunk == 3  # K: as soon as its round is reduced
-    assert saw_k
+                assert not whole or op.chunk == 3
+    assert saw_k and saw_j
+    run_check(p, g, 600)
 
 
 def test_max_trees_prunes_and_resolves():

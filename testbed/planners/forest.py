@@ -51,7 +51,8 @@ Pipeline of this module (Sec. IV-V, end-to-end procedure of the note Sec. 3.7):
    by w_j).  A broadcast piece starts at the root once every reduce piece overlapping it
    has arrived there; J (pure broadcast) pieces additionally wait until the root has
    received *all* of its reduce data -- the stage barrier of LP (4)/(8), enforced per
-   root (the IR has no global barrier).  With ``overlap="none"`` every broadcast flow is
+   root (the IR has no global barrier); ``barrier: false`` drops it (our variant: a pure
+   piece leaves as soon as its own data is reduced, using what the reduce leaves idle).  With ``overlap="none"`` every broadcast flow is
    a J flow; with ``"partial"`` the K flows carry the fraction sum w_k / chi_v of every
    round as soon as it is reduced (the root's FIFO of Sec. V).
 
@@ -694,7 +695,7 @@ def _tree_order(t: SteinerTree) -> list[tuple[str, int]]:
 
 def compile_forest(forest: Forest, nodes: list[str], length: int, active: list[str], *, chunks: int,
                    scheme: str = "forest", pace: bool = False, pacing: str = "all",
-                   caps: dict[tuple[str, str], float] | None = None) -> tuple[Plan, list[dict]]:
+                   caps: dict[tuple[str, str], float] | None = None, barrier: bool = True) -> tuple[Plan, list[dict]]:
     """Compile a weighted forest into the plan IR (TopoAdapt Sec. III-C/V; the static
     piece assignment is ours, see the module doc).  Returns the plan and the flow table
     (one entry per tree and stage: kind, stage, tree, rate, elements).  With ``pace`` every
@@ -702,7 +703,8 @@ def compile_forest(forest: Forest, nodes: list[str], length: int, active: list[s
     get the bandwidths LP (4)/(8) allots them, which the shares assume (Property 3: all trees
     finish together), instead of the transport's equal shares; ``pacing="contended"`` paces
     only where flows of one stage contend (:func:`contended_rates`, on the link capacities
-    ``caps``, which it then needs)."""
+    ``caps``, which it then needs).  ``barrier``: a pure broadcast piece also waits for all of its
+    root's reduce data (LP (4)/(8)'s stage order); false: only for the reduce pieces it overlaps."""
     w = forest.weights
     roots = [v for v in forest.roots if w.chi[v] > EPS]
     b = ProgramBuilder(nodes)
@@ -732,8 +734,9 @@ def compile_forest(forest: Forest, nodes: list[str], length: int, active: list[s
         plan_pieces[v] = _rounds(off, size, chunks, red_flows[v], k_flows[v] + j_flows[v])
         off += size
     nrounds = max((len(r) for r in plan_pieces.values()), default=0)
-    reduced = _emit_reduce(b, flows, roots, plan_pieces, nrounds, rate_of)
-    _emit_broadcast(b, flows, roots, plan_pieces, nrounds, rate_of, *reduced)
+    up_send, at_root, all_at_root = _emit_reduce(b, flows, roots, plan_pieces, nrounds, rate_of)
+    _emit_broadcast(b, flows, roots, plan_pieces, nrounds, rate_of, up_send, at_root,
+                    all_at_root if barrier else defaultdict(list))
     plan = Plan(scheme, list(nodes), length, b.programs, participants=list(active), receivers=list(active))
     return plan, flows
 
@@ -813,8 +816,8 @@ def _emit_reduce(b: ProgramBuilder, flows: list[dict], roots: list[str], plan_pi
 def _emit_broadcast(b: ProgramBuilder, flows: list[dict], roots: list[str], plan_pieces: dict, nrounds: int,
                     rate_of, up_send: dict, at_root: dict, all_at_root: dict) -> None:
     """The broadcast stage's ops: overlapped (K) pieces first, then pure (J) pieces.  A piece
-    leaves its root once the reduce pieces it overlaps are there (a pure piece: once all
-    of the root's are), and a node forwards it once it has it."""
+    leaves its root once the reduce pieces it overlaps are there (a pure piece: also once
+    ``all_at_root`` of its root are), and a node forwards it once it has it."""
     for stage in ("overlap", "pure"):
         for r in range(nrounds):
             for v in roots:
@@ -872,11 +875,14 @@ AUTO_BUDGETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 64)  # max_trees: auto tries these
     pacing=Param(str, "all", "with pace: 'all' paces every transfer at its flow's LP weight; 'contended' only "
                              "the flows of one stage sharing a link direction, scaled to fill it (contended_rates)",
                  ("all", "contended")),
+    barrier=Param(bool, True, "a pure broadcast piece leaves its root once all of the root's reduce data is there "
+                              "(the stage order of LP (4)/(8)); false = once the reduce pieces it overlaps are "
+                              "(our variant: broadcast uses what reduce leaves idle)"),
 )
 def plan_forest(graph: nx.DiGraph, length: int, *, elem_bytes: int = 4, overlap: str = "partial",
                 active: list | None = None, relays: bool = True, max_trees: int | str = "auto", chunks: int = 8,
                 oracle: str = "auto", max_iters: int = 200, gap: float = 1e-3, shallow: bool = True,
-                pace: bool = False, pacing: str = "all") -> Plan:
+                pace: bool = False, pacing: str = "all", barrier: bool = True) -> Plan:
     """Topology-adaptive Steiner forest packing (TopoAdapt, INFOCOM'21): reduce and
     broadcast trees rooted at every active worker, packed by column generation with a
     minimum-Steiner-tree oracle, weighted by LP (4) or (8), each tree carrying a share of
@@ -885,7 +891,7 @@ def plan_forest(graph: nx.DiGraph, length: int, *, elem_bytes: int = 4, overlap:
     act, g = _active_workers(graph, nodes, active, relays)
     meta: dict = {"overlap": overlap, "active": act, "relays_allowed": relays,
                   "chunks": chunks, "max_trees": max_trees, "shallow": shallow, "pace": pace,
-                  "pacing": pacing}
+                  "pacing": pacing, "barrier": barrier}
     if len(act) == 1:
         plan = Plan("forest", nodes, length, {n: [] for n in nodes}, participants=act, receivers=act)
         meta.update(trees=[], roots={act[0]: {"chi_mbps": None, "share": 1.0}})
@@ -900,7 +906,7 @@ def plan_forest(graph: nx.DiGraph, length: int, *, elem_bytes: int = 4, overlap:
         if pruned.weights.objective <= EPS:
             raise RuntimeError("forest LP found no bandwidth")
         return (pruned, *compile_forest(pruned, nodes, length, act, chunks=chunks, pace=pace, pacing=pacing,
-                                        caps=caps))
+                                        caps=caps, barrier=barrier))
     forest, plan, flows, meta["max_trees"], cct = _budgeted(compiled, max_trees, graph, elem_bytes)
     meta.update({"budget_cct_s": cct} if cct else {})
     w = forest.weights
