@@ -12,6 +12,7 @@ from pathlib import Path
 import networkx as nx
 import pytest
 
+from testbed.bench import BENCH_ITERATIONS
 from testbed.costmodel import TCP_LINK_SHARE, TCP_PACED_SHARE, predict
 from testbed.efficiency import analyse_run, breakdown
 from testbed.plan import Plan, ProgramBuilder, Tree, contended_pacing, trees_plan
@@ -198,7 +199,11 @@ def test_bench_efficiency_end_to_end_small(netenv, tmp_path):
     assert rows["mst"]["trees"] == 1 and rows["mst"]["first_tree_done_share"] == pytest.approx(1.0, abs=0.05)
     assert (tmp_path / "efficiency.csv").read_text().count("\n") == 3
     assert (tmp_path / "efficiency-netstorm-internet2-9.png").stat().st_size > 10_000
-    assert (tmp_path / "netstorm-internet2-9-2MB" / "results.json").exists()
+    res = json.loads((tmp_path / "netstorm-internet2-9-2MB" / "results.json").read_text())
+    for run in res["runs"]:  # the row's CCT is the mean of the measured iterations
+        measured = [it["cct_s"] for it in run["iterations"] if not it["warmup"]]
+        assert len(measured) == BENCH_ITERATIONS
+        assert rows[run["variant"]]["cct_s"] == pytest.approx(sum(measured) / len(measured), rel=1e-6)
     assert "mtree" in r.stdout and "efficiency" in r.stdout
 
 
