@@ -58,14 +58,13 @@ from testbed.plan import Op
 from . import clock, wire
 from .crew_worker import WorkerLoop
 from .executor import SUBBLOCK_BYTES, Executor, LinkGate, Stalled
-from .inputs import expected_sum, make_input
+from .inputs import expected_sum, make_input, rotation
 from .probe import Prober, Sample
 from .protocol import Aborted, Msg, message
 from .trains import Trains
 
 log = logging.getLogger("agents")
 
-PRECOMPUTE_BYTES = 512 << 20  # inputs and true sums made before READY (Agent.precompute)
 CONNECT_RETRY_S = 10.0
 MAX_PENDING = 64  # unauthenticated connections at once; more are refused
 # The JOB's mode -> the loop an agent runs after READY (``iterations``: Agent.run_iterations).
@@ -117,6 +116,8 @@ class Job:
 
 
 class Agent:
+    _block: tuple = (None, None, None)  # (block, input, true sum) of the iterations :meth:`inputs` gives
+
     def __init__(self, cfg: dict):
         self.name = str(cfg["name"])
         self.secret = wire.load_secret(cfg["secret_file"])
@@ -368,31 +369,33 @@ class Agent:
                 f.result()  # re-raise the first failure
 
     # -- main ------------------------------------------------------------------------
-    def inputs(self, iteration: int) -> tuple[np.ndarray | None, np.ndarray | None]:
-        """(this node's input, the true sum it must end with) of ``iteration``; None where it
-        has none (not a participant, not a receiver)."""
+    def inputs(self, iteration: int) -> tuple[np.ndarray | None, np.ndarray | None, int]:
+        """(this node's input, the true sum it must end with, the shift) of ``iteration``: the
+        input and the sum of its block, rotated by the shift (:func:`agents.inputs.rotation`);
+        None where it has none (not a participant, not a receiver).  A block's are made once:
+        the first before READY, so none is made after GO while others communicate (on a shared
+        machine that skewed the agents' starts: up to 0.7 s at 16 MB, 2 s at 128 MB)."""
         job = self.job
-        x = make_input(job.seed, job.nodes.index(self.name), iteration, job.length, job.dtype) \
-            if self.name in job.participants else None
-        want = expected_sum(job.seed, [job.nodes.index(p) for p in job.participants], iteration, job.length,
-                            job.dtype) if self.name in job.receivers else None
-        return x, want
+        block, shift = rotation(iteration, job.length)
+        if self._block[0] != block:
+            first = block * max(1, job.length)
+            x = make_input(job.seed, job.nodes.index(self.name), first, job.length, job.dtype) \
+                if self.name in job.participants else None
+            want = expected_sum(job.seed, [job.nodes.index(p) for p in job.participants], first, job.length,
+                                job.dtype) if self.name in job.receivers else None
+            self._block = (block, x, want)
+        return self._block[1], self._block[2], shift
 
-    def precompute(self, budget: int = PRECOMPUTE_BYTES) -> dict[int, tuple]:
-        """Inputs and true sums of the first iterations, made before READY while they fit in
-        ``budget`` bytes: made after GO (the input) and after the run (the sum), they took
-        every agent's CPU on a shared machine while others communicated -- 9 agents on 2
-        cores started up to 0.7 s apart at 16 MB.  Later ones are made on demand."""
-        per = 2 * self.job.length * np.dtype(self.job.dtype).itemsize
-        return {it: self.inputs(it) for it in range(min(self.job.iterations, budget // max(1, per)))}
-
-    def verify(self, iteration: int, want: np.ndarray | None) -> dict:
-        """Exact, by bytes (a -0.0 where +0.0 belongs is wrong), against the true sum ``want``."""
+    def verify(self, want: np.ndarray | None, shift: int) -> dict:
+        """Exact, by bytes (a -0.0 where +0.0 belongs is wrong), against the true sum: ``want``
+        rotated by ``shift``."""
         x = self.ex.bufs["x"]
         if want is None:  # not a receiver: nothing to check
             return {"receiver": False, "correct": True, "max_abs_err": 0.0, "digest": None}
-        ok = bool(np.array_equal(x.view(np.uint8), want.view(np.uint8)))
-        err = 0.0 if ok else float(np.nanmax(np.abs(x.astype(np.float64) - want), initial=0.0))
+        n = len(want) - shift
+        ok = all(np.array_equal(a.view(np.uint8), b.view(np.uint8))
+                 for a, b in ((x[shift:], want[:n]), (x[:shift], want[n:])))
+        err = 0.0 if ok else float(np.nanmax(np.abs(x.astype(np.float64) - np.roll(want, shift)), initial=0.0))
         return {"receiver": True, "correct": ok, "max_abs_err": err,
                 "digest": hashlib.sha256(memoryview(x).cast("B")).hexdigest()}
 
@@ -442,7 +445,7 @@ class Agent:
         """The iteration barrier: per iteration GO (installing PLANs before it), compute, run
         the program, check, DONE; then FINISH and BYE."""
         job = self.job
-        made = self.precompute()
+        self.inputs(0)  # the first block's input and sum, before READY
         self.send(message(Msg.READY))
         for it in range(job.iterations):
             while (msg := self.next_msg((Msg.GO, Msg.PLAN), job.wait_s))["msg"] == Msg.PLAN:
@@ -457,12 +460,12 @@ class Agent:
                                          f"{wire.sanitize(msg.get('version'), 20)}, expected iteration {it} of "
                                          "an installed version")
             self.ex, self.iteration = self.execs[msg.get("version", 0)], it
-            x, want = made.pop(it) if it in made else self.inputs(it)
-            self.ex.prepare(x)
+            x, want, shift = self.inputs(it)
+            self.ex.prepare(x, shift)
             time.sleep(job.compute_for(it))
             compute_end = time.time_ns()
             timing = self.ex.run(it)
-            check = self.verify(it, want)
+            check = self.verify(want, shift)
             if not check["correct"]:
                 log.error("iteration %d: wrong result (max abs error %g)", it, check["max_abs_err"])
             for ex in self.execs.values():  # before DONE: a peer's data for it + 1 may come any time now

@@ -117,6 +117,7 @@ import numpy as np
 
 from testbed.plan import RECV, SEND, Op
 
+from .inputs import rotate_into
 from .wire import (
     ACK,
     DATA,
@@ -1158,12 +1159,13 @@ class Executor:
             if self._gate and not self._senders[(op.peer, op.channel)][1].ended:  # (else it would hold the link)
                 self._tickets[i] = self._gate(op.peer).ticket(self)
             self._put((op.peer, op.channel), (i, it, (), None))
-    def prepare(self, x: np.ndarray | None) -> None:
-        """Reset buffers for the next iteration: ``x`` becomes the input (zeros if None)."""
+    def prepare(self, x: np.ndarray | None, shift: int = 0) -> None:
+        """Reset buffers for the next iteration: ``x`` rotated by ``shift`` elements becomes the
+        input (zeros if None; :mod:`agents.inputs`)."""
         if x is None:
             self.bufs["x"].fill(0)
         else:
-            np.copyto(self.bufs["x"], x, casting="same_kind")
+            rotate_into(self.bufs["x"], x, shift)
         for name, b in self.bufs.items():
             if name != "x":
                 b.fill(0)

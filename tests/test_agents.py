@@ -588,19 +588,32 @@ def test_hung_agent_times_out_naming_it():
     assert all(p.poll() is not None for p in procs.values())
 
 
-def test_agent_makes_inputs_and_true_sums_before_ready_within_its_budget():
-    """Inputs and true sums are made before READY (not after GO and during others' runs),
-    as many iterations as fit in the budget; a receiver's sum is exact, a non-participant has
-    no input, a non-receiver no sum (made later, they skew the agents' starts on a shared machine)."""
+def test_agent_inputs_are_their_blocks_rotated_and_checked_exactly_with_the_rotation(lone_receiver):
+    """An iteration's input and true sum are its block's rotated (one block made per
+    ``length`` iterations): make_input's and expected_sum's of that iteration; consecutive
+    iterations differ almost everywhere; the executor's input and the check take the shift;
+    a non-participant has no input, a non-receiver no sum."""
     from agents.agent import Agent
     job = Job(name="h1", nodes=["h0", "h1", "h2"], length=1000, participants=["h0", "h1"], receivers=["h1"],
               program=[], peers={}, seed=5, iterations=3)
     a = Agent.__new__(Agent)
     a.name, a.job = "h1", job
-    made = a.precompute(budget=2 * 2 * 1000 * 4)  # two iterations' input + sum
-    assert sorted(made) == [0, 1]
-    x, want = made[1]
-    assert np.array_equal(x, make_input(5, 1, 1, 1000))
-    assert np.array_equal(want, expected_sum(5, [0, 1], 1, 1000))
-    a.name, a.job = "h2", Job(**{**job.__dict__, "name": "h2"})
-    assert a.inputs(0) == (None, None)
+    for it in (0, 1, 999, 1000, 1003):
+        x, want, shift = a.inputs(it)
+        assert a._block[0] == it // 1000 and shift == it % 1000
+        assert np.array_equal(np.roll(x, shift), make_input(5, 1, it, 1000))
+        assert np.array_equal(np.roll(want, shift), expected_sum(5, [0, 1], it, 1000))
+    assert np.mean(make_input(5, 1, 1, 1000) != make_input(5, 1, 2, 1000)) > 0.99
+    ex, _ = lone_receiver
+    ex.bufs["x"] = np.zeros(1000, np.float32)
+    x, want, shift = a.inputs(3)
+    ex.prepare(x, shift)
+    assert np.array_equal(ex.bufs["x"], make_input(5, 1, 3, 1000))
+    a.ex = ex
+    ex.bufs["x"][:] = expected_sum(5, [0, 1], 3, 1000)
+    assert a.verify(want, shift)["correct"]
+    assert not a.verify(want, shift - 1)["correct"]  # the sum of the iteration before
+    ex.bufs["x"][-1] += 1
+    assert a.verify(want, shift) == {**a.verify(want, shift), "correct": False, "max_abs_err": 1.0}
+    a.name, a.job, a._block = "h2", Job(**{**job.__dict__, "name": "h2"}), (None, None, None)
+    assert a.inputs(0) == (None, None, 0)
