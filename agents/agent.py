@@ -372,9 +372,10 @@ class Agent:
     def inputs(self, iteration: int) -> tuple[np.ndarray | None, np.ndarray | None, int]:
         """(this node's input, the true sum it must end with, the shift) of ``iteration``: the
         input and the sum of its block, rotated by the shift (:func:`agents.inputs.rotation`);
-        None where it has none (not a participant, not a receiver).  A block's are made once:
-        the first before READY, so none is made after GO while others communicate (on a shared
-        machine that skewed the agents' starts: up to 0.7 s at 16 MB, 2 s at 128 MB)."""
+        None where it has none (not a participant, not a receiver).  A block's are made once,
+        the first before READY: made after GO, they take the CPU others communicate with on a
+        shared machine and skew the agents' starts (a later block comes every ``length``
+        iterations, so only small vectors have one)."""
         job = self.job
         block, shift = rotation(iteration, job.length)
         if self._block[0] != block:

@@ -52,9 +52,10 @@ Pipeline of this module (Sec. IV-V, end-to-end procedure of the note Sec. 3.7):
    has arrived there; J (pure broadcast) pieces additionally wait until the root has
    received *all* of its reduce data -- the stage barrier of LP (4)/(8), enforced per
    root (the IR has no global barrier); ``barrier: false`` drops it (our variant: a pure
-   piece leaves as soon as its own data is reduced, using what the reduce leaves idle).  With ``overlap="none"`` every broadcast flow is
-   a J flow; with ``"partial"`` the K flows carry the fraction sum w_k / chi_v of every
-   round as soon as it is reduced (the root's FIFO of Sec. V).
+   piece leaves as soon as its own data is reduced, using what the reduce leaves idle).
+   With ``overlap="none"`` every broadcast flow is a J flow; with ``"partial"`` the K flows
+   carry the fraction sum w_k / chi_v of every round as soon as it is reduced (the root's
+   FIFO of Sec. V).
 
 The weights size the pieces; with ``pace`` they are also the flows' rates (``Op.rate_mbps``):
 every flow's (``pacing="all"``), or, as MTREE and BLINK do, only those of flows sharing a
