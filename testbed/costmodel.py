@@ -22,7 +22,7 @@ from itertools import count
 
 import networkx as nx
 
-from agents.executor import link_weights
+from agents.executor import DEFAULT_LINKS, SUBBLOCK_BYTES, link_weights
 from testbed.plan import SEND, Plan, PlanError
 from testbed.routing import data_paths
 
@@ -228,6 +228,23 @@ def predict(plan: Plan, graph: nx.DiGraph, *, elem_bytes: int = 4, stop_and_wait
     if trace:
         out["trace"] = sim.trace()
     return out
+
+
+def fastest(candidates, graph: nx.DiGraph, elem_bytes: int = 4) -> tuple[tuple, dict[str, float]]:
+    """Of ``candidates`` (an iterable of tuples ``(label, plan, ...)``), the one whose plan
+    :func:`predict` finishes first for the agents' defaults (TCP, the executor's per-transfer
+    cost and cut-through sub-block, ``DEFAULT_LINKS``), and every label's predicted CCT (s).
+    Only the best candidate is kept while the others are predicted."""
+    best, cct = None, {}
+    for cand in candidates:
+        label, plan = str(cand[0]), cand[1]
+        cct[label] = predict(plan, graph, elem_bytes=elem_bytes, tcp=True, transfer_s=EXECUTOR_TRANSFER_S,
+                             cut_through_bytes=SUBBLOCK_BYTES, links=DEFAULT_LINKS)["cct_s"]
+        if best is None or cct[label] < cct[str(best[0])]:
+            best = cand
+    if best is None:
+        raise ValueError("no candidate plan")
+    return best, cct
 
 
 _ARRIVE, _ACK, _CPU, _BEGUN = 0, 1, 2, 3  # kinds of :class:`_Simulation` events

@@ -6,11 +6,13 @@ import numpy as np
 import pytest
 from wan_graphs import random_wan, wan
 
+from testbed.errors import ConfigError
 from testbed.plan import Tree, check_allreduce, interpret
 from testbed.planners import REGISTRY, make_plan
 from testbed.planners.bound import optimum
 from testbed.planners.common import tree_link_loads, wan_view
 from testbed.planners.mtree import (
+    AUTO_CHUNKS,
     chunk_time,
     gbst,
     grth,
@@ -278,3 +280,24 @@ def test_performance_40_nodes_231_links():
     assert ps["gost_s"] + ps["milp_s"] < 10.0  # target < 2 s; generous for loaded CI hosts
     assert plan.meta["milp"]["status"] == 0
     assert_plan_invariants(g, plan, K=10)
+
+
+def test_auto_chunks_is_the_count_the_cost_model_predicts_fastest():
+    """``chunks: auto``: the model's lambda* (0) and every count of AUTO_CHUNKS predicted, the
+    least chosen, and the plan is the one that count given outright compiles (GScale-12 at
+    12.8 MB: the model's count predicted slower); the default is the model's."""
+    from testbed.topology import load_topology
+    g = load_topology("gscale-b4-12").graph()
+    auto = make_plan("mtree", g, 3_200_000, {"chunks": "auto"})
+    cct = auto.meta["chunk_cct_s"]
+    assert set(cct) == {"0", *map(str, AUTO_CHUNKS)}
+    best = min(cct, key=cct.get)
+    assert cct[best] < cct["0"]
+    fixed = make_plan("mtree", g, 3_200_000, {"chunks": int(best)})
+    assert auto.to_dict()["programs"] == fixed.to_dict()["programs"]
+    default = make_plan("mtree", g, 3_200_000, {})  # the paper's model
+    assert [t["chunks"] for t in default.meta["trees"]] == [t["lambda_opt"] for t in default.meta["trees"]]
+    assert "chunk_cct_s" not in default.meta
+    for bad in ("many", -1, 2.5):
+        with pytest.raises(ConfigError, match="chunks"):
+            make_plan("mtree", g, 1000, {"chunks": bad})

@@ -13,6 +13,11 @@ Pipeline (Fig. 4):
    the share ``r_i / sum r`` of the vector.
 3. **Chunk-size model (Eqs. 2-8)** (Sec. III-C), :func:`optimal_chunks`: per tree, the
    chunk count minimising the pipelined completion time of the tree's critical path.
+   ``chunks: auto`` (our addition) instead keeps, of that count and ``AUTO_CHUNKS``, the
+   one whose plan :func:`testbed.costmodel.fastest` predicts finishes first: the paper's
+   model stores and forwards whole chunks, the agents cut through and pay per transfer
+   (docs/measurements/2026-12-02-iterations-and-inputs.md: 32 per tree 0.96x the model's 8
+   on GScale-12, as predicted).
 
 The graph is the undirected :class:`~testbed.planners.bound.WanView` of the WAN: link
 capacity ``b_j = min`` of the two directions (both carry the tree's rate: reduce up,
@@ -440,6 +445,9 @@ def _tree_info(graph: nx.DiGraph, t: Tree, wv: WanView, L: np.ndarray) -> dict:
             "roundtrip_s": tree_roundtrip_s(graph, t.parent)}
 
 
+AUTO_CHUNKS = (16, 32, 64)  # chunks: auto tries these besides the model's lambda*
+
+
 @planner(
     "mtree", PAPER,
     K=Param(int, 10, "max number of trees chosen by MILP (1e); 0 = unlimited", ge=0),
@@ -456,7 +464,9 @@ def _tree_info(graph: nx.DiGraph, t: Tree, wv: WanView, L: np.ndarray) -> dict:
     grth_fix=Param(bool, False, "also update D_j[u] in GRTH (not in Alg. 2 as printed)"),
     seed=Param(int, 0, "seed of GBST's RandomSelect start vertex"),
     pipelined=Param(bool, True, "chunk counts from the Eq. 2-8 model; false = one chunk per tree"),
-    chunks=Param(int, 0, "force this chunk count per tree (>0); 0 = model optimum lambda*", ge=0),
+    chunks=Param((int, str), 0, "force this chunk count per tree (>0); 0 = model optimum lambda*; 'auto' = of "
+                 f"lambda* and {', '.join(map(str, AUTO_CHUNKS))}, the count the cost model predicts fastest "
+                 "(plan.meta chunk_cct_s; our addition)"),
     chunk_delta=Param(int, 0, "Fig. 10 offset: lambda = max(lambda* + delta, 1)"),
     chunk_path=Param(str, "roundtrip", "critical path of the chunk model: 'roundtrip' "
                      "(leaf->root->leaf', AllReduce) or 'reduce' (leaf->root)",
@@ -472,7 +482,7 @@ def _tree_info(graph: nx.DiGraph, t: Tree, wv: WanView, L: np.ndarray) -> dict:
 def mtree(graph: nx.DiGraph, length: int, *, elem_bytes: int, K: int = 10, H: float = 0,
           ith: bool = True, rho: float = 0.95, min_rate_mbps: float = 0,
           rate_rule: str = "bottleneck", quantum_ms: float = 0, grth_fix: bool = False,
-          seed: int = 0, pipelined: bool = True, chunks: int = 0, chunk_delta: int = 0,
+          seed: int = 0, pipelined: bool = True, chunks: int | str = 0, chunk_delta: int = 0,
           chunk_path: str = "roundtrip", max_chunks: int = 256, milp_time_limit: float = 10.0,
           max_gbst_trees: int = 200, pace: bool = True, pacing: str = "contended") -> Plan:
     """MTREE (paper 000): GOST trees (Algs. 1-3), MILP (1) selection of <= K trees with
@@ -495,27 +505,40 @@ def mtree(graph: nx.DiGraph, length: int, *, elem_bytes: int, K: int = 10, H: fl
     total = float(sum(r[i] for i in chosen))
     S = length * elem_bytes
     beta_v = S * 8.0 / (total * 1e6)  # beta_i v_i = S / sum r (seconds), the same for all trees
-    trees, infos = _chunked_trees(graph, wv, L, merged, chosen, r, total, length, beta_v, chunk_path=chunk_path,
-                                  max_chunks=max_chunks, pipelined=pipelined, chunks=chunks, chunk_delta=chunk_delta)
     simple = simple_bound(graph)
-    meta = {
-        "trees": infos,
-        "roots": [t.root for t in trees],
-        "rates_mbps": [t.rate_mbps for t in trees],
-        "shares": [t.share for t in trees],
-        "chunks": [t.chunks for t in trees],
-        "total_rate_mbps": total,
-        "simple_bound_mbps": simple,
-        "normalised_throughput": total / simple,
-        "H_input": H_in, "H_used": H_used, "r_bar_mbps": r_min,
-        "ith_trace": trace,
+    common = {
+        "total_rate_mbps": total, "simple_bound_mbps": simple, "normalised_throughput": total / simple,
+        "H_input": H_in, "H_used": H_used, "r_bar_mbps": r_min, "ith_trace": trace,
         "gost": {"trees": len(cand), "distinct": len(merged),
                  "rates_mbps": [float(x) for x in gb_rates], "total_rate_mbps": float(sum(gb_rates))},
-        "milp": milp_info,
-        **_model_summary(infos),
-        "timing_s": {"gost_s": gost_s, "milp_s": milp_info.get("solve_s", 0.0)},
+        "milp": milp_info, "timing_s": {"gost_s": gost_s, "milp_s": milp_info.get("solve_s", 0.0)},
     }
-    return trees_plan("mtree", list(wv.nodes), length, trees, meta=meta, pace=tree_pacing(graph, trees, pace, pacing))
+
+    def compiled(c: int) -> Plan:
+        trees, infos = _chunked_trees(graph, wv, L, merged, chosen, r, total, length, beta_v, chunk_path=chunk_path,
+                                      max_chunks=max_chunks, pipelined=pipelined, chunks=c, chunk_delta=chunk_delta)
+        meta = {"trees": infos, "roots": [t.root for t in trees], "rates_mbps": [t.rate_mbps for t in trees],
+                "shares": [t.share for t in trees], "chunks": [t.chunks for t in trees], **common,
+                **_model_summary(infos)}
+        return trees_plan("mtree", list(wv.nodes), length, trees, meta=meta,
+                          pace=tree_pacing(graph, trees, pace, pacing))
+    return _chunked(compiled, chunks, graph, elem_bytes)
+
+
+def _chunked(compiled, chunks: int | str, graph: nx.DiGraph, elem_bytes: int) -> Plan:
+    """``compiled(chunks)``'s plan; with ``chunks: auto`` of the model's lambda* (0) and
+    AUTO_CHUNKS per tree the plan :func:`testbed.costmodel.fastest` picks, every count's
+    predicted CCT in ``plan.meta["chunk_cct_s"]`` (our addition: with cut-through and a
+    per-transfer cost the paper's model of store-and-forward hops need not be fastest)."""
+    from testbed import costmodel
+
+    if chunks != "auto":
+        if not isinstance(chunks, int) or chunks < 0:
+            raise ParamError("chunks", f"expected an integer >= 0 or 'auto', got {chunks!r}")
+        return compiled(chunks)
+    (_, plan), cct = costmodel.fastest(((c, compiled(c)) for c in (0, *AUTO_CHUNKS)), graph, elem_bytes)
+    plan.meta["chunk_cct_s"] = cct
+    return plan
 
 
 def _gost(wv: WanView, H_in: float, r_min: float, rho: float, L: np.ndarray, use_ith: bool, kw: dict
