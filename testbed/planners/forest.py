@@ -935,17 +935,21 @@ def _budgeted(compiled, max_trees: int | str, graph: nx.DiGraph, elem_bytes: int
               ) -> tuple[Forest, Plan, list[dict], int, dict[str, float]]:
     """The pruned forest, its plan and flows (``compiled(budget)``), the budget, and with
     ``max_trees: auto`` every budget's predicted CCT (s, else empty): of the budgets in
-    AUTO_BUDGETS the one whose plan :func:`testbed.costmodel.fastest` picks.  Our addition: fewer trees mean fewer, larger pieces and fewer
-    deep pipelines to fill, at some cost in packing; which budget is fastest depends on the
-    topology and the size (docs/measurements/2026-12-02-forest-budget.md)."""
+    AUTO_BUDGETS the one whose plan :func:`testbed.costmodel.fastest` picks.  Our addition:
+    fewer trees mean fewer, larger pieces and fewer deep pipelines to fill, at some cost in
+    packing; which budget is fastest depends on the topology and the size
+    (docs/measurements/2026-12-02-forest-budget.md)."""
     from testbed import costmodel
 
     if max_trees != "auto":
         if not isinstance(max_trees, int) or max_trees < 0:
             raise ParamError("max_trees", f"expected an integer >= 0 or 'auto', got {max_trees!r}")
         return (*compiled(max_trees), max_trees, {})
-    (budget, plan, forest, flows), cct = costmodel.fastest(
-        ((b, plan, forest, flows) for b in AUTO_BUDGETS for forest, plan, flows in [compiled(b)]), graph, elem_bytes)
+    def budgets():
+        for b in AUTO_BUDGETS:
+            forest, plan, flows = compiled(b)
+            yield b, plan, forest, flows
+    (budget, plan, forest, flows), cct = costmodel.fastest(budgets(), graph, elem_bytes)
     return forest, plan, flows, budget, cct
 
 
