@@ -8,9 +8,8 @@ its result with ``==`` by regenerating all participants' inputs from the seed.
 Iteration i of a vector of n elements is block i // n's random vector rotated by i mod n
 elements (:func:`rotation`): consecutive iterations differ at almost every element, so data
 left from an earlier iteration fails the check, and a node makes its block's input and true
-sum once and only rotates them per iteration (:func:`rotate_into`; making the sum of nine
-inputs of 128 MB takes seconds of CPU, which later iterations would spend while others
-communicate).
+sum once and only rotates them per iteration (:func:`rotate_into`; a true sum of large
+inputs costs seconds of CPU, which later iterations would spend while others communicate).
 """
 
 from __future__ import annotations

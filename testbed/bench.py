@@ -332,8 +332,7 @@ def bench_emulator(out: Path, progress, topology: str = "netstorm-internet2-9", 
 
 TREE_SCHEMES = ("mtree", "forest", "blink", "multitree", "netstorm", "mst")
 # Measured iterations per scheme in bench efficiency and peers (after one warm-up): their mean is
-# the CCT, so one slow iteration of a multi-tree scheme on NetStorm's overlay (up to 1.5x the
-# others in a run) does not decide a row alone.
+# the CCT, so one slow iteration does not decide a row alone.
 BENCH_ITERATIONS = 3
 # (topology, scale, TCP congestion control, default sizes before the scale): NetStorm's overlay has
 # 0.02 % random loss (BBR, as netstorm-baselines); GScale is lossless with long RTTs (cubic), at a

@@ -40,6 +40,16 @@ ACTIVE = Param((list, type(None)), None, "the workers of a partial reduce (they 
                                           "result); null = every node (AllReduce)", kind=NODES)
 
 
+def is_auto(name: str, value) -> bool:
+    """Whether a parameter that takes an integer >= 0 or 'auto' is 'auto'; ParamError naming
+    ``name`` when it is neither."""
+    if value == "auto":
+        return True
+    if not isinstance(value, int) or value < 0:
+        raise ParamError(name, f"expected an integer >= 0 or 'auto', got {value!r}")
+    return False
+
+
 def members(graph: nx.DiGraph, active) -> list[str]:
     """The workers of the collective: ``active`` (at least two, distinct) in graph order, or all."""
     if active is None:

@@ -84,7 +84,7 @@ from scipy.optimize import Bounds, LinearConstraint, linprog, milp
 
 from testbed.plan import Plan, ProgramBuilder, Tree, fill_contended, split_lengths
 from testbed.planners import NODES, Param, ParamError, planner
-from testbed.planners.common import check_graph, min_arborescence
+from testbed.planners.common import check_graph, is_auto, min_arborescence
 
 REFERENCE = ("TopoAdapt: Zhang, Wu, Li, 'Near-Optimal Topology-adaptive Parameter Synchronization in "
              "Distributed DNN Training', IEEE INFOCOM 2021 (paper 001), Sec. III-V, LP (4)/(8), Alg. 1")
@@ -941,9 +941,7 @@ def _budgeted(compiled, max_trees: int | str, graph: nx.DiGraph, elem_bytes: int
     (docs/measurements/2026-12-02-forest-budget.md)."""
     from testbed import costmodel
 
-    if max_trees != "auto":
-        if not isinstance(max_trees, int) or max_trees < 0:
-            raise ParamError("max_trees", f"expected an integer >= 0 or 'auto', got {max_trees!r}")
+    if not is_auto("max_trees", max_trees):
         return (*compiled(max_trees), max_trees, {})
     def budgets():
         for b in AUTO_BUDGETS:

@@ -15,9 +15,7 @@ Pipeline (Fig. 4):
    chunk count minimising the pipelined completion time of the tree's critical path.
    ``chunks: auto`` (our addition) instead keeps, of that count and ``AUTO_CHUNKS``, the
    one whose plan :func:`testbed.costmodel.fastest` predicts finishes first: the paper's
-   model stores and forwards whole chunks, the agents cut through and pay per transfer
-   (docs/measurements/2026-12-02-iterations-and-inputs.md: 32 per tree 0.96x the model's 8
-   on GScale-12, as predicted).
+   model stores and forwards whole chunks, the agents cut through and pay per transfer.
 
 The graph is the undirected :class:`~testbed.planners.bound.WanView` of the WAN: link
 capacity ``b_j = min`` of the two directions (both carry the tree's rate: reduce up,
@@ -84,7 +82,15 @@ from scipy.optimize import Bounds, LinearConstraint, milp
 from testbed.plan import Plan, Tree, split_lengths, trees_plan
 from testbed.planners import Param, ParamError, planner
 from testbed.planners.bound import simple_bound
-from testbed.planners.common import WanView, check_graph, parents_from_edges, tree_pacing, tree_roundtrip_s, wan_view
+from testbed.planners.common import (
+    WanView,
+    check_graph,
+    is_auto,
+    parents_from_edges,
+    tree_pacing,
+    tree_roundtrip_s,
+    wan_view,
+)
 
 PAPER = ("S. Luo, R. Wang, H. Xing, 'Efficient Inter-Datacenter AllReduce With Multiple "
          "Trees' (MTREE), seed 000")
@@ -532,9 +538,7 @@ def _chunked(compiled, chunks: int | str, graph: nx.DiGraph, elem_bytes: int) ->
     per-transfer cost the paper's model of store-and-forward hops need not be fastest)."""
     from testbed import costmodel
 
-    if chunks != "auto":
-        if not isinstance(chunks, int) or chunks < 0:
-            raise ParamError("chunks", f"expected an integer >= 0 or 'auto', got {chunks!r}")
+    if not is_auto("chunks", chunks):
         return compiled(chunks)
     (_, plan), cct = costmodel.fastest(((c, compiled(c)) for c in (0, *AUTO_CHUNKS)), graph, elem_bytes)
     plan.meta["chunk_cct_s"] = cct
