@@ -449,6 +449,10 @@ class Tree:
     ``parent`` maps every node in the tree to its parent (the root to None).  ``share`` is
     the fraction of the vector the tree carries, ``chunks`` how many pipelined chunks the
     slice is cut into, ``rate_mbps`` the rate the planner assigned (informational).
+    ``broadcast_parent``, if given, is a second parent map with the same root and nodes:
+    the broadcast runs down that out-tree instead of down the reduce tree reversed (a pair
+    of a reduce in-tree and a broadcast out-tree, as :func:`testbed.planners.bound.optimum`
+    packs them).
     """
 
     root: str
@@ -456,17 +460,23 @@ class Tree:
     share: float = 1.0
     chunks: int = 1
     rate_mbps: float = 0.0
+    broadcast_parent: dict[str, str | None] | None = None
 
-    def children(self) -> dict[str, list[str]]:
-        ch: dict[str, list[str]] = {n: [] for n in self.parent}
-        for n, p in self.parent.items():
+    def parents(self, broadcast: bool = False) -> dict[str, str | None]:
+        """The reduce tree's parent map, or with ``broadcast`` the broadcast tree's."""
+        return self.broadcast_parent if broadcast and self.broadcast_parent is not None else self.parent
+
+    def children(self, broadcast: bool = False) -> dict[str, list[str]]:
+        parent = self.parents(broadcast)
+        ch: dict[str, list[str]] = {n: [] for n in parent}
+        for n, p in parent.items():
             if p is not None:
                 ch[p].append(n)
         return ch
 
-    def depth(self) -> dict[str, int]:
+    def depth(self, broadcast: bool = False) -> dict[str, int]:
         d = {self.root: 0}
-        ch = self.children()
+        ch = self.children(broadcast)
         stack = [self.root]
         while stack:
             u = stack.pop()
@@ -482,18 +492,30 @@ class Tree:
         """Directed (child, parent) edges: the reduce direction."""
         return [(n, p) for n, p in self.parent.items() if p is not None]
 
+    def links(self) -> list[tuple[str, str]]:
+        """Every directed hop the tree's data takes: (child, parent) up the reduce tree,
+        (parent, child) down the broadcast tree."""
+        return self.edges() + [(p, n) for n, p in self.parents(True).items() if p is not None]
+
     def check(self, nodes: Iterable[str]) -> None:
         nodes = set(nodes)
-        if self.parent.get(self.root, "missing") is not None:
-            raise PlanError(f"tree root {self.root!r} must have parent None")
-        if not nodes <= set(self.parent):
-            raise PlanError(f"tree rooted at {self.root} misses {sorted(nodes - set(self.parent))}")
-        if len(self.depth()) != len(self.parent):
-            raise PlanError(f"tree rooted at {self.root} is not connected or has a cycle")
+        for broadcast in (False, True):
+            parent = self.parents(broadcast)
+            if parent.get(self.root, "missing") is not None:
+                raise PlanError(f"tree root {self.root!r} must have parent None")
+            if not nodes <= set(parent):
+                raise PlanError(f"tree rooted at {self.root} misses {sorted(nodes - set(parent))}")
+            if len(self.depth(broadcast)) != len(parent):
+                raise PlanError(f"tree rooted at {self.root} is not connected or has a cycle")
+        if set(self.parents(True)) != set(self.parent):
+            raise PlanError(f"tree rooted at {self.root}: its broadcast tree spans other nodes than its reduce tree")
 
     def to_dict(self) -> dict:
-        return {"root": self.root, "parent": self.parent, "share": self.share,
-                "chunks": self.chunks, "rate_mbps": self.rate_mbps, "height": self.height()}
+        d = {"root": self.root, "parent": self.parent, "share": self.share,
+             "chunks": self.chunks, "rate_mbps": self.rate_mbps, "height": self.height()}
+        if self.broadcast_parent is not None:
+            d["broadcast_parent"] = self.broadcast_parent
+        return d
 
 
 def contended_pacing(trees: list[Tree], capacity: dict[tuple[str, str], float]) -> dict[tuple[int, str, str], float]:
@@ -506,9 +528,8 @@ def contended_pacing(trees: list[Tree], capacity: dict[tuple[str, str], float]) 
     Returns {(tree index, src, dst): rate_mbps} for the paced connections."""
     load: dict[tuple[str, str], list[int]] = defaultdict(list)
     for ti, t in enumerate(trees):
-        for c, p in t.edges():
-            load[(c, p)].append(ti)
-            load[(p, c)].append(ti)
+        for link in t.links():
+            load[link].append(ti)
     return fill_contended(load, [t.rate_mbps for t in trees], capacity)
 
 
@@ -536,7 +557,7 @@ def trees_plan(scheme: str, nodes: list[str], length: int, trees: list[Tree], *,
     The vector is split among trees by ``share``; each tree's slice into ``chunks``
     chunks.  Per chunk, a node adds its children's partial sums, forwards the result to
     its parent, and once the root has the full sum the chunk is broadcast back down the
-    same tree.  Chunks are independent, so broadcast of chunk k overlaps reduce of chunk
+    same tree (or down its ``broadcast_parent`` tree).  Chunks are independent, so broadcast of chunk k overlaps reduce of chunk
     k+1 (pipelining); each tree uses its own channel so trees never block each other.
     Every tree must contain all ``nodes`` that finish with the result (Steiner trees may
     omit non-participants only if they are neither participants nor receivers).
@@ -550,12 +571,13 @@ def trees_plan(scheme: str, nodes: list[str], length: int, trees: list[Tree], *,
     sizes = split_lengths(length, [t.share for t in trees])
     offset = 0
     for ti, (t, size) in enumerate(zip(trees, sizes)):
-        children = t.children()
-        order = sorted(t.depth().items(), key=lambda kv: -kv[1])  # leaves first
+        up = sorted(t.depth().items(), key=lambda kv: -kv[1])  # leaves first
+        down = sorted(t.depth(broadcast=True).items(), key=lambda kv: -kv[1])[::-1]  # root first
+        children = t.children(broadcast=True)
         for ci, csize in enumerate(split_lengths(size, [1] * t.chunks) if size else []):
             if csize == 0:
                 continue
-            _tree_chunk(b, t, children, order, offset, csize, dict(channel=ti, flow=ti, chunk=ci),
+            _tree_chunk(b, t, children, (up, down), offset, csize, dict(channel=ti, flow=ti, chunk=ci),
                         _tree_pacing(pace, ti, t))
             offset += csize
     meta = dict(meta or {})
@@ -575,13 +597,17 @@ def _tree_pacing(pace: bool | dict[tuple[int, str, str], float], ti: int, t: Tre
     return rate
 
 
-def _tree_chunk(b: ProgramBuilder, t: Tree, children: dict[str, list[str]], order: list[tuple[str, int]],
-                offset: int, csize: int, label: dict, rate) -> None:
+def _tree_chunk(b: ProgramBuilder, t: Tree, children: dict[str, list[str]],
+                order: tuple[list[tuple[str, int]], list[tuple[str, int]]], offset: int, csize: int, label: dict,
+                rate) -> None:
     """One chunk of one tree (:func:`trees_plan`): reduce bottom-up, each node forwarding the
-    sum of its children's partial sums and its own; then broadcast top-down from the root."""
+    sum of its children's partial sums and its own; then broadcast top-down from the root
+    (``children``: the broadcast tree's; ``order``: the nodes leaves first in the reduce
+    tree, and root first in the broadcast tree)."""
     got: dict[str, list[int]] = defaultdict(list)  # node -> recv ids of children's sums
     up_send: dict[str, int] = {}
-    for n, _ in order:  # reduce, bottom-up
+    up, down = order
+    for n, _ in up:  # reduce, bottom-up
         p = t.parent[n]
         if p is None:
             continue
@@ -590,7 +616,7 @@ def _tree_chunk(b: ProgramBuilder, t: Tree, children: dict[str, list[str]], orde
         up_send[n] = s
         got[p].append(r)
     have: dict[str, list[int]] = {t.root: got[t.root]}
-    for n, _ in reversed(order):  # broadcast, top-down
+    for n, _ in down:  # broadcast, top-down
         for c in children[n]:
             # the child's copy-in must wait until its own upward send has read the data
             _, r = b.transfer(n, c, offset, csize, reduce=False, send_deps=have[n],

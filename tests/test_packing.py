@@ -1,0 +1,108 @@
+"""Tree pairs (a reduce in-tree with its own broadcast out-tree) and the ``packing`` scheme,
+which runs the strict bound's packing of such pairs."""
+
+import numpy as np
+import pytest
+from wan_graphs import random_wan
+
+from testbed.errors import ConfigError
+from testbed.plan import PlanError, Tree, check_allreduce, split_lengths, trees_plan
+from testbed.planners import make_plan
+from testbed.planners.bound import optimum
+from testbed.planners.packing import AUTO_CHUNKS
+
+LENGTH = 1009
+
+
+def _inputs(plan, seed=0):
+    rng = np.random.default_rng(seed)
+    return {n: rng.integers(-999, 999, plan.length).astype(np.float64) for n in plan.nodes}
+
+
+def _hops(plan, phase):
+    """The (sender, receiver) of every send of ``phase``, by flow."""
+    out = {}
+    for n, prog in plan.programs.items():
+        for op in prog:
+            if op.kind == "send" and op.phase == phase:
+                out.setdefault(op.flow, set()).add((n, op.peer))
+    return out
+
+
+def _asymmetric():
+    g = random_wan(7, 11, 5)
+    for u, v in list(g.edges)[::3]:
+        g[u][v]["rate_mbps"] *= 0.4
+    return g
+
+
+def test_a_pair_reduces_up_its_in_tree_and_broadcasts_down_its_out_tree():
+    up = {"a": None, "b": "a", "c": "b", "d": "c"}  # a chain into a
+    down = {"a": None, "b": "a", "c": "a", "d": "a"}  # a star out of a
+    plan = trees_plan("pairs", list("abcd"), LENGTH, [Tree("a", up, chunks=3, broadcast_parent=down),
+                                                      Tree("a", up, chunks=2)])
+    plan.validate()
+    check_allreduce(plan, _inputs(plan))
+    reduce, bcast = _hops(plan, "reduce"), _hops(plan, "bcast")
+    assert reduce[0] == reduce[1] == {("b", "a"), ("c", "b"), ("d", "c")}
+    assert bcast[0] == {("a", "b"), ("a", "c"), ("a", "d")}  # the out-tree
+    assert bcast[1] == {("a", "b"), ("b", "c"), ("c", "d")}  # without one: the in-tree reversed
+    assert sorted(Tree("a", up, broadcast_parent=down).links()) == sorted(
+        [("b", "a"), ("c", "b"), ("d", "c"), ("a", "b"), ("a", "c"), ("a", "d")])
+
+
+@pytest.mark.parametrize("down, message", [
+    ({"a": None, "b": "a", "c": "b"}, "misses"),
+    ({"a": None, "b": "c", "c": "b", "d": "a"}, "not connected or has a cycle"),
+    ({"a": "b", "b": None, "c": "b", "d": "c"}, "must have parent None"),
+])
+def test_a_broadcast_tree_that_is_not_a_tree_of_the_same_nodes_is_refused(down, message):
+    up = {"a": None, "b": "a", "c": "b", "d": "c"}
+    with pytest.raises(PlanError, match=message):
+        Tree("a", up, broadcast_parent=down).check("abcd")
+
+
+def test_packing_runs_the_bounds_packing_exactly():
+    g = _asymmetric()
+    opt = optimum(g, LENGTH * 4)
+    plan = make_plan("packing", g, LENGTH, {"chunks": 4})
+    plan.validate()
+    check_allreduce(plan, _inputs(plan))
+    assert plan.meta["rate_mbps"] == pytest.approx(opt["packing_rate_mbps"])
+    trees = plan.meta["trees"]
+    assert [t["rate_mbps"] for t in trees] == [t["rate_mbps"] for t in opt["trees"] if t["rate_mbps"] > 0]
+    assert any(t["broadcast_parent"] != t["parent"] for t in trees)  # asymmetric: pairs differ
+    sizes = split_lengths(LENGTH, [t["rate_mbps"] for t in trees])
+    for ti, (t, size) in enumerate(zip(trees, sizes)):
+        assert t["chunks"] == min(4, size)
+        assert _hops(plan, "bcast")[ti] == {(p, c) for c, p in t["broadcast_parent"].items() if p}
+        assert _hops(plan, "reduce")[ti] == {(c, p) for c, p in t["parent"].items() if p}
+
+
+def test_pairs_sharing_a_link_direction_are_weighted_by_their_rates():
+    g = _asymmetric()
+    plan = make_plan("packing", g, LENGTH, {"chunks": 2})
+    rates = [t["rate_mbps"] for t in plan.meta["trees"]]
+    by_link = {}
+    for n, prog in plan.programs.items():
+        for op in prog:
+            if op.kind == "send":
+                by_link.setdefault((n, op.peer), {})[op.flow] = op.rate_mbps
+    shared = {k: v for k, v in by_link.items() if len(v) > 1}
+    assert shared, "no link direction carries two pairs"
+    for (a, b), paced in shared.items():
+        scale = {round(r / rates[f], 9) for f, r in paced.items()}
+        assert len(scale) == 1 and min(scale) >= 1  # in proportion to the pairs' rates, never below
+    unpaced = make_plan("packing", g, LENGTH, {"chunks": 2, "pace": False})
+    assert {op.rate_mbps for prog in unpaced.programs.values() for op in prog} == {0.0}
+
+
+def test_chunks_auto_keeps_the_count_predicted_fastest():
+    g = _asymmetric()
+    plan = make_plan("packing", g, 20000)
+    cct = plan.meta["chunk_cct_s"]
+    assert set(cct) == {str(c) for c in AUTO_CHUNKS}
+    best = min(cct, key=cct.get)
+    assert {t["chunks"] for t in plan.meta["trees"] if t["share"] * 20000 >= int(best)} == {int(best)}
+    with pytest.raises(ConfigError, match="chunks"):
+        make_plan("packing", g, LENGTH, {"chunks": 0})
