@@ -10,6 +10,7 @@ from testbed.plan import PlanError, Tree, check_allreduce, split_lengths, trees_
 from testbed.planners import make_plan
 from testbed.planners.bound import optimum
 from testbed.planners.packing import AUTO_CHUNKS
+from testbed.topology import load_topology
 
 LENGTH = 1009
 
@@ -65,7 +66,7 @@ def test_a_broadcast_tree_that_is_not_a_tree_of_the_same_nodes_is_refused(down, 
 def test_packing_runs_the_bounds_packing_exactly():
     g = _asymmetric()
     opt = optimum(g, LENGTH * 4)
-    plan = make_plan("packing", g, LENGTH, {"chunks": 4})
+    plan = make_plan("packing", g, LENGTH, {"chunks": 4})  # the default: the bound's own packing
     plan.validate()
     check_allreduce(plan, _inputs(plan))
     assert plan.meta["rate_mbps"] == pytest.approx(opt["packing_rate_mbps"])
@@ -106,3 +107,40 @@ def test_chunks_auto_keeps_the_count_predicted_fastest():
     assert {t["chunks"] for t in plan.meta["trees"] if t["share"] * 20000 >= int(best)} == {int(best)}
     with pytest.raises(ConfigError, match="chunks"):
         make_plan("packing", g, LENGTH, {"chunks": 0})
+
+
+def _loads(plan):
+    """Mbit/s the plan's pairs put on each link direction."""
+    out = {}
+    for t in plan.meta["trees"]:
+        for a, b in Tree(t["root"], t["parent"], broadcast_parent=t["broadcast_parent"]).links():
+            out[(a, b)] = out.get((a, b), 0.0) + t["rate_mbps"]
+    return out
+
+
+def test_headroom_keeps_slack_outside_the_smallest_cut_at_the_bounds_rate():
+    g = load_topology("quick-5").graph()
+    opt = optimum(g, LENGTH * 4)
+    inside = {(u, v) for u in opt["cut"]["from"] for v in opt["cut"]["to"]}
+    utilisation = {}
+    for headroom in ("auto", 0):
+        plan = make_plan("packing", g, LENGTH, {"chunks": 1, "headroom": headroom})
+        assert plan.meta["rate_mbps"] == pytest.approx(opt["rate_mbps"], rel=1e-3)
+        check_allreduce(plan, _inputs(plan))
+        utilisation[headroom] = max(load / g[a][b]["rate_mbps"] for (a, b), load in _loads(plan).items()
+                                    if (a, b) not in inside)
+    h = make_plan("packing", g, LENGTH, {"chunks": 1, "headroom": "auto"}).meta["headroom"]
+    assert h > 0 and utilisation["auto"] <= 1 - h + 1e-6
+    assert utilisation[0] > 1 - h  # the bound's own packing fills a link direction outside the cut
+
+
+def test_headroom_auto_keeps_none_where_slack_would_cost_rate_and_a_fixed_one_may():
+    g = load_topology("small-3").graph()
+    opt = optimum(g, LENGTH * 4)
+    assert make_plan("packing", g, LENGTH, {"chunks": 1, "headroom": "auto"}).meta["headroom"] == 0
+    fixed = make_plan("packing", g, LENGTH, {"chunks": 1, "headroom": 0.2})
+    assert fixed.meta["headroom"] == 0.2 and fixed.meta["rate_mbps"] < opt["rate_mbps"]
+    check_allreduce(fixed, _inputs(fixed))
+    for bad in (1.0, -0.1, "most"):
+        with pytest.raises(ConfigError, match="headroom"):
+            make_plan("packing", g, LENGTH, {"headroom": bad})

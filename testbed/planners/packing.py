@@ -18,9 +18,15 @@ Choices (none is in a paper):
 * ``pace`` (default true): where pairs share a link direction their rates are the pairs'
   weights on the agents' shared links (caps on a connection per tree), scaled to fill the
   link (:func:`testbed.plan.contended_pacing`).
-* The packing is the column generation's (:func:`~testbed.planners.bound.pack_arborescences`,
-  its stopping rule): at its optimum it fills the bound's cut exactly, and it may hold
-  pairs of tiny rate, which get tiny chunks.
+* ``headroom``: the optimum found by column generation
+  (:func:`~testbed.planners.bound.pack_arborescences`) fills many link directions exactly,
+  not only those of the smallest cut, which every packing at the bound's rate must fill.
+  With ``headroom: h`` the packing is made on the WAN with every link direction outside
+  that cut at ``1 - h`` of its rate, so that the others keep slack to make up for a moment
+  with nothing to send; ``auto`` takes the largest of ``HEADROOM_STEPS`` at which the
+  packing still reaches the bound's rate (none where the bound is not the cut's alone); 0
+  (the default) runs the bound's own packing.  The packing may hold pairs of tiny rate,
+  which get tiny chunks.
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ from testbed.planners.bound import optimum
 from testbed.planners.common import check_graph, is_auto, tree_pacing
 
 AUTO_CHUNKS = (8, 16, 32, 64)  # chunks: auto picks one of these per pair
+HEADROOM_STEPS = (0.2, 0.15, 0.1, 0.05)  # headroom: auto tries these, largest first
 
 
 @planner(
@@ -41,20 +48,24 @@ AUTO_CHUNKS = (8, 16, 32, 64)  # chunks: auto picks one of these per pair
                  f"{', '.join(map(str, AUTO_CHUNKS))} the count the cost model predicts fastest"),
     pace=Param(bool, True, "share a link direction among the pairs by their packed rates (weights on "
                "shared links, caps on a connection per tree); false = TCP sharing"),
+    headroom=Param((float, str), 0.0, "pack with the link directions outside the bound's smallest cut at "
+                   "(1 - headroom) of their rates; 'auto' = the largest of "
+                   f"{', '.join(map(str, HEADROOM_STEPS))} that keeps the bound's rate, else 0; 0 = the bound's "
+                   "own packing"),
 )
-def packing(graph: nx.DiGraph, length: int, *, elem_bytes: int, chunks: int | str = "auto", pace: bool = True
-            ) -> Plan:
+def packing(graph: nx.DiGraph, length: int, *, elem_bytes: int, chunks: int | str = "auto", pace: bool = True,
+            headroom: float | str = 0.0) -> Plan:
     """The strict bound's packing (:func:`~testbed.planners.bound.optimum`) of reduce in-tree
     and broadcast out-tree pairs, each carrying its rate's share of the vector, pipelined."""
     from testbed import costmodel
 
     check_graph(graph, "packing", min_nodes=2)
-    opt = optimum(graph, length * elem_bytes)
+    opt, kept = _packed(graph, length * elem_bytes, headroom)
     pairs = [t for t in opt["trees"] if t["rate_mbps"] > 0]
     total = sum(t["rate_mbps"] for t in pairs)
     nodes = sorted(graph.nodes)
-    meta = {"rate_mbps": total, "bound_rate_mbps": opt["rate_mbps"], "bound": opt["bound"],
-            "roots": [t["root"] for t in pairs], "packing_s": opt["planner_s"]}
+    meta = {"rate_mbps": total, "bound_rate_mbps": opt["rate_mbps"], "headroom": kept,
+            "roots": [t["root"] for t in pairs]}
 
     def compiled(count: int) -> Plan:
         sizes = split_lengths(length, [t["rate_mbps"] for t in pairs])
@@ -71,3 +82,24 @@ def packing(graph: nx.DiGraph, length: int, *, elem_bytes: int, chunks: int | st
     (_, plan), cct = costmodel.fastest(((c, compiled(c)) for c in AUTO_CHUNKS), graph, elem_bytes)
     plan.meta["chunk_cct_s"] = cct
     return plan
+
+
+def _packed(graph: nx.DiGraph, size_bytes: float, headroom: float | str) -> tuple[dict, float]:
+    """The packing to run and the headroom it keeps (module doc): optimum's on ``graph``
+    with the link directions outside its smallest cut at ``1 - headroom`` of their rates.
+    Its ``rate_mbps`` is the bound of ``graph`` itself."""
+    opt = optimum(graph, size_bytes)
+    auto = headroom == "auto"
+    if not auto and not (isinstance(headroom, float) and 0 <= headroom < 1):
+        raise ParamError("headroom", f"expected a number in [0, 1) or 'auto', got {headroom!r}")
+    cut = opt["cut"]
+    inside = {(u, v) for u in cut.get("from", ()) for v in cut.get("to", ())}
+    for h in HEADROOM_STEPS if auto else (headroom,) if headroom else ():
+        slack = graph.copy()
+        for u, v, d in slack.edges(data=True):
+            if (u, v) not in inside:
+                d["rate_mbps"] *= 1 - h
+        packed = optimum(slack, size_bytes)
+        if not auto or packed["packing_rate_mbps"] >= opt["packing_rate_mbps"] * (1 - 1e-3):
+            return {**packed, "rate_mbps": opt["rate_mbps"]}, h
+    return opt, 0.0
