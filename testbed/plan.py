@@ -557,8 +557,9 @@ def trees_plan(scheme: str, nodes: list[str], length: int, trees: list[Tree], *,
     The vector is split among trees by ``share``; each tree's slice into ``chunks``
     chunks.  Per chunk, a node adds its children's partial sums, forwards the result to
     its parent, and once the root has the full sum the chunk is broadcast back down the
-    same tree (or down its ``broadcast_parent`` tree).  Chunks are independent, so broadcast of chunk k overlaps reduce of chunk
-    k+1 (pipelining); each tree uses its own channel so trees never block each other.
+    same tree (or down its ``broadcast_parent`` tree).  Chunks are independent, so
+    broadcast of chunk k overlaps reduce of chunk k+1 (pipelining); each tree uses its own
+    channel so trees never block each other.
     Every tree must contain all ``nodes`` that finish with the result (Steiner trees may
     omit non-participants only if they are neither participants nor receivers).
     With ``pace`` every transfer of a tree is paced at the tree's ``rate_mbps``; a dict

@@ -9,6 +9,7 @@ from testbed.errors import ConfigError
 from testbed.plan import PlanError, Tree, check_allreduce, split_lengths, trees_plan
 from testbed.planners import make_plan
 from testbed.planners.bound import optimum
+from testbed.planners.common import tree_link_loads
 from testbed.planners.packing import AUTO_CHUNKS
 from testbed.topology import load_topology
 
@@ -109,13 +110,10 @@ def test_chunks_auto_keeps_the_count_predicted_fastest():
         make_plan("packing", g, LENGTH, {"chunks": 0})
 
 
-def _loads(plan):
+def _loads(plan, graph):
     """Mbit/s the plan's pairs put on each link direction."""
-    out = {}
-    for t in plan.meta["trees"]:
-        for a, b in Tree(t["root"], t["parent"], broadcast_parent=t["broadcast_parent"]).links():
-            out[(a, b)] = out.get((a, b), 0.0) + t["rate_mbps"]
-    return out
+    return tree_link_loads(graph, [Tree(t["root"], t["parent"], rate_mbps=t["rate_mbps"],
+                                        broadcast_parent=t["broadcast_parent"]) for t in plan.meta["trees"]])
 
 
 def test_headroom_keeps_slack_outside_the_smallest_cut_at_the_bounds_rate():
@@ -127,7 +125,7 @@ def test_headroom_keeps_slack_outside_the_smallest_cut_at_the_bounds_rate():
         plan = make_plan("packing", g, LENGTH, {"chunks": 1, "headroom": headroom})
         assert plan.meta["rate_mbps"] == pytest.approx(opt["rate_mbps"], rel=1e-3)
         check_allreduce(plan, _inputs(plan))
-        utilisation[headroom] = max(load / g[a][b]["rate_mbps"] for (a, b), load in _loads(plan).items()
+        utilisation[headroom] = max(load / g[a][b]["rate_mbps"] for (a, b), load in _loads(plan, g).items()
                                     if (a, b) not in inside)
     h = make_plan("packing", g, LENGTH, {"chunks": 1, "headroom": "auto"}).meta["headroom"]
     assert h > 0 and utilisation["auto"] <= 1 - h + 1e-6

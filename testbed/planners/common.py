@@ -234,17 +234,16 @@ def _cle(n: int, E: list[tuple[int, int, float, int]], root: int) -> list[int]:
 
 def tree_link_loads(graph: nx.DiGraph, trees: Iterable[Tree], paths: Mapping | None = None
                     ) -> dict[tuple[str, str], float]:
-    """Per-direction load (Mbit/s) of trees running at ``tree.rate_mbps``: each tree
-    edge (child, parent) carries the rate child->parent (reduce) and parent->child
-    (broadcast).  A tree edge that is not a WAN link is charged on every link of its
+    """Per-direction load (Mbit/s) of trees running at ``tree.rate_mbps``: the rate on
+    every hop of :meth:`Tree.links` (child->parent up the reduce tree, parent->child down
+    the broadcast tree).  A hop that is not a WAN link is charged on every link of its
     route in ``paths`` (latency-shortest routes, :func:`testbed.routing.shortest_paths`)."""
     load: dict[tuple[str, str], float] = defaultdict(float)
     for t in trees:
-        for c, p in t.edges():
-            for a, b in ((c, p), (p, c)):
-                route = [a, b] if graph.has_edge(a, b) else paths[(a, b)]
-                for x, y in zip(route, route[1:]):
-                    load[(x, y)] += t.rate_mbps
+        for a, b in t.links():
+            route = [a, b] if graph.has_edge(a, b) else paths[(a, b)]
+            for x, y in zip(route, route[1:]):
+                load[(x, y)] += t.rate_mbps
     return dict(load)
 
 
