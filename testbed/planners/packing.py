@@ -38,7 +38,7 @@ from testbed.planners import Param, ParamError, planner
 from testbed.planners.bound import optimum
 from testbed.planners.common import check_graph, is_auto, tree_pacing
 
-AUTO_CHUNKS = (8, 16, 32, 64)  # chunks: auto picks one of these per pair
+AUTO_CHUNKS = (1, 2, 4, 8, 16, 32, 64)  # chunks: auto picks one of these per pair
 HEADROOM_STEPS = (0.2, 0.15, 0.1, 0.05)  # headroom: auto tries these, largest first
 
 
