@@ -50,6 +50,19 @@ def is_auto(name: str, value) -> bool:
     return False
 
 
+def chunked(compiled, chunks: int | str, candidates: Sequence[int], graph: nx.DiGraph, elem_bytes: int):
+    """``compiled(chunks)``'s plan; with ``chunks: auto`` the plan of the count among
+    ``candidates`` that :func:`testbed.costmodel.fastest` picks, every count's predicted
+    CCT in ``plan.meta["chunk_cct_s"]``."""
+    from testbed import costmodel
+
+    if not is_auto("chunks", chunks):
+        return compiled(chunks)
+    (_, plan), cct = costmodel.fastest(((c, compiled(c)) for c in candidates), graph, elem_bytes)
+    plan.meta["chunk_cct_s"] = cct
+    return plan
+
+
 def members(graph: nx.DiGraph, active) -> list[str]:
     """The workers of the collective: ``active`` (at least two, distinct) in graph order, or all."""
     if active is None:

@@ -937,8 +937,7 @@ def _budgeted(compiled, max_trees: int | str, graph: nx.DiGraph, elem_bytes: int
     ``max_trees: auto`` every budget's predicted CCT (s, else empty): of the budgets in
     AUTO_BUDGETS the one whose plan :func:`testbed.costmodel.fastest` picks.  Our addition:
     fewer trees mean fewer, larger pieces and fewer deep pipelines to fill, at some cost in
-    packing; which budget is fastest depends on the topology and the size
-    (docs/measurements/2026-12-02-forest-budget.md)."""
+    packing; which budget is fastest depends on the topology and the size."""
     from testbed import costmodel
 
     if not is_auto("max_trees", max_trees):

@@ -85,7 +85,7 @@ from testbed.planners.bound import simple_bound
 from testbed.planners.common import (
     WanView,
     check_graph,
-    is_auto,
+    chunked,
     parents_from_edges,
     tree_pacing,
     tree_roundtrip_s,
@@ -528,21 +528,9 @@ def mtree(graph: nx.DiGraph, length: int, *, elem_bytes: int, K: int = 10, H: fl
                 **_model_summary(infos)}
         return trees_plan("mtree", list(wv.nodes), length, trees, meta=meta,
                           pace=tree_pacing(graph, trees, pace, pacing))
-    return _chunked(compiled, chunks, graph, elem_bytes)
-
-
-def _chunked(compiled, chunks: int | str, graph: nx.DiGraph, elem_bytes: int) -> Plan:
-    """``compiled(chunks)``'s plan; with ``chunks: auto`` of the model's lambda* (0) and
-    AUTO_CHUNKS per tree the plan :func:`testbed.costmodel.fastest` picks, every count's
-    predicted CCT in ``plan.meta["chunk_cct_s"]`` (our addition: with cut-through and a
-    per-transfer cost the paper's model of store-and-forward hops need not be fastest)."""
-    from testbed import costmodel
-
-    if not is_auto("chunks", chunks):
-        return compiled(chunks)
-    (_, plan), cct = costmodel.fastest(((c, compiled(c)) for c in (0, *AUTO_CHUNKS)), graph, elem_bytes)
-    plan.meta["chunk_cct_s"] = cct
-    return plan
+    # our addition: with cut-through and a per-transfer cost the paper's model of
+    # store-and-forward hops need not be fastest
+    return chunked(compiled, chunks, (0, *AUTO_CHUNKS), graph, elem_bytes)
 
 
 def _gost(wv: WanView, H_in: float, r_min: float, rho: float, L: np.ndarray, use_ith: bool, kw: dict

@@ -36,7 +36,7 @@ import networkx as nx
 from testbed.plan import Plan, Tree, split_lengths, trees_plan
 from testbed.planners import Param, ParamError, planner
 from testbed.planners.bound import optimum
-from testbed.planners.common import check_graph, is_auto, tree_pacing
+from testbed.planners.common import check_graph, chunked, tree_pacing
 
 AUTO_CHUNKS = (1, 2, 4, 8, 16, 32, 64)  # chunks: auto picks one of these per pair
 HEADROOM_STEPS = (0.2, 0.15, 0.1, 0.05)  # headroom: auto tries these, largest first
@@ -57,41 +57,35 @@ def packing(graph: nx.DiGraph, length: int, *, elem_bytes: int, chunks: int | st
             headroom: float | str = 0.0) -> Plan:
     """The strict bound's packing (:func:`~testbed.planners.bound.optimum`) of reduce in-tree
     and broadcast out-tree pairs, each carrying its rate's share of the vector, pipelined."""
-    from testbed import costmodel
-
     check_graph(graph, "packing", min_nodes=2)
+    if isinstance(chunks, int) and chunks < 1:
+        raise ParamError("chunks", f"expected an integer >= 1 or 'auto', got {chunks!r}")
     opt, kept = _packed(graph, length * elem_bytes, headroom)
     pairs = [t for t in opt["trees"] if t["rate_mbps"] > 0]
     total = sum(t["rate_mbps"] for t in pairs)
     nodes = sorted(graph.nodes)
     meta = {"rate_mbps": total, "bound_rate_mbps": opt["rate_mbps"], "headroom": kept,
             "roots": [t["root"] for t in pairs]}
+    sizes = split_lengths(length, [t["rate_mbps"] for t in pairs])
 
     def compiled(count: int) -> Plan:
-        sizes = split_lengths(length, [t["rate_mbps"] for t in pairs])
         trees = [Tree(t["root"], t["parent"], share=t["rate_mbps"] / total, chunks=max(1, min(count, size)),
                       rate_mbps=t["rate_mbps"], broadcast_parent=t["broadcast_parent"])
                  for t, size in zip(pairs, sizes)]
         return trees_plan("packing", nodes, length, trees, meta=dict(meta),
                           pace=tree_pacing(graph, trees, pace, "contended"))
 
-    if not is_auto("chunks", chunks):
-        if chunks < 1:
-            raise ParamError("chunks", f"expected an integer >= 1 or 'auto', got {chunks!r}")
-        return compiled(chunks)
-    (_, plan), cct = costmodel.fastest(((c, compiled(c)) for c in AUTO_CHUNKS), graph, elem_bytes)
-    plan.meta["chunk_cct_s"] = cct
-    return plan
+    return chunked(compiled, chunks, AUTO_CHUNKS, graph, elem_bytes)
 
 
 def _packed(graph: nx.DiGraph, size_bytes: float, headroom: float | str) -> tuple[dict, float]:
     """The packing to run and the headroom it keeps (module doc): optimum's on ``graph``
     with the link directions outside its smallest cut at ``1 - headroom`` of their rates.
     Its ``rate_mbps`` is the bound of ``graph`` itself."""
-    opt = optimum(graph, size_bytes)
     auto = headroom == "auto"
     if not auto and not (isinstance(headroom, float) and 0 <= headroom < 1):
         raise ParamError("headroom", f"expected a number in [0, 1) or 'auto', got {headroom!r}")
+    opt = optimum(graph, size_bytes)
     cut = opt["cut"]
     inside = {(u, v) for u in cut.get("from", ()) for v in cut.get("to", ())}
     for h in HEADROOM_STEPS if auto else (headroom,) if headroom else ():
