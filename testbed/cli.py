@@ -203,6 +203,12 @@ def _print_summary(results: dict) -> None:
     _print_rounds(results)
     for w in results.get("emulation", {}).get("warnings", []):
         print(f"WARNING: emulation did not keep up: {w}", file=sys.stderr)
+    from testbed.results import HOST_BUSY
+
+    busy = results.get("emulation", {}).get("iterations_cpu_util")
+    if busy is not None and busy > HOST_BUSY:
+        print(f"NOTE: the machine's CPU was {busy:.0%} busy while the iterations ran: the CCTs may be this "
+              "host's limit, not the WAN's (lower scale, or spread the datacenters over servers)", file=sys.stderr)
 
 
 def _print_rounds(results: dict) -> None:

@@ -479,6 +479,8 @@ RESULTS_FIELDS: list[tuple[str, str, str]] = [
     ("emulation.kept_up", "", "`false` when the emulator was overloaded: do not publish such numbers, lower `scale`"),
     ("emulation.warnings", "", "why it did not keep up"),
     ("emulation.cpu_util", "share", "whole-machine CPU busy during the runs"),
+    ("emulation.iterations_cpu_util", "share", "whole-machine CPU busy while the measured iterations communicated "
+     "(GO to the last worker done); above 0.9 the CCTs may be the host's limit, not the WAN's (a note, not `kept_up`)"),
     ("emulation.steal", "share", "CPU time a hypervisor took (above 0.03 timings may be stretched)"),
     ("emulation.pauses", "[Unix s, s]", "every time a process that only sleeps 10 ms at a time woke 0.1 s or more "
      "late (start, length): the machine paused; one of 0.5 s or more makes `kept_up` false"),

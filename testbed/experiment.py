@@ -18,7 +18,7 @@ from testbed.config import Experiment, Variant, planner_params
 from testbed.errors import TestbedError
 from testbed.hosts import Hosts, run_agents
 from testbed.plan import Plan
-from testbed.results import CpuMeter, PauseMeter, emulation_health, environment, stats
+from testbed.results import CpuMeter, PauseMeter, comm_windows, emulation_health, environment, stats
 from testbed.workloads import compute_times
 
 
@@ -260,6 +260,7 @@ def _run_on_network(exp: Experiment, planned: list[Planned], results: dict, out_
                 relay, results["events"] = [], results["events"] + [{"error": f"relay statistics: {e}"}]
             results["emulation"] = emulation_health(net.method, len(net.relays), relay, cpu_util, steal,
                                                      exp.emulator.max_late_ms, pauses)
+            results["emulation"]["iterations_cpu_util"] = cpu.busy_within(comm_windows(results["runs"]))
             results["emulation"]["relay_layout"] = net.relay_layout
 
 

@@ -52,7 +52,7 @@ from __future__ import annotations
 import json
 from collections import defaultdict
 from dataclasses import dataclass, field, fields
-from typing import Iterable, Mapping
+from typing import Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -525,15 +525,31 @@ def contended_pacing(trees: list[Tree], capacity: dict[tuple[str, str], float]) 
     the edge) (a packing that leaves the edge partly idle fills it in the same proportions);
     an edge only one tree uses is left unpaced (the link itself limits it, and after a stall
     the tree can catch up, which a connection paced at exactly its mean rate never can).
-    Returns {(tree index, src, dst): rate_mbps} for the paced connections."""
+    Returns {(channel, src, dst): rate_mbps} for the paced connections (channels of
+    :func:`tree_channels`)."""
     load: dict[tuple[str, str], list[int]] = defaultdict(list)
-    for ti, t in enumerate(trees):
-        for link in t.links():
-            load[link].append(ti)
-    return fill_contended(load, [t.rate_mbps for t in trees], capacity)
+    rates: dict[int, float] = {}
+    for t, (up, down) in zip(trees, tree_channels(trees)):
+        for c, p in t.parent.items():
+            if p is not None:
+                load[(c, p)].append(up)
+        for c, p in t.parents(broadcast=True).items():
+            if p is not None:
+                load[(p, c)].append(down)
+        rates[up] = rates[down] = t.rate_mbps
+    return fill_contended(load, rates, capacity)
 
 
-def fill_contended(users: dict[tuple, list[int]], rates: list[float],
+def tree_channels(trees: list[Tree]) -> list[tuple[int, int]]:
+    """Each tree's (reduce channel, broadcast channel) in :func:`trees_plan`: its index for
+    both, except that a tree with a broadcast tree of its own broadcasts on a channel of
+    its own (its index + the number of trees): its reduce and broadcast trees may cross one
+    link direction, where one ordered connection would queue every broadcast chunk behind
+    the reduce chunks ready before it (a reduce leaf has all of them at the start)."""
+    return [(ti, len(trees) + ti if t.broadcast_parent is not None else ti) for ti, t in enumerate(trees)]
+
+
+def fill_contended(users: dict[tuple, list[int]], rates: Sequence[float] | Mapping[int, float],
                    capacity: dict[tuple[str, str], float]) -> dict[tuple[int, str, str], float]:
     """The scaling of :func:`contended_pacing`: ``users`` maps a key whose first two items
     are a link direction (a, b) to the indices of what shares it; where two or more share
@@ -563,23 +579,23 @@ def trees_plan(scheme: str, nodes: list[str], length: int, trees: list[Tree], *,
     Every tree must contain all ``nodes`` that finish with the result (Steiner trees may
     omit non-participants only if they are neither participants nor receivers).
     With ``pace`` every transfer of a tree is paced at the tree's ``rate_mbps``; a dict
-    {(tree index, src, dst): rate_mbps} paces just those connections
-    (:func:`contended_pacing`).
+    {(channel, src, dst): rate_mbps} paces just those connections
+    (:func:`contended_pacing`; channels: :func:`tree_channels`).
     """
     for t in trees:
         t.check(participants if participants is not None else nodes)
     b = ProgramBuilder(nodes)
     sizes = split_lengths(length, [t.share for t in trees])
     offset = 0
-    for ti, (t, size) in enumerate(zip(trees, sizes)):
+    for ti, (t, size, channels) in enumerate(zip(trees, sizes, tree_channels(trees))):
         up = sorted(t.depth().items(), key=lambda kv: -kv[1])  # leaves first
         down = sorted(t.depth(broadcast=True).items(), key=lambda kv: -kv[1])[::-1]  # root first
         children = t.children(broadcast=True)
         for ci, csize in enumerate(split_lengths(size, [1] * t.chunks) if size else []):
             if csize == 0:
                 continue
-            _tree_chunk(b, t, children, (up, down), offset, csize, dict(channel=ti, flow=ti, chunk=ci),
-                        _tree_pacing(pace, ti, t))
+            _tree_chunk(b, t, children, (up, down), offset, csize, channels, dict(flow=ti, chunk=ci),
+                        _tree_pacing(pace, t))
             offset += csize
     meta = dict(meta or {})
     meta.setdefault("trees", [t.to_dict() for t in trees])
@@ -587,24 +603,26 @@ def trees_plan(scheme: str, nodes: list[str], length: int, trees: list[Tree], *,
     return plan
 
 
-def _tree_pacing(pace: bool | dict[tuple[int, str, str], float], ti: int, t: Tree):
-    """rate(a, b): the pacing rate of tree ti's connection a->b (0: unpaced), by
-    :func:`trees_plan`'s ``pace``."""
+def _tree_pacing(pace: bool | dict[tuple[int, str, str], float], t: Tree):
+    """rate(channel, a, b): the pacing rate of tree t's connection a->b on ``channel`` (0:
+    unpaced), by :func:`trees_plan`'s ``pace``."""
 
-    def rate(a: str, b: str) -> float:
+    def rate(channel: int, a: str, b: str) -> float:
         if isinstance(pace, dict):
-            return pace.get((ti, a, b), 0.0)
+            return pace.get((channel, a, b), 0.0)
         return t.rate_mbps if pace else 0.0
     return rate
 
 
 def _tree_chunk(b: ProgramBuilder, t: Tree, children: dict[str, list[str]],
-                order: tuple[list[tuple[str, int]], list[tuple[str, int]]], offset: int, csize: int, label: dict,
-                rate) -> None:
+                order: tuple[list[tuple[str, int]], list[tuple[str, int]]], offset: int, csize: int,
+                channels: tuple[int, int], label: dict, rate) -> None:
     """One chunk of one tree (:func:`trees_plan`): reduce bottom-up, each node forwarding the
     sum of its children's partial sums and its own; then broadcast top-down from the root
     (``children``: the broadcast tree's; ``order``: the nodes leaves first in the reduce
-    tree, and root first in the broadcast tree)."""
+    tree, and root first in the broadcast tree; ``channels``: the reduce's and the
+    broadcast's)."""
+    up_channel, down_channel = channels
     got: dict[str, list[int]] = defaultdict(list)  # node -> recv ids of children's sums
     up_send: dict[str, int] = {}
     up, down = order
@@ -612,14 +630,14 @@ def _tree_chunk(b: ProgramBuilder, t: Tree, children: dict[str, list[str]],
         p = t.parent[n]
         if p is None:
             continue
-        s, r = b.transfer(n, p, offset, csize, reduce=True, send_deps=got[n],
-                          phase="reduce", rate_mbps=rate(n, p), **label)
+        s, r = b.transfer(n, p, offset, csize, reduce=True, send_deps=got[n], phase="reduce",
+                          channel=up_channel, rate_mbps=rate(up_channel, n, p), **label)
         up_send[n] = s
         got[p].append(r)
     have: dict[str, list[int]] = {t.root: got[t.root]}
     for n, _ in down:  # broadcast, top-down
         for c in children[n]:
             # the child's copy-in must wait until its own upward send has read the data
-            _, r = b.transfer(n, c, offset, csize, reduce=False, send_deps=have[n],
-                              recv_deps=[up_send[c]], phase="bcast", rate_mbps=rate(n, c), **label)
+            _, r = b.transfer(n, c, offset, csize, reduce=False, send_deps=have[n], recv_deps=[up_send[c]],
+                              phase="bcast", channel=down_channel, rate_mbps=rate(down_channel, n, c), **label)
             have[c] = [r]

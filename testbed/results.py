@@ -12,6 +12,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from importlib import metadata
 from pathlib import Path
@@ -141,6 +142,11 @@ STEAL_MAX = 0.03
 
 
 CPU_BUSY = 0.95  # whole-machine utilisation above which the emulator may not keep up
+CPU_SAMPLE_S = 0.25  # CpuMeter's sampling period
+# Above this share of the machine's CPU while the iterations communicate, the agents (which
+# share the machine's cores) may be bound by the host, not the WAN: a note, not kept_up.
+# Measured: NetStorm-9 at 128 MB on 2 cores, 0.93 busy, ran 10-25 % slower than at half the scale.
+HOST_BUSY = 0.9
 PAUSE_TICK_S = 0.01  # PauseMeter's sleep
 PAUSE_NOTE_S = 0.1  # a wake-up this much late is a pause, recorded
 PAUSE_MAX_S = 0.5  # a pause this long: the run did not keep up
@@ -189,7 +195,8 @@ def tcp_memory(sockstat: str = "/proc/net/sockstat", tcp_mem: str = "/proc/sys/n
 
 class CpuMeter:
     """Whole-machine CPU use between start() and stop(), from /proc/stat: stop() returns
-    (busy, steal), each a fraction of all CPU time (steal: taken by the hypervisor)."""
+    (busy, steal), each a fraction of all CPU time (steal: taken by the hypervisor).  A
+    thread samples it every ``CPU_SAMPLE_S`` meanwhile, for :meth:`busy_within`."""
 
     @staticmethod
     def _read() -> tuple[int, int, int]:
@@ -199,12 +206,44 @@ class CpuMeter:
 
     def start(self) -> "CpuMeter":
         self._t = self._read()
+        self.samples: list[tuple[int, int, int]] = []  # (time.time_ns(), total, idle)
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._sample, name="cpu-meter", daemon=True)
+        self._thread.start()
         return self
 
+    def _sample(self) -> None:
+        while True:
+            self.samples.append((time.time_ns(), *self._read()[:2]))
+            if self._done.wait(CPU_SAMPLE_S):
+                return
+
     def stop(self) -> tuple[float, float]:
+        self._done.set()
+        self._thread.join(timeout=5.0)
         total, idle, steal = self._read()
         dt, di, ds = total - self._t[0], idle - self._t[1], steal - self._t[2]
         return (1.0 - di / dt, ds / dt) if dt else (0.0, 0.0)
+
+    def busy_within(self, windows: list[tuple[int, int]]) -> float | None:
+        """The machine's CPU busy share over the sampling intervals that lie inside the
+        ``windows`` ([start_ns, end_ns] on time.time_ns()); None if no interval does."""
+        total = idle = 0
+        for (t0, a0, i0), (t1, a1, i1) in zip(self.samples, self.samples[1:]):
+            if any(s <= t0 and t1 <= e for s, e in windows):
+                total, idle = total + a1 - a0, idle + i1 - i0
+        return 1.0 - idle / total if total else None
+
+
+def comm_windows(runs: list[dict]) -> list[tuple[int, int]]:
+    """[GO, last worker's communication done] of every measured iteration of ``runs`` (ns)."""
+    out = []
+    for run in runs:
+        for it in (it for it in run.get("iterations", []) if not it.get("warmup")):
+            done = [w["comm_done_ns"] for w in it.get("workers", {}).values() if w.get("comm_done_ns")]
+            if it.get("go_ns") and done:
+                out.append((it["go_ns"], max(done)))
+    return out
 
 
 class PauseMeter:

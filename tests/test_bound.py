@@ -14,6 +14,8 @@ from testbed.costmodel import predict
 from testbed.plan import Tree
 from testbed.planners import make_plan, schemes
 from testbed.planners.bound import (
+    bounded_arborescence,
+    capacity_matrix,
     cut_bound,
     is_symmetric,
     optimum,
@@ -21,6 +23,7 @@ from testbed.planners.bound import (
     pack_spanning_trees,
     simple_bound,
     spanning_tree,
+    tree_height,
 )
 from testbed.planners.common import wan_view
 from testbed.topology import load_topology
@@ -365,3 +368,61 @@ def test_no_scheme_predicts_below_the_strict_bound_on_random_graphs(seed):
         assert predict(plan, g)["cct_s"] >= res["transfer_s"] * (1 - 1e-9), name
         if "predicted_time_s" in plan.meta:
             assert plan.meta["predicted_time_s"] >= res["transfer_s"] * (1 - 1e-9), name
+
+
+def _arborescences(C, root, height):
+    """Every out-arborescence of ``root`` over the arcs of ``C`` at most ``height`` deep, as
+    parent arrays, by enumerating every parent choice."""
+    n = len(C)
+    others = [v for v in range(n) if v != root]
+    for choice in itertools.product(range(n), repeat=len(others)):
+        parent = np.full(n, -1)
+        parent[others] = choice
+        if all(C[parent[v], v] > 0 for v in others) and tree_height(parent, root) <= height:
+            yield parent
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_bounded_arborescence_is_the_cheapest_within_the_height(seed):
+    g = asymmetric(random_wan(5, 7, seed), seed)
+    C = capacity_matrix(g, sorted(g.nodes))
+    U, V = np.nonzero(C)
+    cost = np.random.default_rng(seed).random(len(U))
+    arc = {(int(u), int(v)): k for k, (u, v) in enumerate(zip(U, V))}
+    for root in range(5):
+        for height in (1, 2, 3, 4):
+            trees = list(_arborescences(C, root, height))
+            got = bounded_arborescence(5, U, V, cost, root, height)
+            if not trees:
+                assert got is None
+                continue
+            price = [sum(cost[arc[(int(t[v]), v)]] for v in range(5) if v != root) for t in trees]
+            assert got is not None and tree_height(got, root) <= height
+            assert any((got == t).all() for t in trees)  # a tree over the WAN's arcs
+            assert sum(cost[arc[(int(got[v]), v)]] for v in range(5) if v != root) == pytest.approx(min(price))
+
+
+def test_height_bounded_packing_matches_the_lp_over_every_low_pair():
+    g = asymmetric(random_wan(5, 6, 4), 4)
+    names = sorted(g.nodes)
+    C = capacity_matrix(g, names)
+    for height in (2, 3):
+        cols = [(r, inward, t) for r in range(5) for inward, M in ((True, C.T), (False, C))
+                for t in _arborescences(M, r, height)]
+        A = np.zeros((len(C) ** 2, len(cols)))
+        B = np.zeros((5, len(cols)))
+        for k, (r, inward, t) in enumerate(cols):
+            for v in range(5):
+                if v != r:
+                    A[(v * 5 + t[v]) if inward else (t[v] * 5 + v), k] = 1.0
+            B[r, k] = 1.0 if inward else -1.0
+        res = linprog([-1.0 if inw else 0.0 for _, inw, _ in cols], A_ub=A, b_ub=C.ravel(), A_eq=B, b_eq=np.zeros(5),
+                      bounds=(0, None), method="highs")
+        value, pairs, info = pack_arborescences(g, tol=1e-9, max_height=height)
+        assert value == pytest.approx(-res.fun, rel=1e-6) and info["status"] == "optimal"
+        packed = optimum(g, 1e6, tol=1e-9, max_height=height)
+        check_feasible(g, packed)
+        for t in packed["trees"]:
+            for key in ("parent", "broadcast_parent"):
+                assert max(Tree(t["root"], t[key]).depth().values()) <= height
+    assert pack_arborescences(g, max_height=1)[0] == 0.0  # no node is a neighbour of all the others

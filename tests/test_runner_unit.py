@@ -156,3 +156,22 @@ def test_a_failed_run_is_recorded_from_the_typed_failure():
                    "link": ("h2", "h3"), "iterations_completed": 1, "groups": done["tasks_mode"]}
     other = _failed_run(v, 0, RunError("emulator broke")).to_dict()  # not the coordinator's: no culprit
     assert other["culprit"] is None and other["iterations_completed"] == 0 and "groups" not in other
+
+
+def test_cpu_busy_within_the_iterations_only():
+    from testbed.results import CpuMeter, comm_windows
+
+    runs = [{"iterations": [{"warmup": True, "go_ns": 0, "workers": {"a": {"comm_done_ns": 4}}},
+                            {"go_ns": 10, "workers": {"a": {"comm_done_ns": 14}, "b": {"comm_done_ns": 20}}},
+                            {"go_ns": 30, "workers": {}}]}]
+    assert comm_windows(runs) == [(10, 20)]  # not the warm-up, nor an iteration no worker finished
+    cpu = CpuMeter()
+    # (t_ns, total ticks, idle ticks): all idle outside [10, 20], all busy inside it
+    cpu.samples = [(0, 0, 0), (5, 10, 10), (10, 20, 20), (15, 30, 20), (20, 40, 20), (25, 50, 30)]
+    assert cpu.busy_within([(10, 20)]) == pytest.approx(1.0)
+    assert cpu.busy_within([(0, 25)]) == pytest.approx(0.4)
+    assert cpu.busy_within([(11, 19)]) is None  # no sampling interval inside it
+    live = CpuMeter().start()
+    time.sleep(0.6)
+    live.stop()
+    assert len(live.samples) >= 2 and live.busy_within([(live.samples[0][0], live.samples[-1][0])]) is not None

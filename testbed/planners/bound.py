@@ -55,7 +55,7 @@ from typing import Iterable, Mapping, Sequence
 import networkx as nx
 import numpy as np
 from scipy import sparse
-from scipy.optimize import linprog
+from scipy.optimize import Bounds, LinearConstraint, linprog, milp
 from scipy.sparse.csgraph import breadth_first_order, maximum_flow
 
 from testbed.planners.common import INF, WanView, max_utilisation, min_arborescence, wan_view
@@ -321,8 +321,8 @@ def greedy_pairs(C: np.ndarray, step: float = 0.5) -> list[tuple[int, np.ndarray
 
 
 def pack_arborescences(graph: nx.DiGraph, nodes: Iterable[str] | None = None, *,
-                       tol: float = 1e-4, max_pricing: int = 1000, max_master_nonzeros: int = 20000
-                       ) -> tuple[float, list[dict], dict]:
+                       tol: float = 1e-4, max_pricing: int = 1000, max_master_nonzeros: int = 20000,
+                       max_height: int | None = None) -> tuple[float, list[dict], dict]:
     """The best AllReduce rate with per-direction capacities: a packing and an upper bound.
 
     Every block of the vector is reduced along an in-arborescence to a root ``r`` (children
@@ -351,6 +351,12 @@ def pack_arborescences(graph: nx.DiGraph, nodes: Iterable[str] | None = None, *,
     depend on the machine's speed; a stopped search keeps every bound valid and reports
     its gap.
 
+    With ``max_height`` every tree of the packing is at most that many hops deep (roots
+    farther than that from some node take no pairs); pricing is then the cheapest
+    arborescence of bounded depth (:func:`bounded_arborescence`), the greedy packing only
+    seeds the master with its trees that are low enough, and the upper bounds are those of
+    the height-bounded packing (below the problem's own).
+
     Returns (packing rate, pairs ``[{root, reduce: [(child, parent)], broadcast: [(parent,
     child)], rate_mbps}]``, info): info has ``upper_bound`` (the least upper bound),
     ``bound`` (which one: "cut", "degree" or "dual"), the bounds, ``gap`` (1 - packing /
@@ -363,15 +369,67 @@ def pack_arborescences(graph: nx.DiGraph, nodes: Iterable[str] | None = None, *,
     if not nx.is_strongly_connected(g):
         return 0.0, [], {"status": "disconnected", "upper_bound": 0.0, "bound": "cut", "gap": 0.0,
                          "bounds": {"cut": 0.0}, "cut": {}}
-    return _pack(g, names, tol, max_pricing, max_master_nonzeros)
+    return _pack(g, names, tol, max_pricing, max_master_nonzeros, max_height)
+
+
+def bounded_arborescence(n: int, U: np.ndarray, V: np.ndarray, cost: np.ndarray, root: int, height: int
+                         ) -> np.ndarray | None:
+    """The cheapest out-arborescence of ``root`` over the arcs ``U[k] -> V[k]`` (costs
+    ``cost``) in which every node is at most ``height`` hops from the root: a parent array
+    (``parent[root] = -1``), or None if some node is farther.  Exact, as a layered integer
+    program (HiGHS, ``scipy.optimize.milp``): ``x[k, h]`` = arc ``k`` enters its head at
+    depth ``h``; every other node is entered once, and an arc leaves its tail at depth
+    ``h - 1`` only if the tail was entered at that depth."""
+    m, H = len(U), int(height)
+    ub = np.ones((m, H))
+    ub[V == root] = 0
+    ub[U == root, 1:] = 0
+    ub[U != root, 0] = 0
+    var = np.arange(m * H).reshape(m, H)
+    enter = [np.flatnonzero(V == v) for v in range(n)]
+    rows, cols, vals, hi = [], [], [], []
+    for v in (v for v in range(n) if v != root):  # entered exactly once
+        rows += [len(hi)] * (len(enter[v]) * H)
+        cols += var[enter[v]].ravel().tolist()
+        vals += [1.0] * (len(enter[v]) * H)
+        hi.append(1.0)
+    once = len(hi)
+    for k in np.flatnonzero(U != root):  # leaves its tail at depth h - 1 only from there
+        for h in range(1, H):
+            rows += [len(hi)] * (1 + len(enter[U[k]]))
+            cols += [int(var[k, h])] + var[enter[U[k]], h - 1].tolist()
+            vals += [1.0] + [-1.0] * len(enter[U[k]])
+            hi.append(0.0)
+    A = sparse.csr_matrix((vals, (rows, cols)), shape=(len(hi), m * H))
+    lo = np.concatenate([np.ones(once), np.full(len(hi) - once, -np.inf)])
+    res = milp(np.repeat(np.asarray(cost, float), H), constraints=LinearConstraint(A, lo, hi),
+               integrality=np.ones(m * H), bounds=Bounds(0, ub.ravel()))
+    if res.status != 0:
+        return None
+    used = res.x.reshape(m, H).sum(1) > 0.5
+    parent = np.full(n, -1)
+    parent[V[used]] = U[used]
+    return parent
+
+
+def tree_height(parent: np.ndarray, root: int) -> int:
+    """Hops from the farthest node to ``root`` in a parent array."""
+    depth = np.zeros(len(parent), int)
+    for v in range(len(parent)):
+        x = v
+        while x != root and depth[v] <= len(parent):
+            x, depth[v] = parent[x], depth[v] + 1
+    return int(depth.max(initial=0))
 
 
 class _Columns:
     """The master LP's columns, each arborescence once: (root, inward, sorted arc ids),
-    arcs numbered in the order of ``U, V`` (the nonzero capacities)."""
+    arcs numbered in the order of ``U, V`` (the nonzero capacities); with ``height``, only
+    trees at most that deep."""
 
-    def __init__(self, n: int, U: np.ndarray, V: np.ndarray):
+    def __init__(self, n: int, U: np.ndarray, V: np.ndarray, height: int | None = None):
         self.n = n
+        self.height = height
         self.arc_id = np.full((n, n), -1)
         self.arc_id[U, V] = np.arange(len(U))
         self.cols: list[tuple[int, bool, tuple]] = []  # (root, inward, sorted arc ids)
@@ -379,7 +437,9 @@ class _Columns:
 
     def add(self, r: int, inward: bool, parent) -> bool:
         """Add root r's in-tree (``inward``) or out-tree given by its parent array; False
-        if it is a column already."""
+        if it is a column already or too deep."""
+        if self.height is not None and tree_height(parent, r) > self.height:
+            return False
         ch = np.flatnonzero(np.arange(self.n) != r)
         ids = self.arc_id[ch, parent[ch]] if inward else self.arc_id[parent[ch], ch]
         key = (r, inward, tuple(sorted(int(k) for k in ids)))
@@ -390,16 +450,17 @@ class _Columns:
         return True
 
 
-def _pack(g: nx.DiGraph, names: list[str], tol: float, max_pricing: int, max_master_nonzeros: int
-          ) -> tuple[float, list[dict], dict]:
+def _pack(g: nx.DiGraph, names: list[str], tol: float, max_pricing: int, max_master_nonzeros: int,
+          max_height: int | None = None) -> tuple[float, list[dict], dict]:
     """:func:`pack_arborescences` on a strongly connected graph of two or more nodes: the
     upper bounds, :func:`greedy_pairs`' packing and, unless that is within ``tol`` of the
     bounds or the master would be too large, the master LP over its trees and the
-    hop-shortest ones, improved by column generation."""
+    hop-shortest ones, improved by column generation (trees at most ``max_height`` deep
+    if given)."""
     n = len(names)
     C = capacity_matrix(g, names)
     U, V = np.nonzero(C)
-    cols = _Columns(n, U, V)
+    cols = _Columns(n, U, V, max_height)
     cut_rate, cut = cut_bound(g)
     bounds = {"cut": cut_rate, "degree": degree_bound(C)}
     greedy = greedy_pairs(C)
@@ -407,15 +468,18 @@ def _pack(g: nx.DiGraph, names: list[str], tol: float, max_pricing: int, max_mas
         cols.add(r, False, po)
         cols.add(r, True, pi)
     greedy_rate = sum(t[3] for t in greedy)
-    if (min(bounds.values()) - greedy_rate <= tol * min(bounds.values())
-            or len(cols.cols) * (n - 1) > max_master_nonzeros):
+    if max_height is None and (min(bounds.values()) - greedy_rate <= tol * min(bounds.values())
+                               or len(cols.cols) * (n - 1) > max_master_nonzeros):
         return _greedy_result(names, greedy, bounds, tol, len(cols.cols), cut)
     hops = sparse.csr_matrix(C > 0, dtype=float)
     for r in range(n):  # hop-shortest trees from and to every root
         for inward, adj in ((False, hops), (True, hops.T.tocsr())):
             cols.add(r, inward, breadth_first_order(adj, r, directed=True, return_predecessors=True)[1])
+    if not cols.cols:
+        return 0.0, [], {"status": f"no tree of height <= {max_height}", "upper_bound": 0.0, "bound": "dual",
+                         "bounds": {**bounds, "dual": 0.0}, "gap": 0.0, "cut": cut}
     value, x, rounds, priced, status = _column_generation(cols.cols, cols.add, bounds, U, V, C[U, V], n, tol,
-                                                          max_pricing)
+                                                          max_pricing, max_height)
     ub, kind = _least(bounds)
     return value, _pair_trees(cols.cols, x, names, U, V), {
         "status": status, "upper_bound": ub, "bound": kind, "bounds": {k: float(v) for k, v in bounds.items()},
@@ -430,7 +494,8 @@ def _least(bounds: dict) -> tuple[float, str]:
 
 
 def _column_generation(cols: list, add, bounds: dict, U: np.ndarray, V: np.ndarray, cap: np.ndarray, n: int,
-                       tol: float, max_pricing: int) -> tuple[float, np.ndarray, int, int, str]:
+                       tol: float, max_pricing: int, max_height: int | None = None
+                       ) -> tuple[float, np.ndarray, int, int, str]:
     """:func:`pack_arborescences`' search: solve the restricted master over ``cols``, price
     new arborescences under its duals (``add`` appends one to ``cols``), update the dual
     bound in ``bounds``; until the gap is within ``tol``, the pricing budget is spent or
@@ -447,7 +512,7 @@ def _column_generation(cols: list, add, bounds: dict, U: np.ndarray, V: np.ndarr
         if priced + 2 * n > max_pricing:
             return value, x, rounds, priced, "pricing budget spent"
         rounds += 1
-        beta, added = _price(res, add, U, V, n)
+        beta, added = _price(res, add, U, V, n, max_height)
         priced += 2 * n
         if beta > 0:
             bounds["dual"] = min(bounds.get("dual", INF), value / beta)
@@ -471,26 +536,43 @@ def _solve_master(cols: list, m: int, n: int, cap: np.ndarray):
                    b_eq=np.zeros(n), bounds=(0, None), method="highs")
 
 
-def _price(res, add, U: np.ndarray, V: np.ndarray, n: int) -> tuple[float, int]:
+def _price(res, add, U: np.ndarray, V: np.ndarray, n: int, max_height: int | None = None) -> tuple[float, int]:
     """One pricing round under the master's duals: every root's cheapest in- and out-arborescence
-    (Edmonds), added when its reduced cost is negative.  Returns (beta, the cheapest in- plus
-    out-arborescence of any root; how many columns were added)."""
+    (Edmonds; :func:`bounded_arborescence` under ``max_height``), added when its reduced cost
+    is negative.  Returns (beta, the cheapest in- plus out-arborescence of any root; how many
+    columns were added)."""
     y = np.maximum(-res.ineqlin.marginals, 0.0)
     p = -res.eqlin.marginals
-    fwd = list(zip(U.tolist(), V.tolist(), y.tolist()))
-    back = list(zip(V.tolist(), U.tolist(), y.tolist()))
+    arc = np.full((n, n), -1)
+    arc[U, V] = np.arange(len(U))
     beta, added = INF, 0
     for r in range(n):
-        t_out, t_in = min_arborescence(n, fwd, r), min_arborescence(n, back, r)
-        c_out, c_in = float(y[t_out].sum()), float(y[t_in].sum())
+        po, pi = _cheapest_pair(n, U, V, y, r, max_height)
+        if po is None or pi is None:
+            continue
+        ch = np.flatnonzero(np.arange(n) != r)
+        c_out, c_in = float(y[arc[po[ch], ch]].sum()), float(y[arc[ch, pi[ch]]].sum())
         beta = min(beta, c_out + c_in)
-        po, pi = np.full(n, -1), np.full(n, -1)
-        po[V[t_out]], pi[U[t_in]] = U[t_out], V[t_in]
         if c_in + p[r] < 1.0 - 1e-9:
             added += add(r, True, pi)
         if c_out - p[r] < -1e-9:
             added += add(r, False, po)
     return beta, added
+
+
+def _cheapest_pair(n: int, U: np.ndarray, V: np.ndarray, y: np.ndarray, r: int, max_height: int | None
+                   ) -> tuple[np.ndarray | None, np.ndarray | None]:
+    """Root ``r``'s cheapest out-arborescence and in-arborescence under arc costs ``y``, as
+    parent arrays (the in-tree's in the reversed graph); None where none is low enough."""
+    if max_height is not None:
+        return (bounded_arborescence(n, U, V, y, r, max_height), bounded_arborescence(n, V, U, y, r, max_height))
+    sides = []
+    for a, b in ((U, V), (V, U)):
+        t = min_arborescence(n, list(zip(a.tolist(), b.tolist(), y.tolist())), r)
+        parent = np.full(n, -1)
+        parent[b[t]] = a[t]
+        sides.append(parent)
+    return sides[0], sides[1]
 
 
 def _pair_trees(cols: list, x: np.ndarray, names: list[str], U: np.ndarray, V: np.ndarray) -> list[dict]:
@@ -582,7 +664,8 @@ def _pair_roundtrip_s(graph: nx.DiGraph, reduce_parent: Mapping, broadcast_paren
 
 
 def optimum(graph: nx.DiGraph, size_bytes: float, *, nodes: Iterable[str] | None = None,
-            tol: float = 1e-4, max_pricing: int = 1000, max_master_nonzeros: int = 20000) -> dict:
+            tol: float = 1e-4, max_pricing: int = 1000, max_master_nonzeros: int = 20000,
+            max_height: int | None = None) -> dict:
     """The AllReduce-rate optimum every run is compared with, valid for directed capacities:
     a strict bound and, apart from it, an estimate.
 
@@ -593,6 +676,8 @@ def optimum(graph: nx.DiGraph, size_bytes: float, *, nodes: Iterable[str] | None
     nodes : restrict to these nodes (trees of the *induced* subgraph; relays outside
         ``nodes`` are not used, so this is not a Steiner-tree bound).
     tol, max_pricing, max_master_nonzeros : :func:`pack_arborescences`'s stopping rule.
+    max_height : pack only trees at most this many hops deep; ``rate_mbps`` is then the
+        bound of such packings, not of every scheme (what the ``packing`` scheme runs).
 
     Returns
     -------
@@ -618,7 +703,7 @@ def optimum(graph: nx.DiGraph, size_bytes: float, *, nodes: Iterable[str] | None
     t0 = time.perf_counter()
     names = sorted(graph.nodes if nodes is None else nodes)
     value, pairs, info = pack_arborescences(graph, names, tol=tol, max_pricing=max_pricing,
-                                            max_master_nonzeros=max_master_nonzeros)
+                                            max_master_nonzeros=max_master_nonzeros, max_height=max_height)
     return _optimum_result(graph, names, size_bytes, value, _pair_records(graph, pairs), info, t0)
 
 

@@ -27,6 +27,14 @@ Choices (none is in a paper):
   packing still reaches the bound's rate (none where the bound is not the cut's alone); 0
   (the default) runs the bound's own packing.  The packing may hold pairs of tiny rate,
   which get tiny chunks.
+* ``max_height``: pack only pairs whose two trees are at most that many hops deep
+  (column generation priced by :func:`~testbed.planners.bound.bounded_arborescence`);
+  the rate may fall below the bound's (on NetStorm's overlay and GScale-12 it does not at
+  3 hops, where the bound's own pairs are up to six deep).  0 (the default): any height.
+
+A pair broadcasts on a connection of its own (:func:`testbed.plan.tree_channels`), so
+where its two trees cross one link direction its broadcast chunks do not queue behind its
+reduce chunks.
 """
 
 from __future__ import annotations
@@ -52,15 +60,17 @@ HEADROOM_STEPS = (0.2, 0.15, 0.1, 0.05)  # headroom: auto tries these, largest f
                    "(1 - headroom) of their rates; 'auto' = the largest of "
                    f"{', '.join(map(str, HEADROOM_STEPS))} that keeps the bound's rate, else 0; 0 = the bound's "
                    "own packing"),
+    max_height=Param(int, 0, "pack only trees at most this many hops deep (the rate may then fall below the "
+                     "bound's); 0 = any height", ge=0),
 )
 def packing(graph: nx.DiGraph, length: int, *, elem_bytes: int, chunks: int | str = "auto", pace: bool = True,
-            headroom: float | str = 0.0) -> Plan:
+            headroom: float | str = 0.0, max_height: int = 0) -> Plan:
     """The strict bound's packing (:func:`~testbed.planners.bound.optimum`) of reduce in-tree
     and broadcast out-tree pairs, each carrying its rate's share of the vector, pipelined."""
     check_graph(graph, "packing", min_nodes=2)
     if isinstance(chunks, int) and chunks < 1:
         raise ParamError("chunks", f"expected an integer >= 1 or 'auto', got {chunks!r}")
-    opt, kept = _packed(graph, length * elem_bytes, headroom)
+    opt, kept = _packed(graph, length * elem_bytes, headroom, max_height or None)
     pairs = [t for t in opt["trees"] if t["rate_mbps"] > 0]
     total = sum(t["rate_mbps"] for t in pairs)
     nodes = sorted(graph.nodes)
@@ -78,22 +88,28 @@ def packing(graph: nx.DiGraph, length: int, *, elem_bytes: int, chunks: int | st
     return chunked(compiled, chunks, AUTO_CHUNKS, graph, elem_bytes)
 
 
-def _packed(graph: nx.DiGraph, size_bytes: float, headroom: float | str) -> tuple[dict, float]:
+def _packed(graph: nx.DiGraph, size_bytes: float, headroom: float | str, max_height: int | None
+            ) -> tuple[dict, float]:
     """The packing to run and the headroom it keeps (module doc): optimum's on ``graph``
-    with the link directions outside its smallest cut at ``1 - headroom`` of their rates.
-    Its ``rate_mbps`` is the bound of ``graph`` itself."""
+    with the link directions outside its smallest cut at ``1 - headroom`` of their rates,
+    its trees at most ``max_height`` deep.  Its ``rate_mbps`` is the bound of ``graph``
+    itself."""
     auto = headroom == "auto"
     if not auto and not (isinstance(headroom, float) and 0 <= headroom < 1):
         raise ParamError("headroom", f"expected a number in [0, 1) or 'auto', got {headroom!r}")
-    opt = optimum(graph, size_bytes)
-    cut = opt["cut"]
+    bound = optimum(graph, size_bytes)
+    opt = {**optimum(graph, size_bytes, max_height=max_height), "rate_mbps": bound["rate_mbps"]} \
+        if max_height else bound
+    if opt["packing_rate_mbps"] <= 0:
+        raise ParamError("max_height", f"no node reaches every other within {max_height} hops and back")
+    cut = bound["cut"]
     inside = {(u, v) for u in cut.get("from", ()) for v in cut.get("to", ())}
     for h in HEADROOM_STEPS if auto else (headroom,) if headroom else ():
         slack = graph.copy()
         for u, v, d in slack.edges(data=True):
             if (u, v) not in inside:
                 d["rate_mbps"] *= 1 - h
-        packed = optimum(slack, size_bytes)
+        packed = optimum(slack, size_bytes, max_height=max_height)
         if not auto or packed["packing_rate_mbps"] >= opt["packing_rate_mbps"] * (1 - 1e-3):
-            return {**packed, "rate_mbps": opt["rate_mbps"]}, h
+            return {**packed, "rate_mbps": bound["rate_mbps"]}, h
     return opt, 0.0
