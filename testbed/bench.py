@@ -341,7 +341,7 @@ EFFICIENCY_CASES = (("netstorm-internet2-9", 1.0, "bbr", ("16MB", "64MB")), ("gs
 EFFICIENCY_COLUMNS = ["topology", "size", "scheme", "cct_s", "bound_s", "predicted_s", "efficiency",
                       "measured_over_predicted", "plan_factor", "execution_factor", "bottleneck", "bottleneck_busy",
                       "mean_utilisation", "longest_idle_s", "startup_s", "tail_s", "bottleneck_busy_mbps",
-                      "bottleneck_tcp_mbps", "start_skew_s", "trees", "first_tree_done_share", "correct"]
+                      "bottleneck_tcp_mbps", "start_skew_s", "trees", "first_tree_done_share", "correct", "host_cpu"]
 
 
 def bench_efficiency(out: Path, progress, sizes: tuple[str, ...] | None = None,
@@ -413,7 +413,7 @@ def _efficiency_rows(res: dict, graph, topo: str, size: str) -> list[dict]:
                      "bottleneck_tcp_mbps": hot["rate_mbps"] * TCP_LINK_SHARE if hot else None,
                      "start_skew_s": a.get("start_skew_s"), "trees": a.get("trees"),
                      "first_tree_done_share": a.get("first_tree_done_share"), "correct": run["correct"],
-                     "_analysis": a})
+                     "host_cpu": run.get("iterations_cpu_util"), "_analysis": a})
     return rows
 
 

@@ -530,6 +530,7 @@ RESULTS_FIELDS: list[tuple[str, str, str]] = [
                                "`channel` (one per tree; `agents.links`)"),
     ("runs[].cct_s", "s", "mean CCT of the run's measured iterations (with `groups`: of its completed tasks)"),
     ("runs[].warmup_cct_s", "s", "CCT of each warm-up iteration (not in any statistic)"),
+    ("runs[].iterations_cpu_util", "share", "`emulation.iterations_cpu_util` over this run's measured iterations"),
     ("runs[].correct", "", "every worker's result equal to the exact sum in every iteration"),
     ("runs[].incorrect", "", "datacenters whose result was wrong"),
     ("runs[].errors", "", "what went wrong (wrong results, protocol violations)"),

@@ -261,6 +261,8 @@ def _run_on_network(exp: Experiment, planned: list[Planned], results: dict, out_
             results["emulation"] = emulation_health(net.method, len(net.relays), relay, cpu_util, steal,
                                                      exp.emulator.max_late_ms, pauses)
             results["emulation"]["iterations_cpu_util"] = cpu.busy_within(comm_windows(results["runs"]))
+            for run in results["runs"]:
+                run["iterations_cpu_util"] = cpu.busy_within(comm_windows([run]))
             results["emulation"]["relay_layout"] = net.relay_layout
 
 

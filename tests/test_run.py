@@ -40,6 +40,8 @@ def test_quickstart_smoke(netenv, tmp_path):
     env = out["environment"]
     assert "cpu_model" in env and "preemption" in env and (env["memory_hold"] is not None) == memory.reports_free_pages()
     assert "kept_up" in out["emulation"]
+    for busy in [out["emulation"]["iterations_cpu_util"]] + [r["iterations_cpu_util"] for r in out["runs"]]:
+        assert busy is None or 0 <= busy <= 1  # None: no 0.25-s sample fell inside an iteration
     assert out["runs"][0]["transfers"]["rows"]
 
 
