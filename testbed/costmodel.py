@@ -230,18 +230,24 @@ def predict(plan: Plan, graph: nx.DiGraph, *, elem_bytes: int = 4, stop_and_wait
     return out
 
 
-def fastest(candidates, graph: nx.DiGraph, elem_bytes: int = 4) -> tuple[tuple, dict[str, float]]:
+def fastest(candidates, graph: nx.DiGraph, elem_bytes: int = 4, patience: int | None = None
+            ) -> tuple[tuple, dict[str, float]]:
     """Of ``candidates`` (an iterable of tuples ``(label, plan, ...)``), the one whose plan
     :func:`predict` finishes first for the agents' defaults (TCP, the executor's per-transfer
-    cost and cut-through sub-block, ``DEFAULT_LINKS``), and every label's predicted CCT (s).
-    Only the best candidate is kept while the others are predicted."""
-    best, cct = None, {}
+    cost and cut-through sub-block, ``DEFAULT_LINKS``), and every predicted label's CCT (s).
+    Only the best candidate is kept while the others are predicted; with ``patience`` the
+    search stops once that many candidates in a row were predicted slower than the best
+    (for candidates ordered so that the prediction falls, then rises).  Candidates are
+    drawn one at a time, so a generator's later plans are not built."""
+    best, cct, worse = None, {}, 0
     for cand in candidates:
         label, plan = str(cand[0]), cand[1]
         cct[label] = predict(plan, graph, elem_bytes=elem_bytes, tcp=True, transfer_s=EXECUTOR_TRANSFER_S,
                              cut_through_bytes=SUBBLOCK_BYTES, links=DEFAULT_LINKS)["cct_s"]
         if best is None or cct[label] < cct[str(best[0])]:
-            best = cand
+            best, worse = cand, 0
+        elif patience and (worse := worse + 1) >= patience:
+            break
     if best is None:
         raise ValueError("no candidate plan")
     return best, cct

@@ -50,15 +50,16 @@ def is_auto(name: str, value) -> bool:
     return False
 
 
-def chunked(compiled, chunks: int | str, candidates: Sequence[int], graph: nx.DiGraph, elem_bytes: int):
+def chunked(compiled, chunks: int | str, candidates: Sequence[int], graph: nx.DiGraph, elem_bytes: int,
+            patience: int | None = None):
     """``compiled(chunks)``'s plan; with ``chunks: auto`` the plan of the count among
-    ``candidates`` that :func:`testbed.costmodel.fastest` picks, every count's predicted
-    CCT in ``plan.meta["chunk_cct_s"]``."""
+    ``candidates`` that :func:`testbed.costmodel.fastest` picks (``patience``: its early
+    stop), every predicted count's CCT in ``plan.meta["chunk_cct_s"]``."""
     from testbed import costmodel
 
     if not is_auto("chunks", chunks):
         return compiled(chunks)
-    (_, plan), cct = costmodel.fastest(((c, compiled(c)) for c in candidates), graph, elem_bytes)
+    (_, plan), cct = costmodel.fastest(((c, compiled(c)) for c in candidates), graph, elem_bytes, patience)
     plan.meta["chunk_cct_s"] = cct
     return plan
 
