@@ -147,7 +147,6 @@ CPU_BUSY = 0.95  # whole-machine utilisation above which the emulator may not ke
 CPU_SAMPLE_S = 0.25  # CpuMeter's sampling period
 # Above this share of the machine's CPU while the iterations communicate, the agents (which
 # share the machine's cores) may be bound by the host, not the WAN: a note, not kept_up.
-# Measured: NetStorm-9 at 128 MB on 2 cores, 0.93 busy: its schemes ran 2-30 % slower than at half the scale.
 HOST_BUSY = 0.9
 PAUSE_TICK_S = 0.01  # PauseMeter's sleep
 PAUSE_NOTE_S = 0.1  # a wake-up this much late is a pause, recorded

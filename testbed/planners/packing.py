@@ -34,8 +34,7 @@ Choices (none is in a paper):
   the rate may fall below the bound's.  ``auto`` (the default) takes the lowest height at
   which the packing keeps the bound's rate (3 on NetStorm's overlay and GScale-12, where
   the bound's own pairs are up to six and nine deep; 2 on equinix-like-20 and
-  idn-like-40): measured, low pairs ran no slower than the bound's own in every case
-  compared, and faster in most.  0: any height, the bound's own packing.
+  idn-like-40).  0: any height, the bound's own packing.
 
 A pair broadcasts on a connection of its own (:func:`testbed.plan.tree_channels`), so
 where its two trees cross one link direction its broadcast chunks do not queue behind its
