@@ -4,7 +4,9 @@ How bytes flow (threads):
 
 * one receiver per incoming connection: reads a header, matches ``xfer`` against the recv
   ops expected on that ``(peer, channel)``, and ``recv_into``s the payload into that op's
-  preallocated buffer (allocated once, reused every iteration).  Once the op's deps are
+  preallocated buffer (allocated once, reused every iteration), woken by the kernel once per
+  ``RCV_LOWAT`` bytes rather than per segment (``SO_RCVLOWAT``: each wakeup is a context
+  switch and a hand-over of the interpreter's lock).  Once the op's deps are
   met (it is *active*), the receiver applies (numpy add or copy, in place) what arrived to
   the op's block a sub-block (``subblock_bytes``) at a time as the bytes come; data that
   arrives before its op is active waits in the buffer and is applied when it becomes so;
@@ -148,6 +150,10 @@ RECV_COLUMNS = ["xfer", "send_ts_ns", "recv_start_ns", "recv_end_ns", "apply_ns"
 SO_MAX_PACING_RATE = getattr(socket, "SO_MAX_PACING_RATE", 47)  # Linux value
 AUX_CHANNEL = -1  # the data connections that carry auxiliary chunks (plans use channels >= 0)
 SUBBLOCK_BYTES = 64 << 10  # a receive's arrived bytes are applied (and streamed on) this many at a time
+# A payload's reader is woken once this many bytes arrived (SO_RCVLOWAT, wire.recv_into_exact).
+# At most 32 KiB: a mark whose buffer space exceeds a new socket's receive buffer (128 KiB) also
+# clamps its receive window to the mark (Linux tcp_set_rcvlowat).
+RCV_LOWAT = 32 << 10
 POLL_S = 0.5  # how often a waiting sender thread looks at the executor's closing flag
 LINKS = ("channel", "shared")  # a data connection per plan channel, or one per peer (:class:`SharedLink`)
 DEFAULT_LINKS = "shared"  # an experiment's default (agents.links); the library's is a connection per channel
@@ -270,12 +276,14 @@ class SharedLink:
     waiting channel with the least tag goes next; one idle restarts from the tag in service).
     It is work-conserving (a channel with nothing ready leaves its share to the others) and
     gives backlogged channels the link in proportion to their weights: the plan's rates of
-    trees sharing a link direction, as shares rather than caps.  With TCP_NOTSENT_LOWAT the
+    trees sharing a link direction, as shares rather than caps.  A piece written wakes the
+    channel whose turn is next alone, not every waiting one.  With TCP_NOTSENT_LOWAT the
     kernel holds few unsent bytes, so the order of turns is the order on the wire."""
 
     def __init__(self, sock: socket.socket, weights: dict[int, float]):
         self.sock, self.weights = sock, weights
-        self._cv = threading.Condition()
+        self._lock = threading.Lock()
+        self._turn = {c: threading.Condition(self._lock) for c in weights}  # woken for its turn alone
         self._tag = dict.fromkeys(weights, 0.0)
         self._waiting: set[int] = set()
         self._busy, self._now = False, 0.0
@@ -283,26 +291,37 @@ class SharedLink:
         if sock.family in (socket.AF_INET, socket.AF_INET6):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NOTSENT_LOWAT, SHARED_UNSENT_BYTES)
 
+    def _next(self) -> int | None:
+        """The waiting channel whose turn is next (under the lock)."""
+        return min(self._waiting, key=lambda c: (self._tag[c], c)) if self._waiting else None
+
+    def _pass_turn(self) -> None:
+        """Wake the channel whose turn is next, if the link is free (under the lock)."""
+        nxt = None if self._busy else self._next()
+        if nxt is not None:
+            self._turn[nxt].notify()
+
     def write(self, channel: int, header: Header, payload, stop) -> None:
         """Send one frame in ``channel``'s turn; ExecError once ``stop()`` is true."""
-        with self._cv:
+        with self._lock:
             if channel not in self._waiting:
                 self._tag[channel] = max(self._tag[channel], self._now)
                 self._waiting.add(channel)
-            while self._busy or min(self._waiting, key=lambda c: (self._tag[c], c)) != channel:
+            while self._busy or self._next() != channel:
                 if stop():
                     self._waiting.discard(channel)
+                    self._pass_turn()
                     raise ExecError("closed while waiting for the shared connection")
-                self._cv.wait(POLL_S)
+                self._turn[channel].wait(POLL_S)
             self._waiting.discard(channel)
             self._busy, self._now = True, self._tag[channel]
             self._tag[channel] += max(1, len(payload)) / self.weights[channel]
         try:
             send_frame(self.sock, header, payload)
         finally:
-            with self._cv:
+            with self._lock:
                 self._busy = False
-                self._cv.notify_all()
+                self._pass_turn()
 
 
 class Relayed:
@@ -875,7 +894,8 @@ class Executor:
             self._rx_at = time.monotonic()
             progress(at + n)
         end = at + h.payload_len
-        recv_into_exact(sock, memoryview(self._rbuf[i]).cast("B")[at:end], f"transfer {h.xfer}", tick)
+        recv_into_exact(sock, memoryview(self._rbuf[i]).cast("B")[at:end], f"transfer {h.xfer}", tick,
+                        lowat=RCV_LOWAT)
         self._rx_bytes[i] = end
         if end == self._rbuf[i].nbytes:
             self._arrived(i, it, end, (h.send_ts_ns, self._rx_first[i], time.time_ns(), False))
@@ -919,7 +939,7 @@ class Executor:
             def tick(n: int) -> None:
                 self._rx_at = time.monotonic()
                 count(n)
-            recv_into_exact(sock, mv, f"transfer {h.xfer}", tick)
+            recv_into_exact(sock, mv, f"transfer {h.xfer}", tick, lowat=RCV_LOWAT)
             return time.time_ns()
         mid, half, inner = [0, 0], mv.nbytes // 2, count
 
@@ -929,7 +949,7 @@ class Executor:
             if not mid[1] and n >= half:
                 mid[:] = time.time_ns(), n
         probe(peer, None)
-        recv_into_exact(sock, mv, f"transfer {h.xfer}", counted)
+        recv_into_exact(sock, mv, f"transfer {h.xfer}", counted, lowat=RCV_LOWAT)
         last = time.time_ns()
         probe(peer, (h.payload_len, h.send_ts_ns, first, last, ch, *mid))
         return last

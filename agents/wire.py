@@ -54,11 +54,13 @@ dripping a byte at a time is dropped when it passes.  Text a peer sends is untru
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import hmac
 import json
 import os
+import select
 import socket
 import struct
 import threading
@@ -194,18 +196,58 @@ def arm(sock: socket.socket, deadline: float | None) -> None:
 
 
 def recv_into_exact(sock: socket.socket, mv: memoryview, what: str = "payload",
-                    progress: Callable[[int], None] | None = None, deadline: float | None = None) -> None:
+                    progress: Callable[[int], None] | None = None, deadline: float | None = None,
+                    lowat: int = 1) -> None:
     """Fill ``mv`` (a byte memoryview) from ``sock``; raise ProtocolError on early EOF.
-    ``progress(bytes so far)`` is called after every successful ``recv_into``."""
-    n, pos = mv.nbytes, 0
-    while pos < n:
-        arm(sock, deadline)
-        got = sock.recv_into(mv[pos:], n - pos)
-        if not got:
-            raise Truncated(f"connection closed in the middle of a {what} ({pos} of {n} bytes)")
-        pos += got
-        if progress:
-            progress(pos)
+    ``progress(bytes so far)`` is called after every successful ``recv_into``.
+
+    ``lowat`` > 1: the thread sleeps in ``poll`` until ``min(lowat, bytes still to come)`` have
+    arrived (the socket's ``SO_RCVLOWAT``; never more than the bytes still to come, so the last
+    ones are not held), then takes what is there without waiting, so the kernel wakes it once
+    per that many bytes rather than per segment or two (each wakeup a context switch and a
+    hand-over of the interpreter's lock).  Never a blocking ``recv`` under a mark: the kernel
+    compares its mark with the bytes not yet read, so a ``recv`` that had taken part of them
+    would sleep until more than the frame's rest arrived.  The mark is 1 again on return."""
+    n, pos, mark = mv.nbytes, 0, 1
+    poller = None
+    if lowat > 1:
+        poller = select.poll()
+        poller.register(sock, select.POLLIN)
+    try:
+        while pos < n:
+            if poller:
+                want = min(lowat, n - pos)
+                if want != mark:
+                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, want)
+                    mark = want
+                wait_readable(poller, deadline)
+                try:
+                    got = sock.recv_into(mv[pos:], n - pos, socket.MSG_DONTWAIT)
+                except BlockingIOError:  # woken by memory pressure with nothing queued
+                    continue
+            else:
+                arm(sock, deadline)
+                got = sock.recv_into(mv[pos:], n - pos)
+            if not got:
+                raise Truncated(f"connection closed in the middle of a {what} ({pos} of {n} bytes)")
+            pos += got
+            if progress:
+                progress(pos)
+    finally:
+        if mark != 1:
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, 1)
+
+
+def wait_readable(poller: select.poll, deadline: float | None) -> None:
+    """Sleep in ``poller`` (one socket) until it is readable or closed; socket.timeout at
+    ``deadline`` (monotonic; None: no limit)."""
+    left = None if deadline is None else deadline - time.monotonic()
+    if left is not None and left <= 0:
+        raise socket.timeout("deadline passed")
+    if not poller.poll(None if left is None else max(1, int(left * 1000))) and left is not None:
+        if time.monotonic() >= deadline:
+            raise socket.timeout("deadline passed")
 
 
 def recv_header(sock: socket.socket, buf: bytearray, max_payload: int, deadline: float | None = None) -> Header:

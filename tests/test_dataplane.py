@@ -173,3 +173,35 @@ def test_a_shared_link_serves_backlogged_channels_by_weight_and_idles_for_none()
     assert 22 <= order[4:36].count(0) <= 26, order  # 3:1 while both wait: 24 of 32
     last0 = max(k for k, c in enumerate(order) if c == 0)
     assert set(order[last0 + 1:]) == {1} and order.count(1) == 30, order
+
+
+def test_a_payload_read_under_a_low_water_mark_wakes_once_and_never_holds_its_tail():
+    """TCP: 10 KB of a 40 KB payload are there when the read starts, the other 30 KB come
+    0.3 s later, and no more.  Under a 32 KiB mark the reader is woken once, when 32 KiB are
+    there, and takes all 40 KB in one call; the rest (below the mark) is not held, and the
+    socket's mark is 1 again after.  A blocking ``recv`` under the mark would take the first
+    10 KB and sleep for ever (the kernel compares its mark with the bytes not yet read)."""
+    lsock = socket.create_server(("127.0.0.1", 0))
+    a = socket.create_connection(lsock.getsockname())
+    b, _ = lsock.accept()
+    lsock.close()
+    data = np.random.default_rng(1).integers(0, 256, 40_000, dtype=np.uint8).tobytes()
+    a.sendall(data[:10_000])
+    threading.Event().wait(0.2)
+    got, calls = bytearray(len(data)), []
+    reader = threading.Thread(target=wire.recv_into_exact, args=(b, memoryview(got), "payload", calls.append),
+                              kwargs={"lowat": 32 << 10})  # no deadline: a blocking read, as the executor's
+    reader.start()
+    threading.Event().wait(0.3)
+    a.sendall(data[10_000:])
+    reader.join(5)
+    try:
+        assert not reader.is_alive(), f"the reader still waits with {calls} bytes read"
+        assert bytes(got) == data
+        assert calls == [40_000], calls
+        assert b.getsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT) == 1
+    finally:
+        b.shutdown(socket.SHUT_RDWR)
+        reader.join(5)
+        a.close()
+        b.close()
