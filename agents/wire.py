@@ -92,6 +92,7 @@ AUTH_MAX = 4096  # payload cap before authentication
 CTRL_MAX = 64 << 20  # payload cap for CTRL/ERROR frames
 HANDSHAKE_TIMEOUT_S = 10.0
 SEND_SLICE = 4 << 20  # bytes per sendmsg when reporting progress
+TRICKLE_S = 0.25  # a payload read under a low-water mark takes what came at least this often
 
 assert HEADER_SIZE == 64
 
@@ -203,11 +204,12 @@ def recv_into_exact(sock: socket.socket, mv: memoryview, what: str = "payload",
 
     ``lowat`` > 1: the thread sleeps in ``poll`` until ``min(lowat, bytes still to come)`` have
     arrived (the socket's ``SO_RCVLOWAT``; never more than the bytes still to come, so the last
-    ones are not held), then takes what is there without waiting, so the kernel wakes it once
-    per that many bytes rather than per segment or two (each wakeup a context switch and a
-    hand-over of the interpreter's lock).  Never a blocking ``recv`` under a mark: the kernel
-    compares its mark with the bytes not yet read, so a ``recv`` that had taken part of them
-    would sleep until more than the frame's rest arrived.  The mark is 1 again on return."""
+    ones are not held) or ``TRICKLE_S`` passed (a trickle below the mark is still read and
+    reported), then takes what is there without waiting: the kernel wakes it once per that
+    many bytes rather than per segment or two (each wakeup a context switch and a hand-over of
+    the interpreter's lock).  Never a blocking ``recv`` under a mark: the kernel compares its
+    mark with the bytes not yet read, so a ``recv`` that had taken part of them would sleep
+    until more than the frame's rest arrived.  The mark is 1 again on return."""
     n, pos, mark = mv.nbytes, 0, 1
     poller = None
     if lowat > 1:
@@ -220,10 +222,10 @@ def recv_into_exact(sock: socket.socket, mv: memoryview, what: str = "payload",
                 if want != mark:
                     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, want)
                     mark = want
-                wait_readable(poller, deadline)
+                wait_readable(poller, deadline, TRICKLE_S)
                 try:
                     got = sock.recv_into(mv[pos:], n - pos, socket.MSG_DONTWAIT)
-                except BlockingIOError:  # woken by memory pressure with nothing queued
+                except BlockingIOError:  # nothing arrived while it waited
                     continue
             else:
                 arm(sock, deadline)
@@ -239,15 +241,16 @@ def recv_into_exact(sock: socket.socket, mv: memoryview, what: str = "payload",
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, 1)
 
 
-def wait_readable(poller: select.poll, deadline: float | None) -> None:
-    """Sleep in ``poller`` (one socket) until it is readable or closed; socket.timeout at
-    ``deadline`` (monotonic; None: no limit)."""
-    left = None if deadline is None else deadline - time.monotonic()
-    if left is not None and left <= 0:
-        raise socket.timeout("deadline passed")
-    if not poller.poll(None if left is None else max(1, int(left * 1000))) and left is not None:
-        if time.monotonic() >= deadline:
+def wait_readable(poller: select.poll, deadline: float | None, limit_s: float) -> None:
+    """Sleep in ``poller`` (one socket) until it is readable or closed, or ``limit_s`` passed;
+    socket.timeout once ``deadline`` (monotonic; None: none) has passed."""
+    wait_s = limit_s
+    if deadline is not None:
+        left = deadline - time.monotonic()
+        if left <= 0:
             raise socket.timeout("deadline passed")
+        wait_s = min(wait_s, left)
+    poller.poll(max(1, int(wait_s * 1000)))
 
 
 def recv_header(sock: socket.socket, buf: bytearray, max_payload: int, deadline: float | None = None) -> Header:
