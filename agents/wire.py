@@ -186,13 +186,22 @@ def decode_header(buf, max_payload: int) -> Header:
 
 
 # -- socket I/O ----------------------------------------------------------------
+def time_left(deadline: float | None) -> float | None:
+    """Seconds until ``deadline`` (monotonic; None: no deadline, None back); socket.timeout if
+    it has passed."""
+    if deadline is None:
+        return None
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise socket.timeout("deadline passed")
+    return left
+
+
 def arm(sock: socket.socket, deadline: float | None) -> None:
     """Before one blocking call: give ``sock`` the time left until ``deadline`` (monotonic;
     None: leave the socket's timeout as it is); socket.timeout if it has passed."""
-    if deadline is not None:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise socket.timeout("deadline passed")
+    left = time_left(deadline)
+    if left is not None:
         sock.settimeout(left)
 
 
@@ -244,12 +253,8 @@ def recv_into_exact(sock: socket.socket, mv: memoryview, what: str = "payload",
 def wait_readable(poller: select.poll, deadline: float | None, limit_s: float) -> None:
     """Sleep in ``poller`` (one socket) until it is readable or closed, or ``limit_s`` passed;
     socket.timeout once ``deadline`` (monotonic; None: none) has passed."""
-    wait_s = limit_s
-    if deadline is not None:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise socket.timeout("deadline passed")
-        wait_s = min(wait_s, left)
+    left = time_left(deadline)
+    wait_s = limit_s if left is None else min(limit_s, left)
     poller.poll(max(1, int(wait_s * 1000)))
 
 

@@ -179,9 +179,10 @@ def test_a_payload_read_under_a_low_water_mark_waits_for_it_and_never_holds_its_
     """TCP: 10 KB of a 40 KB payload are there when the read starts, the other 30 KB come
     0.3 s later, and no more.  Under a 32 KiB mark the reader takes nothing before 32 KiB are
     there (without a mark it would take the 10 KB at once); the rest (below the mark) is not
-    held, and the socket's mark is 1 again after.  A blocking ``recv`` under the mark would take the first
-    10 KB and sleep for ever (the kernel compares its mark with the bytes not yet read).  (A
-    trickle below the mark is read every ``TRICKLE_S``: test_chaos's peer stalling mid-payload.)"""
+    held, and the socket's mark is 1 again after.  A blocking ``recv`` under the mark would
+    take the first 10 KB and sleep for ever (the kernel compares its mark with the bytes not
+    yet read).  (A trickle below the mark is read every ``TRICKLE_S``: test_chaos's peer
+    stalling mid-payload.)"""
     monkeypatch.setattr(wire, "TRICKLE_S", 30.0)
     lsock = socket.create_server(("127.0.0.1", 0))
     a = socket.create_connection(lsock.getsockname())
