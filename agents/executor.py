@@ -22,11 +22,14 @@ How bytes flow (threads):
 
 Shared links (``links="shared"``): one connection per peer carries every plan channel to it.
 Each channel keeps its sender thread and its order (a tree's chunks go in the order they
-became ready), but writes its transfers as DATA frames flagged ``FLAG_PIECE`` of at most a
-sub-block each, taking turns on the connection in weighted fair order (:class:`SharedLink`:
-the channels' rates as weights, not caps; no pacing); the receiver reads each piece after
-the bytes of that transfer before it.  A link direction then carries one TCP flow whatever
-the number of trees on it, and a tree with nothing ready leaves its share to the others.
+became ready), but writes its transfers as DATA frames flagged ``FLAG_PIECE``, taking turns on
+the connection in weighted fair order (:class:`SharedLink`: the channels' rates as weights, not
+caps; no pacing); the receiver reads each piece after the bytes of that transfer before it.  A
+piece is what of the transfer is ready, up to ``SHARED_PIECE_BYTES`` (at least a sub-block): a
+sender that has fallen behind, or whose block is whole, writes several sub-blocks as one frame,
+since each frame costs a header, a turn and the receiver's wakeups.  A link direction then
+carries one TCP flow whatever the number of trees on it, and a tree with nothing ready leaves
+its share to the others.
 
 Cut-through (``cut_through``, on by default): a send longer than a sub-block whose unmet deps
 are all active receives whose frames have begun to arrive is handed to its sender at once;
@@ -158,6 +161,9 @@ POLL_S = 0.5  # how often a waiting sender thread looks at the executor's closin
 LINKS = ("channel", "shared")  # a data connection per plan channel, or one per peer (:class:`SharedLink`)
 DEFAULT_LINKS = "shared"  # an experiment's default (agents.links); the library's is a connection per channel
 SHARED_UNSENT_BYTES = 256 << 10  # a shared connection's TCP_NOTSENT_LOWAT: its turns are taken near the wire
+# A shared connection's largest piece (one sub-block where sub-blocks are larger): as many bytes as
+# the socket holds unsent, so a turn lasts about as long as the kernel's queue
+SHARED_PIECE_BYTES = SHARED_UNSENT_BYTES
 
 
 def link_weights(rates: dict[int, float]) -> dict[int, float]:
@@ -270,8 +276,8 @@ class LinkGate:
 
 class SharedLink:
     """One connection to a peer that several plan channels share (``links="shared"``): each
-    channel's sender thread writes its transfers as pieces of at most a sub-block, one piece
-    at a time, and the link serves the channels with a piece ready in weighted fair order
+    channel's sender thread writes its transfers in pieces (up to ``SHARED_PIECE_BYTES``), one
+    piece at a time, and the link serves the channels with a piece ready in weighted fair order
     (start-time fair queueing: a channel's tag grows by a piece's bytes over its weight; the
     waiting channel with the least tag goes next; one idle restarts from the tag in service).
     It is work-conserving (a channel with nothing ready leaves its share to the others) and
@@ -657,12 +663,14 @@ class Executor:
                 self._progress = time.monotonic()
 
     def _send_pieces(self, link: SharedLink, channel: int, box: _Outbox, i: int, it: int, header: Header) -> None:
-        """Shared link: send ``i``'s block in pieces of at most a sub-block, each in ``channel``'s
-        turn, as the receives it depends on apply it (cut-through) or at once if its deps are met."""
+        """Shared link: send ``i``'s block in pieces, each in ``channel``'s turn, as the receives it
+        depends on apply it (cut-through) or at once if its deps are met: a piece is what is ready,
+        up to ``SHARED_PIECE_BYTES`` or a sub-block if that is larger."""
         mv, sent = memoryview(self._views[i]).cast("B"), 0
         total, piece = mv.nbytes, header._replace(flags=header.flags | FLAG_PIECE)
+        most = max(self.subblock, SHARED_PIECE_BYTES)
         while True:
-            end = min(self._wait_ready(box, i, it, sent) if sent < total else sent, sent + self.subblock)
+            end = min(self._wait_ready(box, i, it, sent) if sent < total else sent, sent + most)
             link.write(channel, piece._replace(payload_len=end - sent), mv[sent:end], lambda: self._closing)
             sent = self._tx_bytes[i] = end
             self._progress = time.monotonic()

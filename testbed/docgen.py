@@ -169,8 +169,9 @@ KEY_DOCS: dict[str, str] = {
                              "forwarded whole (a size: `16KiB`, or bytes); the prediction models the same value; "
                              "agents that probe (`adaptive`) store and forward every chunk",
     "agents.links": "the agents' data connections: `shared`, one TCP connection per neighbour that carries "
-                    "every tree's transfers in pieces of a sub-block, served in weighted fair order (the plan's "
-                    "rates as weights, not caps: a tree with nothing ready leaves its share to the others); or "
+                    "every tree's transfers in pieces (what is ready, up to 256 KiB), served in weighted fair "
+                    "order (the plan's rates as weights, not caps: a tree with nothing ready leaves its share to "
+                    "the others); or "
                     "`channel`, a connection per plan channel (per tree), paced at the plan's rates where it has "
                     "them.  Runs that probe, re-plan, form groups, stop and wait or use auxiliary paths use "
                     "`channel` (each run's record says which: `connections`); the prediction models the same",

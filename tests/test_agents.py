@@ -360,6 +360,38 @@ def test_a_shared_connection_takes_pieces_in_order_and_refuses_one_that_overruns
         sa.close()
 
 
+def test_a_shared_connection_writes_what_is_ready_in_pieces_of_up_to_its_most():
+    """A send whose block is whole goes in pieces of ``SHARED_PIECE_BYTES`` (256 KiB), not a
+    sub-block (64 KiB) each: every piece is a frame, a turn and a wakeup of its receiver."""
+    from agents.executor import SHARED_PIECE_BYTES
+
+    n = (2 * SHARED_PIECE_BYTES + 4000) // 4
+    ex = Executor("a", [Op(0, SEND, "b", 7, 0, n)], length=n, timeout_s=5.0, links="shared",
+                  subblock_bytes=64 << 10)
+    sa, sb = socket.socketpair()
+    sb.settimeout(5)
+    x = np.arange(n, dtype=np.float32)
+    ex.attach_outgoing("b", 0, sa)
+    runner = threading.Thread(target=ex.run, args=(0,), daemon=True)
+    try:
+        ex.prepare(x)
+        runner.start()
+        got, sizes, hbuf = bytearray(), [], bytearray(64)
+        while len(got) < 4 * n:
+            h = wire.recv_header(sb, hbuf, 1 << 30)
+            assert h.xfer == 7 and h.flags == wire.FLAG_PIECE, h
+            piece = bytearray(h.payload_len)
+            wire.recv_into_exact(sb, memoryview(piece))
+            sizes.append(h.payload_len)
+            got += piece
+        runner.join(5)
+        assert sizes == [SHARED_PIECE_BYTES, SHARED_PIECE_BYTES, 4000], sizes
+        assert np.array_equal(np.frombuffer(bytes(got), np.float32), x)
+    finally:
+        ex.close()
+        sb.close()
+
+
 def test_executor_peer_close_and_timeout_name_the_peer(lone_receiver):
     ex, sa = lone_receiver
     t = time.monotonic()
