@@ -459,11 +459,13 @@ class Executor:
                          for i, op in enumerate(self.prog)]
         self._views = [self.bufs[op.buf][op.offset:op.offset + op.length] for op in self.prog]
         self._rbuf: dict[int, np.ndarray] = {}
+        self._labels: dict[int, tuple] = {}  # recv op -> the (phase, flow, chunk, ACK flag) its frames carry
         self._expect: dict[tuple[str, int], dict[int, int]] = defaultdict(dict)  # (src, ch) -> xfer -> op
         self._out_keys: set[tuple[str, int]] = set()
         for i, op in enumerate(self.prog):
             if op.kind == RECV:
                 self._rbuf[i] = np.zeros(op.length, self.dtype)
+                self._labels[i] = (phase_code(op.phase), op.flow, op.chunk, FLAG_ACK_REQ if self.stop_and_wait else 0)
                 self._rbuf[i].fill(0)  # touch the pages now, not during the first transfer
                 self._expect[self._conn(op.peer, op.channel)][op.xfer] = i
             elif op.kind == SEND:
@@ -1054,7 +1056,7 @@ class Executor:
     def _check(self, h: Header, i: int, at: int | None = None) -> None:
         """Every header field against recv op ``i`` (the transfer it names); ``at``: a piece
         of its data that follows the ``at`` bytes already arrived."""
-        op, want = self.prog[i], 0 if h.flags & FLAG_WITHDRAWN else self._rbuf[i].nbytes
+        want = 0 if h.flags & FLAG_WITHDRAWN else self._rbuf[i].nbytes
         if at is not None and at + h.payload_len > want:
             raise ProtocolError(f"transfer {h.xfer}: a piece of {h.payload_len} bytes after {at} overruns its "
                                 f"{want} bytes")
@@ -1068,12 +1070,10 @@ class Executor:
                                 f"iteration {self.iteration}")
         if self._got[i] == h.op_id:
             raise ProtocolError(f"duplicate frame: transfer {h.xfer} of iteration {h.op_id} arrived twice")
-        fields = {"phase": (h.phase, phase_code(op.phase)), "flow": (h.flow, op.flow),
-                  "chunk": (h.chunk, op.chunk),
-                  "flags": (h.flags & FLAG_ACK_REQ, FLAG_ACK_REQ if self.stop_and_wait else 0)}
-        for key, (got, exp) in fields.items():
-            if got != exp:
-                raise ProtocolError(f"transfer {h.xfer}: {key} {got}, expected {exp}")
+        got = (h.phase, h.flow, h.chunk, h.flags & FLAG_ACK_REQ)
+        if got != self._labels[i]:
+            key, g, e = next(f for f in zip(("phase", "flow", "chunk", "flags"), got, self._labels[i]) if f[1] != f[2])
+            raise ProtocolError(f"transfer {h.xfer}: {key} {g}, expected {e}")
 
     # -- main loop -----------------------------------------------------------------
     # -- dependencies (every method here runs under the lock) ----------------------

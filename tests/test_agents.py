@@ -314,6 +314,9 @@ def test_a_connection_opened_after_the_executor_closed_is_refused_and_closed():
 @pytest.mark.parametrize("frame, match", [
     (lambda: wire.encode_header(_data(99, 16)), "from a .*unknown transfer 99"),
     (lambda: wire.encode_header(_data(5, 12)), "from a .*12 bytes, expected 16"),
+    (lambda: wire.encode_header(_data(5, 16)._replace(chunk=3)) + bytes(16), "from a .*transfer 5: chunk 3, expected 0"),
+    (lambda: wire.encode_header(_data(5, 16)._replace(flags=wire.FLAG_ACK_REQ)) + bytes(16),
+     "from a .*transfer 5: flags 1, expected 0"),
     (lambda: wire.encode_header(_data(5, 1 << 40)), "from a .*exceeds"),
     (lambda: wire.encode_header(_data(5, 16, it=7)), "from a .*iteration 7"),
     (lambda: wire.encode_header(wire.Header(wire.CTRL, payload_len=2)) + b"{}", "from a .*unexpected CTRL"),
