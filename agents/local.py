@@ -39,12 +39,12 @@ class LocalCluster:
     def __init__(self, plan: Plan, *, iterations: int = 1, seed: int = 0, dtype: str = "float32",
                  timeout_s: float = 30.0, stop_and_wait: bool = False, compute_s=None, progress=None,
                  external: tuple[str, ...] = (), handshake_s: float | None = None, probe: dict | None = None,
-                 clock_offset_ms: dict[str, float] | None = None, driver=None):
+                 clock_offset_ms: dict[str, float] | None = None, driver=None, links: str = "channel"):
         self.plan = plan
         self.external = set(external)
         self.options = dict(iterations=iterations, seed=seed, dtype=dtype, timeout_s=timeout_s,
                             stop_and_wait=stop_and_wait, compute_s=compute_s, progress=progress, probe=probe,
-                            driver=driver)
+                            driver=driver, links=links)
         self.clock_offset_ms = dict(clock_offset_ms or {})  # node -> shift of its agent's clock
         self.handshake_s = handshake_s or wire.HANDSHAKE_TIMEOUT_S  # agents' and coordinator's (tests shorten it)
         self.procs: dict[str, subprocess.Popen] = {}
@@ -129,9 +129,10 @@ class LocalCluster:
 
 
 def run_local(plan: Plan, *, iterations: int = 1, seed: int = 0, dtype: str = "float32", timeout_s: float = 30,
-              stop_and_wait: bool = False, compute_s=None) -> dict:
+              stop_and_wait: bool = False, compute_s=None, links: str = "channel") -> dict:
     """Run ``plan`` on one real agent process per node over loopback; return the results
-    dict of :meth:`Coordinator.run` (raises RunError on failure)."""
+    dict of :meth:`Coordinator.run` (raises RunError on failure).  ``links``: the agents'
+    data connections (:data:`agents.executor.LINKS`)."""
     with LocalCluster(plan, iterations=iterations, seed=seed, dtype=dtype, timeout_s=timeout_s,
-                      stop_and_wait=stop_and_wait, compute_s=compute_s) as cluster:
+                      stop_and_wait=stop_and_wait, compute_s=compute_s, links=links) as cluster:
         return cluster.run()

@@ -422,9 +422,12 @@ def test_slow_transfer_counts_as_progress(lone_receiver):
 
 
 # -- full runs on loopback -------------------------------------------------------------
-def test_two_tree_pipelined_plan():
+@pytest.mark.parametrize("links", ["channel", "shared"])
+def test_two_tree_pipelined_plan(links):
     plan = two_tree_plan()
-    check_results(plan, run_local(plan, timeout_s=10))
+    res = run_local(plan, iterations=2, timeout_s=10, links=links)
+    check_results(plan, res)
+    assert res["connections"] == links
 
 
 def test_ring_plan_several_iterations_float64():
