@@ -375,7 +375,8 @@ def test_a_shared_connection_writes_what_is_ready_in_pieces_of_up_to_its_most():
     sb.settimeout(5)
     x = np.arange(n, dtype=np.float32)
     ex.attach_outgoing("b", 0, sa)
-    runner = threading.Thread(target=ex.run, args=(0,), daemon=True)
+    done = []
+    runner = threading.Thread(target=lambda: done.append(ex.run(0)), daemon=True)
     try:
         ex.prepare(x)
         runner.start()
@@ -388,6 +389,7 @@ def test_a_shared_connection_writes_what_is_ready_in_pieces_of_up_to_its_most():
             sizes.append(h.payload_len)
             got += piece
         runner.join(5)
+        assert done and [row[0] for row in done[0]["sends"]] == [7]
         assert sizes == [SHARED_PIECE_BYTES, SHARED_PIECE_BYTES, 4000], sizes
         assert np.array_equal(np.frombuffer(bytes(got), np.float32), x)
     finally:
