@@ -75,7 +75,7 @@ def _run_on_servers(exp, servers: str, out: Path, progress) -> dict:
     sf, placement = _cluster(exp, servers, progress, planned)
     em = exp.emulator
     with ClusterNetwork(exp.topology, sf, placement, method=em.method, relay_procs=em.relay_procs, seed=exp.seed,
-                        log=progress, tcp_cc=em.tcp_cc) as net:
+                        log=progress, tcp_cc=em.tcp_cc, frame_ms=em.frame_ms) as net:
         results = run_experiment(exp, out, progress, net=net, planned=planned, save=lambda r: write_json_atomic(
             out / "results.json", {**r, "cluster": {"placement": placement.to_dict()}}))
         results["cluster"] = net.report(em.max_late_ms)
@@ -141,7 +141,7 @@ def cmd_exec(args) -> int:
             em = exp.emulator
             net = stack.enter_context(ClusterNetwork(exp.topology, sf, placement, method=em.method,
                                                      relay_procs=em.relay_procs, seed=exp.seed, log=progress,
-                                                     tcp_cc=em.tcp_cc))
+                                                     tcp_cc=em.tcp_cc, frame_ms=em.frame_ms))
         results = exec_command(exp, args.command, out, on=args.on.split(",") if args.on else None,
                                master_port=args.master_port, timeout_s=args.timeout, progress=progress, net=net)
         if net is not None:

@@ -362,7 +362,7 @@ class ClusterNetwork(WanNetwork):
                           "underlay_delay_ms": m.get("rtt_ms", 0.0) / 2}
         return {"topology": topo.to_dict(), "nodes": self.placement.on(name), "tunnels": tunnels,
                 "vxlan_port": sf.vxlan_port, "mtu": self.underlay["link_mtu"], "method": self.method,
-                "relay_procs": self.relay_procs, "seed": self.seed, "tcp_cc": self.tcp_cc,
+                "relay_procs": self.relay_procs, "seed": self.seed, "tcp_cc": self.tcp_cc, "frame_ms": self.frame_ms,
                 "icmp_priority": self.icmp_priority, **self._relay_cores(name)}
 
     def _relay_cores(self, name: str) -> dict:

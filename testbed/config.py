@@ -26,10 +26,12 @@ Format (YAML; every key but ``name``, ``topology`` and ``scheme.name`` is option
       compute_s: 0               # seconds per iteration: a number, {uniform: [lo, hi]},
                                  # {normal: [mean, std]}, {per_worker: {dc: s or [s per iteration]}},
                                  # or CREW's {T1: factor} / {T2: factor} (seeded per worker)
-    emulator: {method: auto, relay_procs: 0, max_late_ms: 2, tcp_cc: cubic}
+    emulator: {method: auto, relay_procs: 0, max_late_ms: 2, tcp_cc: cubic, frame_ms: 4}
                                  # max_late_ms: relay p99 lateness above which results.json
                                  # says the emulation did not keep up; tcp_cc: congestion
-                                 # control of every datacenter host (never the machine's default)
+                                 # control of every datacenter host (never the machine's default);
+                                 # frame_ms: the longest a link takes to carry one TCP frame
+                                 # (TSO/GSO segment train; 0: the kernel's ~1 ms of pacing)
     agents: {timeout_s: 120, stop_and_wait: false, subblock_bytes: 64KiB, links: shared, clock_offset_ms: {}}
                                  # subblock_bytes: how many arrived bytes of a chunk an agent adds
                                  # (and forwards, cut-through) at a time; links: shared (one TCP
@@ -68,6 +70,7 @@ from agents.executor import DEFAULT_LINKS, LINKS, SUBBLOCK_BYTES
 from testbed.checks import Checker
 from testbed.emulator import DEFAULT_TCP_CC
 from testbed.emulator.shaping import CHOICES as SHAPING_CHOICES
+from testbed.emulator.shaping import FRAME_MS
 from testbed.errors import ConfigError
 from testbed.plan import AUX_DISPATCH
 from testbed.wan import Topology
@@ -79,7 +82,8 @@ DEFAULTS: dict[str, Any] = {
     "seed": 0,
     "repetitions": 1,
     "workload": {"size": "1MB", "model": None, "dtype": "float32", "iterations": 1, "warmup": 1, "compute_s": 0},
-    "emulator": {"method": "auto", "relay_procs": 0, "max_late_ms": 2.0, "tcp_cc": DEFAULT_TCP_CC},
+    "emulator": {"method": "auto", "relay_procs": 0, "max_late_ms": 2.0, "tcp_cc": DEFAULT_TCP_CC,
+                 "frame_ms": FRAME_MS},
     "agents": {"timeout_s": 120.0, "stop_and_wait": False, "subblock_bytes": SUBBLOCK_BYTES, "links": DEFAULT_LINKS,
                "clock_offset_ms": {}},
     "dynamics": [],
@@ -166,6 +170,7 @@ class EmulatorSettings:
     relay_procs: int
     max_late_ms: float
     tcp_cc: str
+    frame_ms: float
 
 
 @dataclass(frozen=True)
@@ -404,6 +409,7 @@ def _settings(c: Checker, exp: dict, nodes: list[str]) -> None:
     c.number(e["max_late_ms"], "emulator.max_late_ms", positive=True)
     if not (isinstance(e["tcp_cc"], str) and re.fullmatch(r"[a-z0-9_]+", e["tcp_cc"])):
         c.fail("emulator.tcp_cc", f"expected a TCP congestion control name such as cubic or bbr, got {e['tcp_cc']!r}")
+    c.number(e["frame_ms"], "emulator.frame_ms", minimum=0)
     a = exp["agents"]
     c.number(a["timeout_s"], "agents.timeout_s", positive=True)
     if not isinstance(a["stop_and_wait"], bool):

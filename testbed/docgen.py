@@ -160,6 +160,10 @@ KEY_DOCS: dict[str, str] = {
     "emulator.relay_procs": "number of relay processes (0: one per core, at most one per link)",
     "emulator.max_late_ms": "relay p99 lateness above which results.json says the emulation did not keep up",
     "emulator.tcp_cc": "TCP congestion control of every datacenter host (never the machine's default)",
+    "emulator.frame_ms": "the longest a link direction takes to carry one TCP frame (a TSO/GSO segment train, "
+                         "whose bytes arrive together): each sender's gso_max_size is this much of its link's rate, "
+                         "at most 64 KB; 0: the kernel's own sizing, ~1 ms of the flow's pacing rate and ~1,000 "
+                         "frames per second per busy link whatever its rate",
     "agents": "the worker agents",
     "agents.timeout_s": "an agent silent for half of this, or a transfer stalled this long, fails the run "
                         "naming it; an iteration may take this plus 4x its predicted time",

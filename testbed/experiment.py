@@ -188,7 +188,7 @@ def open_network(exp: Experiment, progress: Callable[[str], None], caps=None):
 
     em = exp.emulator
     return WanNetwork(exp.topology, method=em.method, relay_procs=em.relay_procs, seed=exp.seed, log=progress,
-                      caps=caps, tcp_cc=em.tcp_cc)
+                      caps=caps, tcp_cc=em.tcp_cc, frame_ms=em.frame_ms)
 
 
 def run_experiment(exp: Experiment, out_dir: Path, progress: Callable[[str], None], net=None,

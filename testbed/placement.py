@@ -2,9 +2,11 @@
 runs on several machines (``--servers``).  Pure: a topology and the servers' sizes in, a
 :class:`Placement` out; nothing is started.
 
-The load that matters is frames, not bits (README, "Emulator headroom"; docs/emulator-log.md,
-"Frames, not bits"): under TCP a loaded direction carries about one TSO frame per millisecond
-plus its ACKs whatever its rate, so a direction's cost is :func:`direction_frames` and a
+The load that matters is frames, not bits (docs/guides/link-fidelity.md, "TCP frames"):
+under TCP a loaded direction carries about one frame per ``emulator.frame_ms`` plus its ACKs
+whatever its rate.  The figures below were measured with the kernel's own frames, one per
+millisecond (``frame_ms: 0``); the default's larger frames cost less, so the placement
+over-provisions.  A direction's cost is :func:`direction_frames` and a
 datacenter's is half of its links' (the other half is the far end's): the frames a server
 carries are its datacenters' sum, a link inside it counted once, a cut link half on each side.
 

@@ -37,6 +37,7 @@ BROKEN = {
     "dynamics_bad_link": (GOOD + "dynamics: [{at_s: 1, link: [h1, h7], rate_mbps: 5}]\n", "dynamics[0].link"),
     "fault_bad_kind": (GOOD + "faults: [{at_s: 1, explode: h1}]\n", "faults[0]"),
     "bad_tcp_cc": (GOOD + "emulator: {tcp_cc: 'fast please'}\n", "emulator.tcp_cc"),
+    "negative_frame_ms": (GOOD + "emulator: {frame_ms: -1}\n", "emulator.frame_ms"),
     "tiny_subblock": (GOOD + "agents: {subblock_bytes: 4}\n", "agents.subblock_bytes: must be at least 8 bytes"),
     "bad_subblock": (GOOD + "agents: {subblock_bytes: big}\n", "agents.subblock_bytes: cannot parse size"),
     "bad_links": (GOOD + "agents: {links: mux}\n", "agents.links: expected one of channel, shared, got 'mux'"),

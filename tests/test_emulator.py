@@ -8,6 +8,7 @@ import time
 import pytest
 from fidelity import fidelity
 
+from testbed.emulator import shaping
 from testbed.emulator.linkcheck import run_linkcheck
 from testbed.emulator.network import CONTROL_BRIDGE, CONTROL_IP, WanNetwork, control_conflicts, control_route
 from testbed.topology import load_topology
@@ -246,6 +247,45 @@ def test_rate_change_is_visible_within_one_second(netenv):
     assert min(before) > 40, before
     assert max(after) < 12.5, after
     assert events and events[0]["event"] == "rate" and events[0]["rate_mbps"] == 10
+
+
+def _gso_max_size(net, dc: str, peer: str) -> int:
+    out = net.host(dc).cmd(f"ip -d link show dev {net.directions[(dc, peer)].intf}")
+    return int(out.split("gso_max_size ")[1].split()[0])
+
+
+def test_tcp_frames_carry_frame_ms_of_the_link_rate(netenv):
+    """emulator.frame_ms: a sender's gso_max_size is that much of its direction's rate (also
+    after a live rate change) and TCP fills its frames up to it, so the relay moves fewer,
+    larger frames than the kernel's ~1 ms of pacing would make; frame_ms 0 leaves the
+    kernel's sizing alone."""
+    with WanNetwork(_two(rate=50, delay=5)) as net:
+        assert net.frame_ms == shaping.FRAME_MS
+        assert net.host("a").cmd("sysctl -n net.ipv4.tcp_tso_rtt_log").strip() == "24"
+        cap = shaping.frame_bytes(50, net.frame_ms)
+        assert _gso_max_size(net, "a", "b") == _gso_max_size(net, "b", "a") == cap == 25000
+        net.popen("b", ["iperf3", "-s", "-1", "-p", "5302"])
+        time.sleep(0.5)
+        net.popen("a", ["iperf3", "-c", net.peer_address("a", "b"), "-p", "5302", "-t", "2"]).wait(timeout=30)
+        net.set_rate("a", "b", 10)
+        assert _gso_max_size(net, "a", "b") == shaping.frame_bytes(10, net.frame_ms) == 5000
+    if net.method == "relay":
+        ab = next(d for s in net.relay_final_stats for d in s["dirs"] if d["dir"] == "ab")
+        assert ab["bytes_in"] / ab["gso_frames"] > 0.6 * cap, ab  # the kernel's own: ~6 KB at 50 Mbit/s
+    with WanNetwork(_two(rate=50, delay=5), frame_ms=0) as net:
+        assert _gso_max_size(net, "a", "b") == shaping.GSO_MAX_BYTES
+        assert "net.ipv4.tcp_tso_rtt_log" not in net.host_sysctls
+
+
+def test_a_kernel_that_cannot_size_frames_keeps_its_own_with_a_warning(netenv, monkeypatch):
+    monkeypatch.setattr(shaping, "frame_commands",
+                        lambda intf, rate, ms: [["ip", "link", "set", "dev", intf, "gso_max_size", "none"]])
+    said = []
+    with WanNetwork(_two(), log=said.append) as net:
+        assert net.frame_ms == 0
+        assert net.host("a").cmd("sysctl -n net.ipv4.tcp_tso_rtt_log").strip() == "9"
+        assert "net.ipv4.tcp_tso_rtt_log" not in net.host_sysctls
+    assert any("cannot size a device's TCP frames" in m for m in said), said
 
 
 def test_hosts_use_the_configured_congestion_control_and_byte_queues(netenv):

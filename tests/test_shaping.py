@@ -58,3 +58,11 @@ def test_netem_keeps_jittered_packets_in_fifo_order_as_the_relay_does():
 def test_where_a_lost_packet_is_dropped_is_one_field_of_the_table():
     """The relay drops after HTB (a lost packet used the rate), netem at enqueue, before it."""
     assert {k: m.loss_takes_rate for k, m in shaping.METHODS.items()} == {"netem": False, "relay": True, "htb": True}
+
+
+def test_a_frame_is_frame_ms_of_the_rate_within_two_packets_and_64_kb():
+    assert shaping.frame_bytes(50, 4) == 25000
+    assert shaping.frame_bytes(1, 4) == 2 * (shaping.MTU + 14)
+    assert shaping.frame_bytes(1000, 4) == shaping.GSO_MAX_BYTES
+    assert shaping.frame_commands("x", 50, 4) == [["ip", "link", "set", "dev", "x", "gso_max_size", "25000"]]
+    assert shaping.frame_commands("x", 50, 0) == []

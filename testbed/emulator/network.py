@@ -136,6 +136,8 @@ def path_ip(m: int) -> str:
 
 PATH_RULE_PRIORITY = 100  # before the main table's rule (32766), after local delivery (0)
 PATH_TABLE_BASE = 1000  # table PATH_TABLE_BASE + j: a host's way over link j
+TSO_RTT_LOG_PATH = Path("/proc/sys/net/ipv4/tcp_tso_rtt_log")  # Linux >= 5.18
+KERNEL_TSO_RTT_LOG = 9  # its default
 
 
 @dataclass
@@ -203,6 +205,7 @@ class WanNetwork:
     caps: Capabilities | None = None
     icmp_priority: bool = False  # linkcheck only: see shaping.shape_commands
     tcp_cc: str = DEFAULT_TCP_CC  # TCP congestion control of every datacenter host
+    frame_ms: float = shaping.FRAME_MS  # a link direction's longest TCP frame, in its time (shaping)
     directions: dict[tuple[str, str], Direction] = field(default_factory=dict)
     share: Share | None = None  # on several servers: this server's part (None: everything here)
 
@@ -425,6 +428,11 @@ class WanNetwork:
                        # explicit, never the machine's default (BBR's ProbeRTT alone costs ~3-10 %
                        # of a long link's rate every 10 s; cubic is Linux's default elsewhere)
                        "net.ipv4.tcp_congestion_control": self.tcp_cc}
+            if self.frame_ms and TSO_RTT_LOG_PATH.exists():
+                # TCP adds the device's gso_max_size to a frame's ~1 ms of pacing for a flow whose
+                # minimum RTT is under 2^log us: with 2^24 us (16.8 s), every flow's frames grow
+                # to the direction's cap (shaping.frame_commands)
+                sysctls["net.ipv4.tcp_tso_rtt_log"] = 24
             _exec(h, ["sysctl", "-q", "-w", *(f"{k}={v}" for k, v in sysctls.items())])
             self.host_sysctls = sysctls
             cmds = ["link set lo up", f"addr add {node_ip(i)}/32 dev lo",
@@ -441,7 +449,28 @@ class WanNetwork:
             tc_lines.setdefault(d.src, []).extend(" ".join(c[1:]) for c in cmds)
         for dc, lines in tc_lines.items():
             _batch(self.hosts[dc], "tc", lines)
+        self._size_frames()
         self._cap_gso()
+
+    def _size_frames(self) -> None:
+        """Every direction's sender hands its qdisc frames of at most ``frame_ms`` of the link's
+        rate (:func:`.shaping.frame_commands`).  A kernel that cannot change a live device's
+        ``gso_max_size`` keeps its own sizing, with a warning (``frame_ms`` is then 0)."""
+        ip_lines: dict[str, list[str]] = {}
+        for d in self.directions.values():
+            cmds = shaping.frame_commands(d.intf, d.spec.rate_mbps, self.frame_ms)
+            ip_lines.setdefault(d.src, []).extend(" ".join(c[1:]) for c in cmds)
+        try:
+            for dc, lines in ip_lines.items():
+                if lines:
+                    _batch(self.hosts[dc], "ip", lines)
+        except RunError as e:
+            self.log(f"warning: this kernel cannot size a device's TCP frames (gso_max_size): {e}; "
+                     "frames keep the kernel's own sizing (emulator.frame_ms 0)")
+            self.frame_ms = 0.0
+            if self.host_sysctls.pop("net.ipv4.tcp_tso_rtt_log", None) is not None:
+                for h in self.hosts.values():  # else every frame would grow to 64 KB
+                    _exec(h, ["sysctl", "-q", "-w", f"net.ipv4.tcp_tso_rtt_log={KERNEL_TSO_RTT_LOG}"])
 
     def _cap_gso(self) -> None:
         """netem drops whole packets, and TCP hands the qdisc TSO frames of ~1 ms of its pacing
@@ -571,6 +600,8 @@ class WanNetwork:
         d = self._direction(src, dst)
         _batch(self.hosts[src], "tc", [" ".join(c[1:]) for c in
                                        shaping.rate_change_commands(d.intf, rate_mbps, self.icmp_priority)])
+        for cmd in shaping.frame_commands(d.intf, rate_mbps, self.frame_ms):
+            _exec(self.hosts[src], cmd)
         d.spec = replace(d.spec, rate_mbps=rate_mbps)
         self._event("rate", src=src, dst=dst, rate_mbps=rate_mbps)
 

@@ -120,7 +120,7 @@ def serve(spec: dict, requests) -> int:
     topo = load_topology(spec["topology"], source="<servers spec>")
     net = WanNetwork(topo, method=spec["method"], relay_procs=spec.get("relay_procs", 0), seed=spec.get("seed", 0),
                      log=lambda m: emit({"log": m}), icmp_priority=spec.get("icmp_priority", False),
-                     tcp_cc=spec["tcp_cc"], share=_share(spec))
+                     tcp_cc=spec["tcp_cc"], frame_ms=spec["frame_ms"], share=_share(spec))
     fwd = None
     try:
         try:

@@ -20,7 +20,17 @@ qdisc that depends on the method:
   per link in relay mode, never asked for.
 
 Either way the queue a TCP sender fills is the HTB leaf at its own host, as it would be
-at a WAN router's egress, and its size is the link's ``queue_pkts``.  Config validation,
+at a WAN router's egress, and its size is the link's ``queue_pkts``.
+
+Frames: TCP hands the qdisc segment trains (TSO/GSO frames) that leave HTB whole and are
+delayed whole, so a frame's bytes arrive together, its last ones up to the frame's time on
+the link early.  Left to itself, Linux sizes a frame to ~1 ms of the flow's pacing rate,
+which makes ~1,000 frames (and as many ACKs) per second on every busy link direction
+whatever its rate: the emulation's cost (a relay or netem, and the receivers' stack) is per
+frame.  ``emulator.frame_ms`` sizes them by time instead: each direction's sender gets a
+``gso_max_size`` of ``frame_ms`` of the link's rate (:func:`frame_commands`) and TCP fills
+frames up to it (``network``: ``tcp_tso_rtt_log``).  A choice of timing granularity against
+emulation cost: larger frames move fewer packets and arrive coarser.  Config validation,
 the CLI's choices, ``doctor``, capability selection and :class:`.network.WanNetwork` all
 read :data:`METHODS`.
 """
@@ -33,6 +43,8 @@ from testbed.emulator import jitter
 from testbed.topology import LinkDir
 
 MTU = 1500
+FRAME_MS = 4.0  # emulator.frame_ms: the longest a link direction spends on one TCP frame
+GSO_MAX_BYTES = 65536  # the largest TCP frame without BIG TCP
 
 
 @dataclass(frozen=True)
@@ -162,6 +174,19 @@ def rate_change_commands(intf: str, rate_mbps: float, icmp_priority: bool = Fals
     classes = ["1:1", "1:10"] + (["1:20"] if icmp_priority else [])
     return [["tc", "class", "change", "dev", intf, "classid", cid, "htb", *htb_class_args(rate_mbps)]
             for cid in classes]
+
+
+def frame_bytes(rate_mbps: float, frame_ms: float) -> int:
+    """The largest TCP frame a direction's sender hands its qdisc: ``frame_ms`` of the link's
+    rate, at least two full-size packets and at most :data:`GSO_MAX_BYTES`."""
+    return int(min(GSO_MAX_BYTES, max(2 * (MTU + 14), rate_mbps * 125 * frame_ms)))
+
+
+def frame_commands(intf: str, rate_mbps: float, frame_ms: float) -> list[list[str]]:
+    """Cap the frames TCP hands ``intf`` at :func:`frame_bytes` (``gso_max_size``); none with
+    ``frame_ms`` 0 (the kernel's own sizing)."""
+    return [["ip", "link", "set", "dev", intf, "gso_max_size", str(frame_bytes(rate_mbps, frame_ms))]] \
+        if frame_ms else []
 
 
 def standing_queue_ms(d: LinkDir, method: str, frame_bytes: int, probe_bytes: int) -> float:
