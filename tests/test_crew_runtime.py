@@ -364,19 +364,20 @@ import json, socket, subprocess, sys, time
 sys.path.insert(0, sys.argv[1])
 from agents.linkwatch import LinkWatch
 for c in ("ip link set lo up", "ip link add d0 type veth peer name d1", "ip link set d1 up", "ip link set d0 up",
-          "ip addr add 10.9.1.1/24 dev d0", "ip neigh add 10.9.1.2 lladdr 02:00:00:00:00:02 dev d0 nud permanent",
+          "ip addr add 10.9.1.1/24 dev d0", "ip addr add 10.9.1.3/24 dev d0",
+          "ip neigh add 10.9.1.2 lladdr 02:00:00:00:00:02 dev d0 nud permanent",
           "ip route add 10.9.0.0/24 via 10.9.1.2", "tc qdisc add dev d0 root tbf rate 8kbit burst 1600 limit 50000000"):
     subprocess.run(c.split(), check=True)
-class Fake:
-    def __init__(self, name):
+class Fake:  # a data address of its own, not loopback, as every agent has
+    def __init__(self, name, address):
         self.name, self.sent = name, []
-        self.listener = socket.create_server(("10.9.1.1", 0))  # a data address, not loopback
+        self.listener = socket.create_server((address, 0))
         self.data_port = self.listener.getsockname()[1]
     def send(self, obj):
         self.sent.append(obj)
-a, b = Fake("a"), Fake("b")
+a, b = Fake("a", "10.9.1.1"), Fake("b", "10.9.1.3")
 slow = {f"s{i}": [f"10.9.0.{10 + i}", 9] for i in range(150)}
-wa = LinkWatch(a, {"b": ["10.9.1.1", b.data_port], **slow}, 2.0)
+wa = LinkWatch(a, {"b": ["10.9.1.3", b.data_port], **slow}, 2.0)
 wb = LinkWatch(b, {"a": ["10.9.1.1", a.data_port]}, 2.0)
 time.sleep(6)
 wa.close()
