@@ -162,7 +162,8 @@ KEY_DOCS: dict[str, str] = {
     "emulator.tcp_cc": "TCP congestion control of every datacenter host (never the machine's default)",
     "emulator.frame_ms": "the longest a link direction takes to carry one TCP frame (a TSO/GSO segment train, "
                          "whose bytes arrive together): each sender's gso_max_size is this much of its link's rate, "
-                         "at most 64 KB; 0: the kernel's own sizing, ~1 ms of the flow's pacing rate and ~1,000 "
+                         "at most 64 KB, where its queue counts bytes (the relay's; netem links keep the kernel's "
+                         "sizing); 0: the kernel's own sizing, ~1 ms of the flow's pacing rate and ~1,000 "
                          "frames per second per busy link whatever its rate",
     "agents": "the worker agents",
     "agents.timeout_s": "an agent silent for half of this, or a transfer stalled this long, fails the run "
@@ -476,6 +477,8 @@ RESULTS_FIELDS: list[tuple[str, str, str]] = [
     ("links[].queue_pkts", "packets", "the sender's queue"),
     ("links[].method", "", "`htb`, `htb+netem` or `htb+user-space-relay`"),
     ("links[].segment_loss", "", "`false` where a lossy netem link drops whole TSO frames (kernel could not cap them)"),
+    ("links[].frame_bytes", "bytes", "the largest TCP frame its sender hands the link (`emulator.frame_ms` of its "
+                                     "rate); absent where frames keep the kernel's sizing"),
     ("events", "", "dynamics and faults as applied, and emulator errors: `{t_s, ...}`"),
     ("events[].*", "", ""),
     ("events_t0_s", "s (Unix time)", "the instant `events[].t_s` counts from"),

@@ -264,17 +264,20 @@ def test_tcp_frames_carry_frame_ms_of_the_link_rate(netenv):
         assert net.host("a").cmd("sysctl -n net.ipv4.tcp_tso_rtt_log").strip() == "24"
         cap = shaping.frame_bytes(50, net.frame_ms)
         assert _gso_max_size(net, "a", "b") == _gso_max_size(net, "b", "a") == cap == 25000
+        assert {d["frame_bytes"] for d in net.link_report()} == {cap}
         net.popen("b", ["iperf3", "-s", "-1", "-p", "5302"])
         time.sleep(0.5)
         net.popen("a", ["iperf3", "-c", net.peer_address("a", "b"), "-p", "5302", "-t", "2"]).wait(timeout=30)
         net.set_rate("a", "b", 10)
         assert _gso_max_size(net, "a", "b") == shaping.frame_bytes(10, net.frame_ms) == 5000
+        assert net.directions[("a", "b")].report()["frame_bytes"] == 5000
     if net.method == "relay":
         ab = next(d for s in net.relay_final_stats for d in s["dirs"] if d["dir"] == "ab")
         assert ab["bytes_in"] / ab["gso_frames"] > 0.6 * cap, ab  # the kernel's own: ~6 KB at 50 Mbit/s
     with WanNetwork(_two(rate=50, delay=5), frame_ms=0) as net:
         assert _gso_max_size(net, "a", "b") == shaping.GSO_MAX_BYTES
         assert "net.ipv4.tcp_tso_rtt_log" not in net.host_sysctls
+        assert all("frame_bytes" not in d for d in net.link_report())
 
 
 def test_a_kernel_that_cannot_size_frames_keeps_its_own_with_a_warning(netenv, monkeypatch):
@@ -285,6 +288,7 @@ def test_a_kernel_that_cannot_size_frames_keeps_its_own_with_a_warning(netenv, m
         assert net.frame_ms == 0
         assert net.host("a").cmd("sysctl -n net.ipv4.tcp_tso_rtt_log").strip() == "9"
         assert "net.ipv4.tcp_tso_rtt_log" not in net.host_sysctls
+        assert all("frame_bytes" not in d for d in net.link_report())
     assert any("cannot size a device's TCP frames" in m for m in said), said
 
 

@@ -109,6 +109,9 @@ def test_auto_chooses_netem_where_the_kernel_has_it(netenv):
     """``method: auto`` (every experiment's default) is netem exactly where netem works."""
     with WanNetwork(_lossy_pair(), log=lambda m: None) as net:
         assert net.method == ("netem" if probe().netem else "relay")
+        if net.method == "netem":  # its queue limit counts packets: frames keep the kernel's sizing
+            assert net.frame_ms == 0 and "net.ipv4.tcp_tso_rtt_log" not in net.host_sysctls
+            assert all("frame_bytes" not in d for d in net.link_report())
 
 
 def _tcp_counters(net, dc: str) -> dict[str, int]:

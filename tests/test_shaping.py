@@ -66,3 +66,4 @@ def test_a_frame_is_frame_ms_of_the_rate_within_two_packets_and_64_kb():
     assert shaping.frame_bytes(1000, 4) == shaping.GSO_MAX_BYTES
     assert shaping.frame_commands("x", 50, 4) == [["ip", "link", "set", "dev", "x", "gso_max_size", "25000"]]
     assert shaping.frame_commands("x", 50, 0) == []
+    assert [m.name for m in shaping.METHODS.values() if m.sized_frames] == ["relay", "htb"]  # byte queues

@@ -154,6 +154,7 @@ class Direction:
     # netem with loss: whether the sender sends one segment per packet (gso_max_segs 1), so that
     # netem loses segments one by one; False where this kernel cannot cap it (see _cap_gso)
     segment_loss: bool | None = None
+    frame_bytes: int | None = None  # the largest TCP frame its sender hands it (None: the kernel's sizing)
 
     def report(self) -> dict:
         return {"src": self.src, "dst": self.dst, "rate_mbps": self.spec.rate_mbps,
@@ -161,7 +162,8 @@ class Direction:
                 **({"distribution": self.spec.distribution} if self.spec.jitter_ms else {}),
                 "loss": self.spec.loss, "queue_pkts": self.spec.queue_pkts,
                 "method": shaping.METHODS[self.method].label,
-                **({} if self.segment_loss is None else {"segment_loss": self.segment_loss})}
+                **({} if self.segment_loss is None else {"segment_loss": self.segment_loss}),
+                **({} if self.frame_bytes is None else {"frame_bytes": self.frame_bytes})}
 
 
 @dataclass(frozen=True)
@@ -410,6 +412,10 @@ class WanNetwork:
             (proc / "tcp_allowed_congestion_control").write_text(" ".join([*allowed, self.tcp_cc]))
 
     def _configure_hosts(self) -> None:
+        if self.frame_ms and not all(shaping.METHODS[d.method].sized_frames for d in self.directions.values()):
+            self.log("TCP frames keep the kernel's sizing: netem's queue limit counts packets "
+                     "(emulator.frame_ms applies to the relay's byte queues)")
+            self.frame_ms = 0.0
         # socket buffers: 4x the largest bandwidth x round-trip product, so one flow can fill any link
         bdp = max((d.spec.rate_mbps * 1e6 / 8 * (d.spec.delay_ms + self.topo.linkdir(d.dst, d.src).delay_ms
                                                   + 6 * d.spec.jitter_ms) / 1e3
@@ -460,6 +466,7 @@ class WanNetwork:
         for d in self.directions.values():
             cmds = shaping.frame_commands(d.intf, d.spec.rate_mbps, self.frame_ms)
             ip_lines.setdefault(d.src, []).extend(" ".join(c[1:]) for c in cmds)
+            d.frame_bytes = shaping.frame_bytes(d.spec.rate_mbps, self.frame_ms) if cmds else None
         try:
             for dc, lines in ip_lines.items():
                 if lines:
@@ -468,6 +475,8 @@ class WanNetwork:
             self.log(f"warning: this kernel cannot size a device's TCP frames (gso_max_size): {e}; "
                      "frames keep the kernel's own sizing (emulator.frame_ms 0)")
             self.frame_ms = 0.0
+            for d in self.directions.values():
+                d.frame_bytes = None
             if self.host_sysctls.pop("net.ipv4.tcp_tso_rtt_log", None) is not None:
                 for h in self.hosts.values():  # else every frame would grow to 64 KB
                     _exec(h, ["sysctl", "-q", "-w", f"net.ipv4.tcp_tso_rtt_log={KERNEL_TSO_RTT_LOG}"])
@@ -602,6 +611,7 @@ class WanNetwork:
                                        shaping.rate_change_commands(d.intf, rate_mbps, self.icmp_priority)])
         for cmd in shaping.frame_commands(d.intf, rate_mbps, self.frame_ms):
             _exec(self.hosts[src], cmd)
+            d.frame_bytes = shaping.frame_bytes(rate_mbps, self.frame_ms)
         d.spec = replace(d.spec, rate_mbps=rate_mbps)
         self._event("rate", src=src, dst=dst, rate_mbps=rate_mbps)
 

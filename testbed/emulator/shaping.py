@@ -30,7 +30,9 @@ whatever its rate: the emulation's cost (a relay or netem, and the receivers' st
 frame.  ``emulator.frame_ms`` sizes them by time instead: each direction's sender gets a
 ``gso_max_size`` of ``frame_ms`` of the link's rate (:func:`frame_commands`) and TCP fills
 frames up to it (``network``: ``tcp_tso_rtt_log``).  A choice of timing granularity against
-emulation cost: larger frames move fewer packets and arrive coarser.  Config validation,
+emulation cost: larger frames move fewer packets and arrive coarser.  Only where the sender's
+queue is a byte limit (``Method.sized_frames``): netem's limit counts packets, so a queue of
+larger frames would hold more bytes; a netem network keeps the kernel's sizing.  Config validation,
 the CLI's choices, ``doctor``, capability selection and :class:`.network.WanNetwork` all
 read :data:`METHODS`.
 """
@@ -57,16 +59,18 @@ class Method:
     relay: bool  # delay, jitter and loss come from the user-space relay
     selectable: bool  # a user may ask for it (else chosen per link)
     loss_takes_rate: bool  # a lost packet used the link's rate (dropped after HTB), else before
+    sized_frames: bool  # emulator.frame_ms applies: the sender queue's limit counts bytes, whatever the frames
     requires: tuple[str, ...]  # Capabilities fields that must all be true
     description: str  # for doctor
 
 
 METHODS: dict[str, Method] = {m.name: m for m in (
-    Method("netem", "htb+netem", "netem", False, True, False, ("root", "netns", "htb", "netem"),
+    Method("netem", "htb+netem", "netem", False, True, False, False, ("root", "netns", "htb", "netem"),
            "HTB rate + netem delay/jitter/loss (kernel)"),
-    Method("relay", "htb+user-space-relay", "bfifo", True, True, True, ("root", "netns", "htb", "gcc", "ethtool"),
+    Method("relay", "htb+user-space-relay", "bfifo", True, True, True, True,
+           ("root", "netns", "htb", "gcc", "ethtool"),
            "HTB rate + user-space delay relay for delay/jitter/loss (no netem in this kernel)"),
-    Method("htb", "htb", "bfifo", False, False, True, ("root", "netns", "htb"),
+    Method("htb", "htb", "bfifo", False, False, True, True, ("root", "netns", "htb"),
            "HTB rate alone (a link without delay, jitter or loss)"),
 )}
 CHOICES = ("auto", *(m.name for m in METHODS.values() if m.selectable))  # emulator.method values
