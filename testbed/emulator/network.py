@@ -137,7 +137,6 @@ def path_ip(m: int) -> str:
 PATH_RULE_PRIORITY = 100  # before the main table's rule (32766), after local delivery (0)
 PATH_TABLE_BASE = 1000  # table PATH_TABLE_BASE + j: a host's way over link j
 TSO_RTT_LOG_PATH = Path("/proc/sys/net/ipv4/tcp_tso_rtt_log")  # Linux >= 5.18
-KERNEL_TSO_RTT_LOG = 9  # its default
 
 
 @dataclass
@@ -416,6 +415,7 @@ class WanNetwork:
             self.log("TCP frames keep the kernel's sizing: netem's queue limit counts packets "
                      "(emulator.frame_ms applies to the relay's byte queues)")
             self.frame_ms = 0.0
+        self._size_frames()  # before the sysctls: TCP may fill frames up to the cap only once there is one
         # socket buffers: 4x the largest bandwidth x round-trip product, so one flow can fill any link
         bdp = max((d.spec.rate_mbps * 1e6 / 8 * (d.spec.delay_ms + self.topo.linkdir(d.dst, d.src).delay_ms
                                                   + 6 * d.spec.jitter_ms) / 1e3
@@ -455,7 +455,6 @@ class WanNetwork:
             tc_lines.setdefault(d.src, []).extend(" ".join(c[1:]) for c in cmds)
         for dc, lines in tc_lines.items():
             _batch(self.hosts[dc], "tc", lines)
-        self._size_frames()
         self._cap_gso()
 
     def _size_frames(self) -> None:
@@ -477,9 +476,6 @@ class WanNetwork:
             self.frame_ms = 0.0
             for d in self.directions.values():
                 d.frame_bytes = None
-            if self.host_sysctls.pop("net.ipv4.tcp_tso_rtt_log", None) is not None:
-                for h in self.hosts.values():  # else every frame would grow to 64 KB
-                    _exec(h, ["sysctl", "-q", "-w", f"net.ipv4.tcp_tso_rtt_log={KERNEL_TSO_RTT_LOG}"])
 
     def _cap_gso(self) -> None:
         """netem drops whole packets, and TCP hands the qdisc TSO frames of ~1 ms of its pacing
