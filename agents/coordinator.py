@@ -61,7 +61,7 @@ import threading
 import time
 import traceback
 from types import MappingProxyType
-from typing import Callable, Iterable, Mapping, NoReturn, Protocol
+from typing import Callable, Collection, Iterable, Mapping, NoReturn, Protocol
 
 import numpy as np
 
@@ -102,9 +102,16 @@ DONE_FIELDS = {"iteration": INT, "go_ns": INT, "compute_end_ns": INT, "comm_star
                "sends": list, "recvs": list}
 
 
-def check_done(msg: dict, transfers: dict[int, tuple[str, str]], node: str) -> str | None:
+def tcp_note(tcp: Mapping[str, list]) -> str:
+    """What TCP's loss recovery cost an iteration (its ``tcp`` record), for a progress line."""
+    segs, rtos, rto_s = (sum(v[j] for v in tcp.values()) for j in range(3))
+    return (f"; TCP retransmitted {segs} segments, {rtos} timeout{'s' * (rtos != 1)} ({rto_s:.2f} s in their "
+            "recovery)") if segs else ""
+
+
+def check_done(msg: dict, transfers: dict[int, tuple[str, str]], node: str, peers: Collection[str]) -> str | None:
     """Why a DONE message is malformed (missing or mistyped field, a timing row of a transfer
-    that is not this node's), or None."""
+    that is not this node's, a TCP row of a node not in the plan), or None."""
     for key, want in DONE_FIELDS.items():
         if key not in msg:
             return f"missing field {key!r}"
@@ -131,6 +138,10 @@ def check_done(msg: dict, transfers: dict[int, tuple[str, str]], node: str) -> s
                 and transfers.get(row[0], (None,))[0] == node and row[1][:1] == [node]
                 and row[1][-1:] == [transfers[row[0]][1]] and all(isinstance(n, str) for n in row[1])):
             return f"bad aux row {wire.sanitize(row, 80)} (expected [one of this node's transfers, its path])"
+    for row in msg.get("tcp", []) if isinstance(msg.get("tcp", []), list) else [None]:
+        if not (isinstance(row, list) and len(row) == 4 and isinstance(row[0], str) and row[0] in peers
+                and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in row[1:])):
+            return f"bad tcp row {wire.sanitize(row, 80)} (expected [a peer, three counts >= 0])"
     return None
 
 
@@ -625,7 +636,7 @@ class Coordinator:
                     f"{wire.sanitize(data.get('iteration'), 20)} (expected iteration {iteration})")
         if ev.node in got:
             return f"duplicate {kind.upper()}" + (f" for iteration {iteration}" if iteration is not None else "")
-        why = check_done(data, self._xfers, ev.node) if kind == Msg.DONE else None
+        why = check_done(data, self._xfers, ev.node, self.plan.nodes) if kind == Msg.DONE else None
         return f"malformed DONE for iteration {iteration}: {why}" if why else None
 
     def _wait_registered(self) -> None:
@@ -881,7 +892,7 @@ class Coordinator:
             self._iterations.append(result)
             self._rows.extend(self._transfer_rows(it, done))
             self.progress(f"iteration {it + 1}/{self.iterations}: cct {result['cct_s']:.4f} s, "
-                          f"{'correct' if result['correct'] else 'WRONG'}")
+                          f"{'correct' if result['correct'] else 'WRONG'}{tcp_note(result.get('tcp', {}))}")
         for n in nodes:
             self.send(n, message(Msg.FINISH))
         for n, bye in self.collect(Msg.BYE, nodes, self.silence_s + 2).items():
@@ -914,9 +925,13 @@ class Coordinator:
             errors.append(f"iteration {it}: receivers' results differ")
         starts = [done[n]["comm_start_ns"] for n in done]
         ends = [done[n]["comm_done_ns"] for n in done]
+        # what TCP's loss recovery cost each link direction (counted where every agent's kernel counts it)
+        tcp = {f"{n}->{peer}": [segs, rtos, ms / 1e3]
+               for n in sorted(done) for peer, segs, rtos, ms in done[n].get("tcp", ())}
         return {"iteration": it, "go_ns": go_ns, "cct_s": (max(ends) - min(starts)) / 1e9,
                 "iteration_s": (max(ends) - go_ns) / 1e9, "correct": correct,
-                "workers": {n: {k: done[n].get(k) for k in WORKER_KEYS} for n in self.plan.nodes}}
+                "workers": {n: {k: done[n].get(k) for k in WORKER_KEYS} for n in self.plan.nodes},
+                **({"tcp": tcp} if all("tcp" in d for d in done.values()) else {})}
 
     def _transfer_rows(self, it: int, done: dict) -> list[list]:
         elem = np.dtype(self.dtype).itemsize

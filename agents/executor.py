@@ -202,6 +202,24 @@ SIOCOUTQNSD = 0x894B  # Linux: bytes in a TCP socket's send queue not yet sent
 TCP_CLOSE = 7  # tcpi_state of a dead connection (reset, timed out)
 
 
+TCP_INFO_RETRANS = 100  # struct tcp_info: offset of tcpi_total_retrans (u32)
+TCP_INFO_RTO = 240  # ... of tcpi_total_rto (u16), tcpi_total_rto_recoveries (u16), tcpi_total_rto_time (u32, ms)
+
+
+def tcp_losses(sock: socket.socket) -> tuple[int, int, int] | None:
+    """What loss recovery cost ``sock``'s TCP connection so far: (segments retransmitted,
+    retransmission timeouts, ms spent recovering from them), from Linux's ``tcp_info``; None
+    if the kernel does not count timeouts (before Linux 6.7) or the socket has no connection."""
+    try:
+        info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, TCP_INFO_RTO + 8)
+    except (OSError, ValueError):
+        return None
+    if len(info) < TCP_INFO_RTO + 8:
+        return None
+    rtos, _, rto_ms = struct.unpack_from("HHI", info, TCP_INFO_RTO)
+    return struct.unpack_from("I", info, TCP_INFO_RETRANS)[0], rtos, rto_ms
+
+
 def unsent_bytes(sock: socket.socket) -> int:
     """Bytes written to ``sock`` that TCP has not sent yet and still will: 0 once the socket
     is closed here, and 0 once its connection is dead (reset, timed out) -- Linux keeps
@@ -532,6 +550,7 @@ class Executor:
         self._asked: set[tuple[int, int]] = set()  # (recv op, iteration) re-sends were asked for
         self._rx_at = time.monotonic()  # last time a data byte arrived
         self._dead: set[str] = set()  # next hops whose auxiliary connection broke
+        self._tcp_seen: dict[socket.socket, tuple[int, int, int]] = {}  # tcp_losses at the last iteration's end
 
     @property
     def closing(self) -> bool:
@@ -1209,7 +1228,8 @@ class Executor:
         self._events.put(("error", ExecError(reason)))
 
     def run(self, iteration: int) -> dict:
-        """Execute the program once; return timings.  Raises ExecError/ProtocolError."""
+        """Execute the program once; return timings and, where the kernel counts it, what TCP's
+        loss recovery cost this node's connections meanwhile (``tcp``).  Raises ExecError/ProtocolError."""
         started = time.monotonic()
         if iteration != self.iteration:
             raise ExecError(f"iteration {iteration} run out of order (expected {self.iteration})")
@@ -1242,9 +1262,32 @@ class Executor:
                 continue
             raise ev[1]
         self.iteration = iteration + 1
-        return {"comm_start_ns": comm_start, "comm_done_ns": time.time_ns(), "sends": log_["sends"],
+        done_ns, tcp = time.time_ns(), self._tcp_since_last()
+        return {"comm_start_ns": comm_start, "comm_done_ns": done_ns, "sends": log_["sends"],
                 "recvs": log_["recvs"], **({"aux": log_["aux"]} if log_["aux"] else {}),
-                **({"withdrawn": log_["withdrawn"]} if log_["withdrawn"] else {})}
+                **({"withdrawn": log_["withdrawn"]} if log_["withdrawn"] else {}),
+                **({"tcp": tcp} if tcp is not None else {})}
+
+    def _tcp_since_last(self) -> list[list] | None:
+        """Per peer, what loss recovery cost this node's connections to it since the last call
+        (:func:`tcp_losses`, summed over the connections): [[peer, segments retransmitted,
+        timeouts, ms in timeout recovery]] where any is non-zero; None if the kernel does not
+        count timeouts."""
+        with self._lock:
+            socks = {sock: peer for (peer, _), (sock, _) in self._senders.items()}
+        out: dict[str, list[int]] = defaultdict(lambda: [0, 0, 0])
+        counted = False
+        for sock, peer in socks.items():
+            now = tcp_losses(sock)
+            if now is None:
+                continue
+            counted = True
+            last = self._tcp_seen.get(sock, (0, 0, 0))
+            self._tcp_seen[sock] = now
+            for j in range(3):
+                out[peer][j] += now[j] - last[j]
+        return [[peer, *v] for peer, v in sorted(out.items()) if any(v)] if counted else None
+
     def _ask_missing(self, iteration: int) -> None:
         """Ask once per iteration for the re-send of every transfer not arrived (its senders
         re-send those they sent over auxiliary paths; the others are still coming directly)."""

@@ -71,7 +71,7 @@ class Kind(NamedTuple):
     meaning: str
 
 
-TIMING = ("comm_start_ns", "comm_done_ns", "sends", "recvs", "aux", "withdrawn")
+TIMING = ("comm_start_ns", "comm_done_ns", "sends", "recvs", "aux", "withdrawn", "tcp")
 CHECK = ("receiver", "correct", "max_abs_err", "digest")
 
 FIELDS: dict[Msg, Kind] = {

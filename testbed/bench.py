@@ -339,9 +339,10 @@ BENCH_ITERATIONS = 3
 # scale two shared cores sustain, with a size at which bandwidth, not its 0.1-0.8 s RTTs, dominates
 EFFICIENCY_CASES = (("netstorm-internet2-9", 1.0, "bbr", ("16MB", "64MB")), ("gscale-b4-12", 0.1, "cubic", ("128MB",)))
 EFFICIENCY_COLUMNS = ["topology", "size", "scheme", "cct_s", "bound_s", "predicted_s", "efficiency",
-                      "measured_over_predicted", "plan_factor", "execution_factor", "bottleneck", "bottleneck_busy",
-                      "mean_utilisation", "longest_idle_s", "startup_s", "tail_s", "bottleneck_busy_mbps",
-                      "bottleneck_tcp_mbps", "start_skew_s", "trees", "first_tree_done_share", "correct", "host_cpu"]
+                      "measured_over_predicted", "tcp_retrans_segs", "tcp_rtos", "plan_factor", "execution_factor",
+                      "bottleneck", "bottleneck_busy", "mean_utilisation", "longest_idle_s", "startup_s", "tail_s",
+                      "bottleneck_busy_mbps", "bottleneck_tcp_mbps", "start_skew_s", "trees", "first_tree_done_share",
+                      "correct", "host_cpu"]
 
 
 def bench_efficiency(out: Path, progress, sizes: tuple[str, ...] | None = None,
@@ -401,10 +402,12 @@ def _efficiency_rows(res: dict, graph, topo: str, size: str) -> list[dict]:
         run = next(r for r in res["runs"] if r["variant"] == v["label"])
         a = analyse_run(run, graph)
         bd = breakdown(sm["cct_s"]["mean"], sm["bound_s"], a)
-        hot = a.get("bottleneck") or {}
+        hot, tcp = a.get("bottleneck") or {}, run.get("tcp", {})
         rows.append({"topology": topo, "size": size, "scheme": v["label"], "cct_s": sm["cct_s"]["mean"],
                      "bound_s": sm["bound_s"], "predicted_s": sm["predicted_cct_s"],
                      "efficiency": sm["efficiency"], "measured_over_predicted": sm["prediction_ratio"],
+                     # loss recovery, which the cost model leaves out (None: the kernel does not count it)
+                     "tcp_retrans_segs": tcp.get("retrans_segs"), "tcp_rtos": tcp.get("rtos"),
                      "plan_factor": bd.get("plan_factor"), "execution_factor": bd.get("execution_factor"),
                      "bottleneck": hot.get("link"), "bottleneck_busy": hot.get("busy_share"),
                      "mean_utilisation": a.get("mean_utilisation"), "longest_idle_s": hot.get("longest_idle_s"),

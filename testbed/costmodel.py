@@ -11,7 +11,11 @@ Two models:
   contention, for comparison.
 
 Both ignore reduction compute time (adding two vectors is assumed free) and treat a
-send as complete when its last byte leaves the sender.
+send as complete when its last byte leaves the sender.  Neither models loss: on a lossy
+link TCP's recovery (a round trip or more per lost segment, longer after a retransmission
+timeout) delays the chunks behind a lost segment, and a stall upstream leaves a bottleneck
+downstream idle; a run records what the recovery cost (``runs[].tcp``), the prediction
+leaves it out.
 """
 
 from __future__ import annotations

@@ -554,6 +554,9 @@ RESULTS_FIELDS: list[tuple[str, str, str]] = [
     ("runs[].iterations[].workers", "", "per datacenter, the columns of the worker table below"),
     ("runs[].iterations[].workers.{dc}", "", ""),
     ("runs[].iterations[].workers.{dc}.*", "", ""),
+    ("runs[].iterations[].tcp", "", "per link direction `src->dst` whose connections retransmitted: `[segments, "
+                                    "timeouts, s in timeout recovery]` (Linux >= 6.7 on every agent)"),
+    ("runs[].iterations[].tcp.*", "", ""),
     ("runs[].transfers", "", "every transfer of every iteration: `{columns, rows}` (the transfer table below)"),
     ("runs[].transfers.columns", "", "column names"),
     ("runs[].transfers.rows", "", "one list per transfer"),
@@ -565,6 +568,13 @@ RESULTS_FIELDS: list[tuple[str, str, str]] = [
     ("runs[].links[].transfers", "", "transfers over it"),
     ("runs[].links[].span_s", "s", "first send to last byte received"),
     ("runs[].links[].goodput_mbps", "Mbit/s", "payload rate over the span"),
+    ("runs[].links[].retrans_segs", "", "TCP segments the sender's connections to the receiver retransmitted, "
+                                        "every iteration (Linux >= 6.7 on every agent)"),
+    ("runs[].links[].rtos", "", "their retransmission timeouts"),
+    ("runs[].links[].rto_s", "s", "time those connections spent recovering from the timeouts"),
+    ("runs[].tcp", "", "`{retrans_segs, rtos, rto_s}` over the measured iterations and every connection: what "
+                       "TCP's loss recovery cost the run (Linux >= 6.7 on every agent)"),
+    ("runs[].tcp.*", "", ""),
     ("runs[].versions", "", "plan versions the run used (adaptive schemes: one per switch)"),
     ("runs[].versions[].*", "", ""),
     ("runs[].switches", "", "plan switches: when, which version, predicted gain"),
@@ -637,6 +647,8 @@ COLUMN_DOCS: dict[str, dict[str, str]] = {
         "experiment": "experiment name", "variant": "variant label", "repetition": "repetition",
         "src": "sender", "dst": "receiver", "bytes": "payload bytes", "transfers": "transfers",
         "span_s": "first send to last byte (s)", "goodput_mbps": "payload rate over the span (Mbit/s)",
+        "retrans_segs": "TCP segments retransmitted", "rtos": "TCP retransmission timeouts",
+        "rto_s": "s in timeout recovery",
     },
 }
 

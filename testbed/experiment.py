@@ -289,12 +289,13 @@ def _summarise_run(rep: int, label: str, result: dict, warmup: int = 0) -> dict:
             "warmup_cct_s": [it["cct_s"] for it in its if it["warmup"]],  # cold: TCP start on fresh connections
             "iterations": its, "correct": all(it["correct"] for it in its) and not incorrect,
             "incorrect": incorrect, "errors": result.get("errors", []), "transfers": result.get("transfers"),
-            "links": _per_link(result.get("transfers")),
+            "links": _per_link(result.get("transfers"), its), **_tcp_summary(its),
             **({"clock_offsets": result["clock_offsets"]} if "clock_offsets" in result else {})}
 
 
-def _per_link(transfers: dict | None) -> list[dict]:
-    """Bytes and busy time per (src, dst) pair from the per-chunk transfer records."""
+def _per_link(transfers: dict | None, iterations: list[dict]) -> list[dict]:
+    """Bytes and busy time per (src, dst) pair from the per-chunk transfer records; with the
+    agents' TCP counters, what loss recovery cost the connections from src to dst."""
     agg: dict[tuple, list] = {}
     for row in transfer_rows(transfers):
         start, end = row.send_start_ns, row.recv_end_ns
@@ -302,9 +303,27 @@ def _per_link(transfers: dict | None) -> list[dict]:
         a[0] += row.bytes
         a[1], a[2], a[3] = min(a[1], start), max(a[2], end), a[3] + 1
         a[4] += row.bytes if row.route else 0
+    counted = bool(iterations) and all("tcp" in it for it in iterations)
+    tcp: dict[str, list] = {}
+    for it in iterations if counted else ():
+        for link, v in it["tcp"].items():
+            tcp[link] = [x + y for x, y in zip(tcp.get(link, (0, 0, 0.0)), v)]
     return [{"src": s, "dst": d, "bytes": b, "aux_bytes": x, "transfers": n, "span_s": (e - t) / 1e9,
-             "goodput_mbps": b * 8 / max(e - t, 1) * 1e3}
+             "goodput_mbps": b * 8 / max(e - t, 1) * 1e3,
+             **(dict(zip(TCP_FIELDS, tcp.get(f"{s}->{d}", (0, 0, 0.0)))) if counted else {})}
             for (s, d), (b, t, e, n, x) in sorted(agg.items())]
+
+
+TCP_FIELDS = ("retrans_segs", "rtos", "rto_s")  # what TCP's loss recovery cost (agents.executor.tcp_losses)
+
+
+def _tcp_summary(iterations: list[dict]) -> dict:
+    """``{"tcp": {retrans_segs, rtos, rto_s}}`` summed over the measured iterations and every
+    connection, where every agent's kernel counts them; else nothing."""
+    measured = [it for it in iterations if not it["warmup"]]
+    if not measured or not all("tcp" in it for it in measured):
+        return {}
+    return {"tcp": {f: sum(v[j] for it in measured for v in it["tcp"].values()) for j, f in enumerate(TCP_FIELDS)}}
 
 
 def _summary(runs: list[dict], prediction: dict, bound: dict | None) -> dict:

@@ -76,12 +76,14 @@ def variant_rows(results: dict) -> list[dict]:
     return rows
 
 
-LINK_COLUMNS = ["experiment", "variant", "repetition", "src", "dst", "bytes", "transfers", "span_s", "goodput_mbps"]
+LINK_COLUMNS = ["experiment", "variant", "repetition", "src", "dst", "bytes", "transfers", "span_s", "goodput_mbps",
+                "retrans_segs", "rtos", "rto_s"]
 
 
 def link_rows(results: dict) -> list[dict]:
     return [{"experiment": results["experiment"]["name"], "variant": r["variant"], "repetition": r["repetition"],
-             **{k: lk[k] for k in LINK_COLUMNS[3:]}} for r in results.get("runs", []) for lk in r.get("links", [])]
+             **{k: lk.get(k, "") for k in LINK_COLUMNS[3:]}}
+            for r in results.get("runs", []) for lk in r.get("links", [])]
 
 
 def write_csv(path: Path, rows: list[dict], columns: list[str]) -> None:
@@ -453,6 +455,11 @@ def _run_section(entry: dict, out: Path, n: int, table: bool = True) -> tuple[st
     if cold:
         parts.append("<h3>Cold (warm-up) iterations, left out of the CCT</h3>" +
                      _table(cold, ["variant", "repetition", "warmup_cct_s"]))
+    lossy = [{"variant": r["variant"], "repetition": r["repetition"], **r["tcp"]} for r in res.get("runs", [])
+             if r.get("tcp", {}).get("retrans_segs")]
+    if lossy:
+        parts.append("<h3>TCP's loss recovery in the measured iterations (not in the cost model)</h3>" +
+                     _table(lossy, ["variant", "repetition", "retrans_segs", "rtos", "rto_s"]))
     if figs["rounds"]:  # a groups run has no iterations (no timeline of one)
         parts.append(_img(figs["rounds"], "Rounds per worker in the window T"))
         faults = _group_faults(res)

@@ -88,12 +88,16 @@ def test_done_checks_every_field():
     done = {"iteration": 0, "go_ns": 1, "compute_end_ns": 2, "comm_start_ns": 3, "comm_done_ns": 4,
             "receiver": True, "correct": True, "max_abs_err": 0.0, "digest": "00", "sends": [],
             "recvs": [[1, 0, 0, 0, 0]]}
-    assert check_done(done, xfers, "b") is None
+    nodes = ("a", "b")
+    assert check_done(done, xfers, "b", nodes) is None
     for key in done:
-        assert "missing field" in check_done({k: v for k, v in done.items() if k != key}, xfers, "b")
+        assert "missing field" in check_done({k: v for k, v in done.items() if k != key}, xfers, "b", nodes)
         if key not in ("digest",):
-            assert check_done({**done, key: "x"}, xfers, "b"), key
-    assert "not one of this node's" in check_done(done, xfers, "a")
+            assert check_done({**done, key: "x"}, xfers, "b", nodes), key
+    assert "not one of this node's" in check_done(done, xfers, "a", nodes)
+    assert check_done({**done, "tcp": [["a", 3, 1, 250]]}, xfers, "b", nodes) is None
+    for bad in ("x", [["z", 1, 0, 0]], [["a", -1, 0, 0]], [["a", 1, 0]], [["a", 1.5, 0, 0]], [["a", True, 0, 0]]):
+        assert "bad tcp row" in check_done({**done, "tcp": bad}, xfers, "b", nodes), bad
 
 
 # -- a fake agent that knows the secret ------------------------------------------------

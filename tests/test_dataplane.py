@@ -4,14 +4,19 @@ in three processes)."""
 
 from __future__ import annotations
 
+import json
+import os
+import shutil
 import socket
+import subprocess
+import sys
 import threading
 
 import numpy as np
 import pytest
 
 from agents import wire
-from agents.executor import Executor
+from agents.executor import Executor, tcp_losses
 from agents.inputs import make_input
 from testbed.dataplane import loopback_chain
 from testbed.plan import RECV, SEND, Op, interpret
@@ -208,3 +213,41 @@ def test_a_payload_read_under_a_low_water_mark_waits_for_it_and_never_holds_its_
         reader.join(5)
         a.close()
         b.close()
+
+
+def test_tcp_losses_counts_a_connections_retransmissions_and_timeouts():
+    """Segments dropped for a second (an iptables rule, in a network namespace of its own) go
+    again on retransmission timeouts: tcp_losses counts the retransmissions, the timeouts and
+    the time spent recovering from them; a Unix socket has no such counters."""
+    if tcp_losses(socket.socket()) is None:
+        pytest.skip("this kernel's tcp_info does not count timeouts (Linux < 6.7)")
+    if os.geteuid() != 0 or not shutil.which("iptables") or not shutil.which("unshare"):
+        pytest.skip("needs root, iptables and unshare")
+    script = """if True:
+        import json, socket, subprocess, time
+        from agents.executor import tcp_losses
+        subprocess.run(["ip", "link", "set", "lo", "up"], check=True)
+        srv = socket.socket(); srv.bind(("127.0.0.1", 5555)); srv.listen()
+        c = socket.create_connection(("127.0.0.1", 5555)); a, _ = srv.accept()
+        before = tcp_losses(c)
+        rule = ["INPUT", "-p", "tcp", "--dport", "5555", "-j", "DROP"]
+        subprocess.run(["iptables", "-A", *rule], check=True)
+        c.sendall(b"x" * 1000)
+        time.sleep(1.0)
+        subprocess.run(["iptables", "-D", *rule], check=True)
+        a.settimeout(10); got = 0
+        while got < 1000:
+            got += len(a.recv(4096))
+        time.sleep(0.1)
+        print(json.dumps([before, tcp_losses(c)]))
+    """
+    res = subprocess.run(["unshare", "-n", sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=30, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert res.returncode == 0, res.stderr[-2000:]
+    before, after = json.loads(res.stdout)
+    assert before == [0, 0, 0]
+    retrans, rtos, rto_ms = after
+    assert rtos >= 2 and retrans >= rtos and rto_ms >= 500  # timeouts at ~0.2 and ~0.6 s, recovered after 1 s
+    a, b = socket.socketpair()
+    assert tcp_losses(a) is None
+    a.close(), b.close()

@@ -196,6 +196,7 @@ def test_bench_efficiency_end_to_end_small(netenv, tmp_path):
         assert 0 < row["efficiency"] < 1 and row["predicted_s"] > 0
         assert row["plan_factor"] * row["execution_factor"] == pytest.approx(row["efficiency"], rel=1e-6)
         assert 0 < row["bottleneck_busy"] <= 1.0 + 1e-9
+        assert row["tcp_rtos"] is None or row["tcp_retrans_segs"] >= row["tcp_rtos"] >= 0
     assert rows["mst"]["trees"] == 1 and rows["mst"]["first_tree_done_share"] == pytest.approx(1.0, abs=0.05)
     assert (tmp_path / "efficiency.csv").read_text().count("\n") == 3
     assert (tmp_path / "efficiency-netstorm-internet2-9.png").stat().st_size > 10_000

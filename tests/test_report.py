@@ -162,6 +162,8 @@ def test_report_of_a_groups_run_shows_rounds_per_worker(tmp_path):
                   "failover": False}] if rep else []},
              "correct": True, "incorrect": [], "errors": [], "transfers": None, "links": []}
             for lbl, base in (("crew", 12), ("alltoall", 5)) for rep in (0, 1)]
+    runs[1]["tcp"] = {"retrans_segs": 7, "rtos": 1, "rto_s": 0.25}  # a run that lost segments
+    runs[2]["tcp"] = {"retrans_segs": 0, "rtos": 0, "rto_s": 0.0}
     res = {"experiment": {"name": "g", "topology": {"name": "m4"}, "workload": {"bytes": 8},
                           "scheme": {"name": "crew", "groups": {"p": 2, "window_s": 10}}},
            "runs": runs, "events": [], "summary": {"correct": True},
@@ -175,6 +177,8 @@ def test_report_of_a_groups_run_shows_rounds_per_worker(tmp_path):
     assert "groups of p = 2 from the ready queue in a window T = 10 s" in html
     assert "link n0-n1 broken" in html and "7 repaired to" in html and "<td>2</td>" in html
     assert "reported by n2, back before the controller acted" in html
+    lossy = html.split("TCP's loss recovery")[1].split("</table>")[0]  # the runs with retransmissions only
+    assert "<td>crew</td><td>1</td><td>7</td><td>1</td><td>0.25</td>" in lossy and "alltoall" not in lossy
     rows = list(csv.DictReader(open(tmp_path / "variants.csv")))
     assert [float(r["rounds_total_mean"]) for r in rows] == [48.0, 20.0]
     check_page(page, ["rounds-0.png", "cct.png"])

@@ -2,6 +2,7 @@
 
 import json
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -9,10 +10,12 @@ from pathlib import Path
 
 import pytest
 
+from agents.executor import tcp_losses
 from testbed.emulator import memory
 from testbed.emulator.cleanup import leftovers
 from testbed.emulator.hosts import EmulatedHosts
 from testbed.emulator.network import WanNetwork
+from testbed.experiment import TCP_FIELDS, _per_link, _tcp_summary
 from testbed.hosts import run_agents
 from testbed.planners import make_plan
 from testbed.topology import load_topology
@@ -43,6 +46,9 @@ def test_quickstart_smoke(netenv, tmp_path):
     for busy in [out["emulation"]["iterations_cpu_util"]] + [r["iterations_cpu_util"] for r in out["runs"]]:
         assert busy is None or 0 <= busy <= 1  # None: no 0.25-s sample fell inside an iteration
     assert out["runs"][0]["transfers"]["rows"]
+    if tcp_losses(socket.socket()) is not None:  # what loss recovery cost, counted on a WAN without loss too
+        assert all(set(r["tcp"]) == set(TCP_FIELDS) for r in out["runs"])
+        assert all(set(TCP_FIELDS) <= set(lk) for r in out["runs"] for lk in r["links"])
 
 
 def test_multitree_on_mesh(netenv, tmp_path):
@@ -132,3 +138,30 @@ def test_crashed_datacenter_fails_the_run_naming_it(netenv, tmp_path):
     assert res.returncode == 1, res.stderr[-2000:]
     last = res.stderr.strip().splitlines()[-1]
     assert last.startswith("error:") and "h2" in last, last
+
+
+def test_every_iteration_counts_what_tcps_loss_recovery_cost(netenv, tmp_path):
+    """On a lossy link the agents' connections retransmit; every iteration records, per link
+    direction, the segments retransmitted, the timeouts and the time in their recovery, and
+    the run sums them (Linux >= 6.7)."""
+    if tcp_losses(socket.socket()) is None:
+        pytest.skip("this kernel's tcp_info does not count timeouts (Linux < 6.7)")
+    topo = load_topology({"name": "lossy", "datacenters": ["a", "b"],
+                          "links": [{"between": ["a", "b"], "rate_mbps": 50, "delay_ms": 5, "loss": 0.02}]})
+    with WanNetwork(topo) as net:
+        res = run_agents(EmulatedHosts(net), make_plan("ring", topo.graph(), 1_000_000), tmp_path, timeout_s=60,
+                         iterations=2)
+    its = res["iterations"]
+    assert all(it["correct"] for it in its)
+    assert all(set(it["tcp"]) <= {"a->b", "b->a"} for it in its)
+    # 2 % of ~2,800 segments a direction per iteration: none lost has a chance of e^-55
+    assert all(sum(v[0] for v in it["tcp"].values()) > 0 for it in its)
+    for it in its:
+        it["warmup"] = False
+        for segs, rtos, rto_s in it["tcp"].values():
+            assert segs >= rtos >= 0 and rto_s >= 0
+    links = _per_link(res["transfers"], its)
+    assert {(l["src"], l["dst"]) for l in links} == {("a", "b"), ("b", "a")}
+    total = _tcp_summary(its)["tcp"]
+    assert total["retrans_segs"] == sum(l["retrans_segs"] for l in links) > 0
+    assert [total[f] for f in TCP_FIELDS[:2]] == [sum(l[f] for l in links) for f in TCP_FIELDS[:2]]
