@@ -250,4 +250,5 @@ def test_tcp_losses_counts_a_connections_retransmissions_and_timeouts():
     assert rtos >= 2 and retrans >= rtos and rto_ms >= 500  # timeouts at ~0.2 and ~0.6 s, recovered after 1 s
     a, b = socket.socketpair()
     assert tcp_losses(a) is None
-    a.close(), b.close()
+    a.close()
+    b.close()
