@@ -68,6 +68,7 @@ import numpy as np
 from testbed.clock import estimate as clock_estimate
 from testbed.errors import ConfigError, RunError, TestbedError
 from testbed.plan import Plan
+from testbed.results import tcp_total
 
 from . import wire
 from .agent import Job
@@ -104,7 +105,7 @@ DONE_FIELDS = {"iteration": INT, "go_ns": INT, "compute_end_ns": INT, "comm_star
 
 def tcp_note(tcp: Mapping[str, list]) -> str:
     """What TCP's loss recovery cost an iteration (its ``tcp`` record), for a progress line."""
-    segs, rtos, rto_s = (sum(v[j] for v in tcp.values()) for j in range(3))
+    segs, rtos, rto_s = tcp_total(tcp.values()).values()
     return (f"; TCP retransmitted {segs} segments, {rtos} timeout{'s' * (rtos != 1)} ({rto_s:.2f} s in their "
             "recovery)") if segs else ""
 

@@ -18,7 +18,7 @@ from testbed.config import Experiment, Variant, planner_params
 from testbed.errors import TestbedError
 from testbed.hosts import Hosts, run_agents
 from testbed.plan import Plan
-from testbed.results import CpuMeter, PauseMeter, comm_windows, emulation_health, environment, stats
+from testbed.results import CpuMeter, PauseMeter, comm_windows, emulation_health, environment, stats, tcp_total
 from testbed.workloads import compute_times
 
 
@@ -304,17 +304,10 @@ def _per_link(transfers: dict | None, iterations: list[dict]) -> list[dict]:
         a[1], a[2], a[3] = min(a[1], start), max(a[2], end), a[3] + 1
         a[4] += row.bytes if row.route else 0
     counted = bool(iterations) and all("tcp" in it for it in iterations)
-    tcp: dict[str, list] = {}
-    for it in iterations if counted else ():
-        for link, v in it["tcp"].items():
-            tcp[link] = [x + y for x, y in zip(tcp.get(link, (0, 0, 0.0)), v)]
     return [{"src": s, "dst": d, "bytes": b, "aux_bytes": x, "transfers": n, "span_s": (e - t) / 1e9,
              "goodput_mbps": b * 8 / max(e - t, 1) * 1e3,
-             **(dict(zip(TCP_FIELDS, tcp.get(f"{s}->{d}", (0, 0, 0.0)))) if counted else {})}
+             **(tcp_total(it["tcp"][f"{s}->{d}"] for it in iterations if f"{s}->{d}" in it["tcp"]) if counted else {})}
             for (s, d), (b, t, e, n, x) in sorted(agg.items())]
-
-
-TCP_FIELDS = ("retrans_segs", "rtos", "rto_s")  # what TCP's loss recovery cost (agents.executor.tcp_losses)
 
 
 def _tcp_summary(iterations: list[dict]) -> dict:
@@ -323,7 +316,7 @@ def _tcp_summary(iterations: list[dict]) -> dict:
     measured = [it for it in iterations if not it["warmup"]]
     if not measured or not all("tcp" in it for it in measured):
         return {}
-    return {"tcp": {f: sum(v[j] for it in measured for v in it["tcp"].values()) for j, f in enumerate(TCP_FIELDS)}}
+    return {"tcp": tcp_total(v for it in measured for v in it["tcp"].values())}
 
 
 def _summary(runs: list[dict], prediction: dict, bound: dict | None) -> dict:

@@ -31,6 +31,8 @@ from pathlib import Path
 
 import networkx as nx
 
+from testbed.results import TCP_FIELDS
+
 FIG_W_IN, DPI = 10.0, 100  # every figure is 1000 px wide
 MAX_LINK_PANELS = 24
 
@@ -77,7 +79,7 @@ def variant_rows(results: dict) -> list[dict]:
 
 
 LINK_COLUMNS = ["experiment", "variant", "repetition", "src", "dst", "bytes", "transfers", "span_s", "goodput_mbps",
-                "retrans_segs", "rtos", "rto_s"]
+                *TCP_FIELDS]
 
 
 def link_rows(results: dict) -> list[dict]:
@@ -459,7 +461,7 @@ def _run_section(entry: dict, out: Path, n: int, table: bool = True) -> tuple[st
              if r.get("tcp", {}).get("retrans_segs")]
     if lossy:
         parts.append("<h3>TCP's loss recovery in the measured iterations (not in the cost model)</h3>" +
-                     _table(lossy, ["variant", "repetition", "retrans_segs", "rtos", "rto_s"]))
+                     _table(lossy, ["variant", "repetition", *TCP_FIELDS]))
     if figs["rounds"]:  # a groups run has no iterations (no timeline of one)
         parts.append(_img(figs["rounds"], "Rounds per worker in the window T"))
         faults = _group_faults(res)

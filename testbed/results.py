@@ -138,6 +138,15 @@ def stats(values: list[float]) -> dict:
             "stdev": statistics.stdev(values) if len(values) > 1 else 0.0, "n": len(values)}
 
 
+TCP_FIELDS = ("retrans_segs", "rtos", "rto_s")  # what TCP's loss recovery cost (agents.executor.tcp_losses)
+
+
+def tcp_total(records) -> dict:
+    """``[segments retransmitted, timeouts, s in their recovery]`` records (an iteration's
+    ``tcp`` values) summed, keyed by :data:`TCP_FIELDS`."""
+    return dict(zip(TCP_FIELDS, (sum(column) for column in zip((0, 0, 0.0), *records))))
+
+
 # Above this share of CPU time taken by the hypervisor (steal, on a VM), timings are not
 # trustworthy: the relay, TCP and agents all stall while the host runs someone else.
 STEAL_MAX = 0.03

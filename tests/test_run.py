@@ -15,9 +15,10 @@ from testbed.emulator import memory
 from testbed.emulator.cleanup import leftovers
 from testbed.emulator.hosts import EmulatedHosts
 from testbed.emulator.network import WanNetwork
-from testbed.experiment import TCP_FIELDS, _per_link, _tcp_summary
+from testbed.experiment import _per_link, _tcp_summary
 from testbed.hosts import run_agents
 from testbed.planners import make_plan
+from testbed.results import TCP_FIELDS
 from testbed.topology import load_topology
 
 pytestmark = pytest.mark.net
