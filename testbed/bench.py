@@ -330,7 +330,9 @@ def bench_emulator(out: Path, progress, topology: str = "netstorm-internet2-9", 
     return result
 
 
-TREE_SCHEMES = ("mtree", "forest", "blink", "multitree", "netstorm", "mst")
+# The benches' default schemes: the tree schemes, then the bound's own packing run as a plan, whose
+# row is what pipeline fill, TCP and the executor leave of the bound with no loss to the plan's rate
+BENCH_SCHEMES = ("mtree", "forest", "blink", "multitree", "netstorm", "mst", "packing")
 # Measured iterations per scheme in bench efficiency and peers (after one warm-up): their mean is
 # the CCT, so one slow iteration does not decide a row alone.
 BENCH_ITERATIONS = 3
@@ -346,13 +348,13 @@ EFFICIENCY_COLUMNS = ["topology", "size", "scheme", "cct_s", "bound_s", "predict
 
 
 def bench_efficiency(out: Path, progress, sizes: tuple[str, ...] | None = None,
-                     schemes: tuple[str, ...] = TREE_SCHEMES, topologies: tuple[str, ...] | None = None) -> dict:
-    """Every tree scheme against the bound and its prediction, with where the time goes
-    (:mod:`testbed.efficiency`): one experiment per topology and size (nominal, before the
-    scale; every scheme a variant on one network, 1 warm-up + :data:`BENCH_ITERATIONS` measured
-    iterations, their mean the CCT; the link columns from the last), one row per scheme,
-    ``efficiency.csv`` and one figure per topology.  ``sizes`` (default: each
-    topology's own, :data:`EFFICIENCY_CASES`) applies to every topology."""
+                     schemes: tuple[str, ...] = BENCH_SCHEMES, topologies: tuple[str, ...] | None = None) -> dict:
+    """Every tree scheme and the bound's packing against the bound and its prediction, with
+    where the time goes (:mod:`testbed.efficiency`): one experiment per topology and size
+    (nominal, before the scale; every scheme a variant on one network, 1 warm-up +
+    :data:`BENCH_ITERATIONS` measured iterations, their mean the CCT; the link columns from the
+    last), one row per scheme, ``efficiency.csv`` and one figure per topology.  ``sizes``
+    (default: each topology's own, :data:`EFFICIENCY_CASES`) applies to every topology."""
     from testbed.experiment import run_experiment
     from testbed.report import write_csv
     from testbed.results import write_json_atomic
@@ -465,7 +467,7 @@ def efficiency_figure(rows: list[dict], path: Path) -> Path:
     return path
 
 
-PEER_SCHEMES = ("ring",) + TREE_SCHEMES
+PEER_SCHEMES = ("ring",) + BENCH_SCHEMES
 GLOO_SCRIPT = Path(__file__).resolve().parent.parent / "examples" / "gloo_allreduce.py"
 
 
@@ -474,7 +476,8 @@ def torch_missing() -> str | None:
     try:
         import torch.distributed as dist
     except Exception as e:  # not a dependency: any import failure means "not available"
-        return f"torch is not importable ({type(e).__name__}: {e}); install it (pip install torch) to compare"
+        return (f"torch is not importable ({type(e).__name__}: {e}); install a CPU build "
+                "(pip install torch --index-url https://download.pytorch.org/whl/cpu) to compare")
     if not dist.is_available() or not dist.is_gloo_available():
         return "torch is installed without torch.distributed's gloo backend"
     return None

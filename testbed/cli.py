@@ -722,7 +722,7 @@ def _verb_bench(sub) -> None:
     b.add_argument("--rates", help="dataplane: comma-separated rates in Mbit/s of the emulated link (default 100)")
     b.add_argument("--delay-ms", type=float, help="dataplane: the emulated link's one-way delay (default 30; 0: the "
                                                   "link is shaped by HTB alone, with no delay relay)")
-    b.add_argument("--schemes", help="efficiency, peers: comma-separated schemes (default: the tree schemes)")
+    b.add_argument("--schemes", help="efficiency, peers: comma-separated schemes (default: the tree schemes and packing, the bound's own)")
     b.add_argument("--topologies", help="efficiency, peers: comma-separated topologies among the benchmarked ones")
     b.add_argument("--out", help="output folder")
     b.set_defaults(func=cmd_bench)
