@@ -12,11 +12,11 @@ from pathlib import Path
 import networkx as nx
 import pytest
 
-from testbed.bench import BENCH_ITERATIONS
+from testbed.bench import BENCH_ITERATIONS, PEER_SCHEMES
 from testbed.costmodel import TCP_LINK_SHARE, TCP_PACED_SHARE, predict
 from testbed.efficiency import analyse_run, breakdown
 from testbed.plan import Plan, ProgramBuilder, Tree, contended_pacing, trees_plan
-from testbed.planners import make_plan
+from testbed.planners import make_plan, schemes
 from testbed.topology import load_topology
 
 REPO = Path(__file__).resolve().parent.parent
@@ -166,6 +166,11 @@ def test_bench_options_rejected_with_one_line(args, culprit, tmp_path):
     lines = [l for l in r.stderr.splitlines() if l.strip()]
     assert len(lines) == 1 and culprit in lines[0]
     assert not (tmp_path / "o").exists()
+
+
+def test_bench_default_schemes_are_known_and_end_with_the_bounds_packing():
+    # a misspelt default would fail only after the emulated WAN is up
+    assert set(PEER_SCHEMES) <= set(schemes()) and PEER_SCHEMES[0] == "ring" and PEER_SCHEMES[-1] == "packing"
 
 
 def test_bench_peers_without_torch_says_so(tmp_path):
