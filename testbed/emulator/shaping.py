@@ -20,7 +20,10 @@ qdisc that depends on the method:
   per link in relay mode, never asked for.
 
 Either way the queue a TCP sender fills is the HTB leaf at its own host, as it would be
-at a WAN router's egress, and its size is the link's ``queue_pkts``.
+at a WAN router's egress, and its size is the link's ``queue_pkts``.  Unlike a router's, it
+counts against the sender's TCP small-queue budget, which netem (``skb_orphan_partial``)
+releases and HTB's ``bfifo`` does not: through the relay, a frame waiting in it can hold back
+a lost segment's retransmission until the retransmission timer (docs/guides/link-fidelity.md).
 
 Frames: TCP hands the qdisc segment trains (TSO/GSO frames) that leave HTB whole and are
 delayed whole, so a frame's bytes arrive together, its last ones up to the frame's time on
